@@ -1,0 +1,61 @@
+# cython: language_level=3
+# distutils: language = c++
+"""Layout of fasttape's framework-agnostic tape (see _core.pyx for the prose).
+
+Terms, as in TensorFlow's tape.h:
+  tensor  an opaque value the framework identifies by a unique int64 id.
+  op      one recorded operation: input ids -> output ids, plus the payload
+          the VSpace needs to run its backward function.
+  target  a tensor we differentiate; source: a tensor we differentiate by.
+C++ containers hold integers only; Python objects live in Python containers.
+"""
+
+from libc.stdint cimport int64_t
+from libcpp.vector cimport vector
+from libcpp.unordered_map cimport unordered_map
+
+
+cdef class VSpace:
+    cdef public dict none_ok_indices   # op_type -> frozenset of output indices whose grad may be None
+
+
+cdef class OpEntry:
+    cdef readonly object op_type        # the framework's op name (str)
+    cdef vector[int64_t] input_ids      # ids of the op's inputs, in order
+    cdef vector[int64_t] output_ids     # ids of the op's outputs, in order
+    cdef readonly tuple output_meta     # per output: what ones_like/zeros_like need
+    cdef public object payload          # opaque backward payload; dropped once used (non-persistent)
+
+
+cdef class GradientTapeCore:
+    cdef readonly bint persistent       # keep payloads after compute_gradient
+    cdef unordered_map[int64_t, int64_t] tensor_tape  # tensor id -> producing op id (-1: watched)
+    cdef unordered_map[int64_t, int64_t] tensor_usage # tensor id -> live uses (delete_trace)
+    cdef list op_tape                   # op id -> OpEntry, or None once released
+    cdef int64_t next_op_id             # dense op ids: the next op's id
+    cdef int64_t live_ops               # entries of op_tape that are not None
+    cdef readonly bint consumed         # a non-persistent tape that has computed once
+
+    cpdef watch(self, int64_t tensor_id)
+    cpdef bint is_watched(self, int64_t tensor_id)
+    cpdef bint should_record(self, input_ids, trainable=*)
+    cpdef int64_t record_operation(self, op_type, input_ids, output_ids,
+                                   tuple output_meta, payload, trainable=*) except -2
+    cpdef delete_trace(self, int64_t tensor_id)
+    cdef list _compute(self, VSpace vspace, vector[int64_t]& targets,
+                       vector[int64_t]& sources, dict sources_that_are_targets,
+                       output_gradients, bint build_default_zeros)
+
+
+cdef class ForwardAccumulatorCore:
+    cdef readonly VSpace vspace         # makes zeros/ones, runs rules and backward functions
+    cdef readonly bint use_batch        # tangents carry a leading batch dimension
+    cdef dict accumulated               # tensor id -> tangent
+    cdef list call_state                # stack of [backward_tape or None, accumulating]
+
+    cpdef bint busy_accumulating(self)
+    cpdef bint should_record(self, input_ids, trainable=*)
+    cdef list _forward_from_backward(self, op_type, payload, tuple output_meta,
+                                     list in_tangents)
+    cdef list _transpose(self, op_type, payload, tuple output_meta,
+                         list in_tangents)

@@ -1,0 +1,784 @@
+# cython: language_level=3
+# distutils: language = c++
+"""fasttape's tape core: reverse-mode tape, backprop loop, forward accumulator.
+
+Scope: the bookkeeping of TensorFlow's ``tensorflow/c/eager/tape.h`` in
+Cython, framework-agnostic. This module never imports a framework; every
+tensor is an opaque Python object reached through a ``VSpace``, and every
+tensor is named by an int64 id the caller supplies.
+
+Terms (as in tape.h):
+  tensor  a value named by a unique, never reused int64 id.
+  op      one recorded operation: input ids -> output ids, plus an opaque
+          backward payload the VSpace knows how to differentiate.
+  target  a tensor being differentiated; source: one we differentiate by.
+  watched a tensor the tape tracks although no recorded op produced it
+          (its producer id is -1).
+
+Only integers live in C++ containers; Python objects (op entries, gradients)
+live in Python lists and dicts. Nothing here recurses, so tapes of millions
+of ops work, and every traversal is ordered by op id, never by hash order, so
+that float summation order is the same run to run.
+"""
+
+cimport cython
+from cython.operator cimport dereference as deref, preincrement as inc
+from libc.stdint cimport int64_t
+from libcpp cimport bool as cbool
+from libcpp.vector cimport vector
+from libcpp.unordered_map cimport unordered_map
+from libcpp.unordered_set cimport unordered_set
+from libcpp.algorithm cimport sort
+
+import numpy as np
+
+# Early aggregation thresholds of tape.h: more than this many pending
+# gradients for one tensor, holding more than this many bytes, are summed at
+# once to free memory.
+cdef enum:
+    MIN_AGGREGATE_COUNT = 4
+cdef int64_t MIN_AGGREGATE_BYTES = 128 * 1024 * 1024
+
+
+cdef class VSpace:
+    """What the core needs from a framework. Subclass it in Python.
+
+    Gradients and tangents are opaque objects; ``meta`` is whatever the
+    framework stored per output at record time (shape, dtype, device...).
+    """
+
+    def __init__(self, none_ok_indices=None):
+        self.none_ok_indices = dict(none_ok_indices or {})
+
+    def num_elements(self, grad):
+        """Number of elements of a gradient (early aggregation)."""
+        raise NotImplementedError
+
+    def element_size(self, grad):
+        """Bytes per element of a gradient (early aggregation)."""
+        return 4
+
+    def aggregate(self, list grads):
+        """Sum of a non-empty list of gradients for one tensor."""
+        raise NotImplementedError
+
+    def call_backward(self, op_type, payload, list unneeded_indices,
+                      list out_grads):
+        """Input gradients of one op: a list, one entry (or None) per input.
+
+        ``out_grads`` holds one gradient per output (None only at indices of
+        ``none_ok_indices[op_type]``); gradients at ``unneeded_indices`` are
+        not used and may be None.
+        """
+        raise NotImplementedError
+
+    def ones_like(self, meta):
+        raise NotImplementedError
+
+    def zeros_like(self, meta):
+        raise NotImplementedError
+
+    def tensor_id(self, tensor):
+        """The id under which ops that use ``tensor`` are recorded."""
+        raise NotImplementedError
+
+    def forward_rule(self, op_type, payload, list in_tangents, bint use_batch):
+        """Output tangents of one op, or NotImplemented when no rule exists
+        (the core then transposes the backward function)."""
+        return NotImplemented
+
+    def forwardprop_aid(self, meta):
+        """The stand-in output gradient transposed by the forward fallback;
+        its value does not matter, it must only be watchable."""
+        return self.ones_like(meta)
+
+    def unbatch(self, tangent):
+        """Split a batched tangent along its first axis (a list)."""
+        raise NotImplementedError
+
+    def batch(self, list tangents):
+        """Stack per-example tangents along a new first axis."""
+        raise NotImplementedError
+
+
+@cython.final
+cdef class OpEntry:
+    """One recorded op. Fields documented in _core.pxd."""
+
+    @property
+    def input_ids(self):
+        return [i for i in self.input_ids]
+
+    @property
+    def output_ids(self):
+        return [i for i in self.output_ids]
+
+
+cdef inline void _fill(vector[int64_t]& dst, ids) except *:
+    dst.clear()
+    dst.reserve(len(ids))
+    for i in ids:
+        dst.push_back(i)
+
+
+cdef class GradientTapeCore:
+    """A reverse-mode tape: what was computed from what, and how to go back.
+
+    ``watch`` marks a tensor as tracked; ``record_operation`` appends an op if
+    any of its (trainable) inputs is tracked, and tracks its outputs;
+    ``compute_gradient`` runs the backward pass.
+    """
+
+    def __cinit__(self, bint persistent=False):
+        self.persistent = persistent
+        self.op_tape = []
+        self.next_op_id = 0
+        self.live_ops = 0
+        self.consumed = False
+
+    # -- recording ---------------------------------------------------------
+
+    cpdef watch(self, int64_t tensor_id):
+        # emplace: watching a recorded tensor keeps its producer.
+        self.tensor_tape.insert((tensor_id, -1))
+
+    cpdef bint is_watched(self, int64_t tensor_id):
+        """True when the tape tracks the tensor (watched or recorded)."""
+        return self.tensor_tape.find(tensor_id) != self.tensor_tape.end()
+
+    cpdef bint should_record(self, input_ids, trainable=None):
+        """True when some input is tracked and (per ``trainable``, one bool
+        per input, all True when None) of a differentiable dtype."""
+        cdef Py_ssize_t i = 0
+        cdef int64_t tid
+        if trainable is None:
+            for tid in input_ids:
+                if self.tensor_tape.find(tid) != self.tensor_tape.end():
+                    return True
+            return False
+        for tid in input_ids:
+            if self.tensor_tape.find(tid) != self.tensor_tape.end() and trainable[i]:
+                return True
+            i += 1
+        return False
+
+    cpdef int64_t record_operation(self, op_type, input_ids, output_ids,
+                                   tuple output_meta, payload,
+                                   trainable=None) except -2:
+        """Record one op; returns its op id, or -1 if nothing it reads is
+        tracked. A later op that outputs the same id replaces the producer
+        (last writer wins, as custom_gradient needs)."""
+        if self.consumed:
+            raise RuntimeError(
+                "This non-persistent tape has already computed its gradients; "
+                "it records nothing more.")
+        if not self.should_record(input_ids, trainable):
+            return -1
+        if len(output_meta) != len(output_ids):
+            raise ValueError(
+                f"record_operation({op_type!r}): {len(output_ids)} output ids "
+                f"but {len(output_meta)} output metadata entries")
+        cdef OpEntry entry = OpEntry.__new__(OpEntry)
+        entry.op_type = op_type
+        _fill(entry.input_ids, input_ids)
+        _fill(entry.output_ids, output_ids)
+        entry.output_meta = output_meta
+        entry.payload = payload
+        cdef int64_t op_id = self.next_op_id
+        self.next_op_id += 1
+        cdef int64_t tid
+        for tid in entry.input_ids:
+            inc(self.tensor_usage[tid])
+        for tid in entry.output_ids:
+            self.tensor_tape[tid] = op_id
+            self.tensor_usage[tid] = 1
+        self.op_tape.append(entry)
+        self.live_ops += 1
+        return op_id
+
+    cpdef delete_trace(self, int64_t tensor_id):
+        """The framework dropped its last reference to a tensor: forget the
+        ops that no live tensor depends on any more (tape.h's DeleteTrace,
+        without recursion)."""
+        cdef vector[int64_t] stack
+        cdef int64_t tid, op_id, out_id
+        cdef unordered_map[int64_t, int64_t].iterator it
+        cdef OpEntry entry
+        cdef bint output_alive
+        cdef int64_t dec
+        stack.push_back(tensor_id)
+        while not stack.empty():
+            tid = stack.back()
+            stack.pop_back()
+            it = self.tensor_usage.find(tid)
+            if it == self.tensor_usage.end():
+                continue
+            dec = deref(it).second - 1
+            deref(it).second = dec
+            if dec != 0:
+                continue
+            self.tensor_usage.erase(it)
+            it = self.tensor_tape.find(tid)
+            if it == self.tensor_tape.end():
+                continue
+            op_id = deref(it).second
+            if op_id == -1:
+                continue  # watched tensors stay watched
+            self.tensor_tape.erase(it)
+            entry = self.op_tape[op_id]
+            if entry is None:
+                continue
+            output_alive = False
+            for out_id in entry.output_ids:
+                if self.tensor_usage.find(out_id) != self.tensor_usage.end():
+                    output_alive = True
+                    break
+            if output_alive:
+                continue
+            for out_id in entry.input_ids:
+                stack.push_back(out_id)
+            self.op_tape[op_id] = None
+            self.live_ops -= 1
+
+    # -- inspection --------------------------------------------------------
+
+    @property
+    def num_ops(self):
+        """Ops currently held (recorded and not released)."""
+        return self.live_ops
+
+    def op(self, int64_t op_id):
+        """The OpEntry of an op id, or None once released."""
+        if op_id < 0 or op_id >= self.next_op_id:
+            raise IndexError(op_id)
+        return self.op_tape[op_id]
+
+    def producer(self, int64_t tensor_id):
+        """Op id that produced a tensor, -1 if only watched, None if unknown."""
+        it = self.tensor_tape.find(tensor_id)
+        if it == self.tensor_tape.end():
+            return None
+        return deref(it).second
+
+    def export_trace(self):
+        """The live ops as NumPy int64 arrays (CSR edges), no per-element
+        Python work beyond one pass:
+
+        op_ids[k], op_type_index[k] (into op_types), input_offsets[k]..
+        input_offsets[k+1] slice input_ids, likewise for outputs.
+        """
+        cdef Py_ssize_t n = self.live_ops, k = 0, n_in = 0, n_out = 0
+        cdef OpEntry entry
+        for entry in self.op_tape:
+            if entry is not None:
+                n_in += entry.input_ids.size()
+                n_out += entry.output_ids.size()
+        op_ids_a = np.empty(n, dtype=np.int64)
+        type_a = np.empty(n, dtype=np.int64)
+        in_off_a = np.empty(n + 1, dtype=np.int64)
+        out_off_a = np.empty(n + 1, dtype=np.int64)
+        in_a = np.empty(n_in, dtype=np.int64)
+        out_a = np.empty(n_out, dtype=np.int64)
+        cdef int64_t[::1] op_ids = op_ids_a, types = type_a
+        cdef int64_t[::1] in_off = in_off_a, out_off = out_off_a
+        cdef int64_t[::1] ins = in_a, outs = out_a
+        cdef dict type_index = {}
+        cdef list op_types = []
+        cdef Py_ssize_t op_id = 0, pi = 0, po = 0
+        cdef int64_t tid
+        in_off[0] = 0
+        out_off[0] = 0
+        for op_id in range(self.next_op_id):
+            entry = self.op_tape[op_id]
+            if entry is None:
+                continue
+            t = type_index.get(entry.op_type)
+            if t is None:
+                t = len(op_types)
+                type_index[entry.op_type] = t
+                op_types.append(entry.op_type)
+            op_ids[k] = op_id
+            types[k] = t
+            for tid in entry.input_ids:
+                ins[pi] = tid
+                pi += 1
+            for tid in entry.output_ids:
+                outs[po] = tid
+                po += 1
+            k += 1
+            in_off[k] = pi
+            out_off[k] = po
+        return {"op_ids": op_ids_a, "op_type_index": type_a,
+                "op_types": op_types, "input_offsets": in_off_a,
+                "input_ids": in_a, "output_offsets": out_off_a,
+                "output_ids": out_a}
+
+    def _release_all(self):
+        self.op_tape = [None] * self.next_op_id
+        self.live_ops = 0
+        self.tensor_tape.clear()
+        self.tensor_usage.clear()
+
+    # -- backprop ----------------------------------------------------------
+    #
+    # compute_gradient, as tape.h's ComputeGradient:
+    # 1. Prepare. Walk back from the targets through the producers of their
+    #    inputs (not past sources) to find the reachable ops. Prune them to
+    #    the ops that read, transitively, a tracked source: the others cannot
+    #    change any result. Count, per tensor, how many pruned ops read it
+    #    (tensor_usage_counts) and, per op, how many of its outputs are still
+    #    awaiting gradients (op_missing_tensor).
+    # 2. Initial stack: ops awaiting nothing (their outputs are only targets).
+    # 3. Initial gradients: the given output gradients, else ones for targets
+    #    that a recorded op produced (or that are also sources).
+    # 4. Loop: pop an op; sum each output's pending gradients (zeros where an
+    #    output got none, unless the op's gradient accepts None there; an op
+    #    with no gradient at all is skipped); call its backward function,
+    #    telling it which inputs need no gradient; push each input gradient;
+    #    when a tensor's last reader is done, its producer loses one missing
+    #    output, and an op missing none is pushed. Pending lists for one
+    #    tensor are summed early when they hold many large gradients.
+    # 5. Results: the summed gradient of each source, or None.
+    # A non-persistent tape drops every backward payload as soon as it is
+    # used (and the unreachable ones at once), so memory falls during the
+    # pass.
+
+    def compute_gradient(self, VSpace vspace, target_ids, source_ids,
+                         sources_that_are_targets=None, output_gradients=None,
+                         bint build_default_zeros=True):
+        """Gradients of the targets w.r.t. each source: a list, None where a
+        source is not connected.
+
+        sources_that_are_targets: {tensor id: meta} for ids that are both, so
+        an untracked target that is a source still gets ones.
+        output_gradients: None, or one entry per target (None = ones).
+        """
+        if self.consumed:
+            raise RuntimeError(
+                "A non-persistent GradientTape can only be used to compute one "
+                "set of gradients (or jacobians)")
+        cdef vector[int64_t] targets, sources
+        _fill(targets, target_ids)
+        _fill(sources, source_ids)
+        if output_gradients is not None and len(output_gradients) != targets.size():
+            raise ValueError(
+                f"{len(output_gradients)} output gradients for "
+                f"{targets.size()} targets")
+        if not self.persistent:
+            self.consumed = True
+        try:
+            return self._compute(vspace, targets, sources,
+                                 sources_that_are_targets or {},
+                                 output_gradients, build_default_zeros)
+        finally:
+            if not self.persistent:
+                self._release_all()
+
+    cdef list _compute(self, VSpace vspace, vector[int64_t]& targets,
+                       vector[int64_t]& sources, dict sources_that_are_targets,
+                       output_gradients, bint build_default_zeros):
+        cdef unordered_set[int64_t] sources_set
+        cdef int64_t tid, op_id, producer, n_ops = self.next_op_id
+        cdef size_t i
+        for tid in sources:
+            sources_set.insert(tid)
+
+        # 1a. Reachable ops (from targets, stopping at sources).
+        cdef vector[char] reachable = vector[char](n_ops, 0)
+        cdef vector[int64_t] reach_list
+        cdef vector[int64_t] tensor_stack = targets
+        cdef unordered_set[int64_t] seen
+        cdef unordered_map[int64_t, int64_t].iterator it
+        cdef OpEntry entry
+        while not tensor_stack.empty():
+            tid = tensor_stack.back()
+            tensor_stack.pop_back()
+            it = self.tensor_tape.find(tid)
+            if it == self.tensor_tape.end():
+                continue
+            op_id = deref(it).second
+            if op_id == -1 or reachable[op_id]:
+                continue
+            entry = self.op_tape[op_id]
+            if entry is None:
+                continue
+            reachable[op_id] = 1
+            reach_list.push_back(op_id)
+            for tid in entry.input_ids:
+                if sources_set.count(tid) == 0 and seen.count(tid) == 0:
+                    seen.insert(tid)
+                    if self.tensor_tape.count(tid):
+                        tensor_stack.push_back(tid)
+        sort(reach_list.begin(), reach_list.end())
+
+        # 1b. Prune to ops that read a tracked source, transitively: a forward
+        # walk over the reachable ops from the tracked sources.
+        cdef unordered_map[int64_t, vector[int64_t]] readers
+        for op_id in reach_list:
+            entry = self.op_tape[op_id]
+            for tid in entry.input_ids:
+                readers[tid].push_back(op_id)
+        cdef vector[char] useful = vector[char](n_ops, 0)
+        cdef unordered_set[int64_t] needed  # tensors whose gradient matters
+        cdef unordered_map[int64_t, vector[int64_t]].iterator rit
+        for tid in sources:
+            if self.tensor_tape.count(tid) and needed.count(tid) == 0:
+                needed.insert(tid)
+                tensor_stack.push_back(tid)
+        while not tensor_stack.empty():
+            tid = tensor_stack.back()
+            tensor_stack.pop_back()
+            rit = readers.find(tid)
+            if rit == readers.end():
+                continue
+            for op_id in deref(rit).second:
+                if useful[op_id]:
+                    continue
+                useful[op_id] = 1
+                entry = self.op_tape[op_id]
+                for tid in entry.output_ids:
+                    if needed.count(tid) == 0:
+                        needed.insert(tid)
+                        tensor_stack.push_back(tid)
+
+        cdef dict ops = {}          # op id -> OpEntry, the pruned ops
+        cdef vector[int64_t] op_list
+        for op_id in reach_list:
+            if useful[op_id]:
+                ops[op_id] = self.op_tape[op_id]
+                op_list.push_back(op_id)
+
+        # 1c. Usage counts and missing outputs over the pruned ops.
+        cdef unordered_map[int64_t, int64_t] usage_counts
+        cdef unordered_map[int64_t, int64_t] op_missing_tensor
+        for op_id in op_list:
+            entry = ops[op_id]
+            for tid in entry.input_ids:
+                if inc(usage_counts[tid]) == 1:
+                    it = self.tensor_tape.find(tid)
+                    if it != self.tensor_tape.end() and deref(it).second != -1:
+                        inc(op_missing_tensor[deref(it).second])
+
+        # 3. Initial gradients (before releasing: targets' producers may have
+        # been pruned yet still give their meta for ones).
+        cdef dict gradients = {}    # tensor id -> list of pending gradients
+        cdef OpEntry producer_entry
+        cdef size_t j
+        for i in range(targets.size()):
+            tid = targets[i]
+            given = None if output_gradients is None else output_gradients[i]
+            if given is not None:
+                gradients.setdefault(tid, []).append(given)
+                continue
+            it = self.tensor_tape.find(tid)
+            if it != self.tensor_tape.end() and deref(it).second != -1:
+                producer_entry = self.op_tape[deref(it).second]
+                if producer_entry is None:
+                    raise RuntimeError(
+                        "Internal state of the gradient tape is invalid: "
+                        "failed to find operation producing a tensor")
+                for j in range(producer_entry.output_ids.size()):
+                    if producer_entry.output_ids[j] == tid:
+                        gradients.setdefault(tid, []).append(
+                            vspace.ones_like(producer_entry.output_meta[j]))
+                        break
+            elif tid in sources_that_are_targets:
+                gradients.setdefault(tid, []).append(
+                    vspace.ones_like(sources_that_are_targets[tid]))
+
+        if not self.persistent:
+            # Only the pruned ops' payloads are needed from here on.
+            self.op_tape = [None] * n_ops
+            self.live_ops = 0
+
+        # 2. Initial stack, highest op id on top.
+        cdef vector[int64_t] op_stack
+        for op_id in op_list:
+            if op_missing_tensor.count(op_id) == 0:
+                op_stack.push_back(op_id)
+
+        # 4. The loop.
+        cdef dict none_ok = vspace.none_ok_indices
+        cdef unordered_map[int64_t, int64_t] gradients_size
+        cdef unordered_map[int64_t, int64_t].iterator uit
+        cdef list out_grads, unneeded, in_grads, pending
+        cdef bint any_nonzero
+        cdef Py_ssize_t n_out, n_in, k
+        cdef int64_t size
+        while not op_stack.empty():
+            op_id = op_stack.back()
+            op_stack.pop_back()
+            entry = ops.pop(op_id, None)
+            if entry is None:
+                continue
+            n_out = entry.output_ids.size()
+            n_in = entry.input_ids.size()
+            out_grads = [None] * n_out
+            any_nonzero = False
+            zero_indices = None
+            for k in range(n_out):
+                tid = entry.output_ids[k]
+                pending = gradients.get(tid)
+                if pending is None:
+                    if build_default_zeros:
+                        accepts = none_ok.get(entry.op_type)
+                        if accepts is None or k not in accepts:
+                            if zero_indices is None:
+                                zero_indices = []
+                            zero_indices.append(k)
+                    continue
+                any_nonzero = True
+                if len(pending) == 1:
+                    grad = pending[0]
+                else:
+                    grad = vspace.aggregate(pending)
+                if sources_set.count(tid):
+                    pending[:] = [grad]
+                else:
+                    del gradients[tid]
+                out_grads[k] = grad
+            if any_nonzero:
+                if zero_indices is not None:
+                    for k in zero_indices:
+                        out_grads[k] = vspace.zeros_like(entry.output_meta[k])
+                unneeded = []
+                for k in range(n_in):
+                    if needed.count(entry.input_ids[k]) == 0:
+                        unneeded.append(k)
+                payload = entry.payload
+                if not self.persistent:
+                    entry.payload = None
+                in_grads = vspace.call_backward(entry.op_type, payload,
+                                                unneeded, out_grads)
+                del payload
+                if in_grads is None or len(in_grads) != n_in:
+                    raise ValueError(
+                        f"The backward function of {entry.op_type!r} returned "
+                        f"{'None' if in_grads is None else len(in_grads)} "
+                        f"gradients for {n_in} inputs")
+            else:
+                if not self.persistent:
+                    entry.payload = None
+                in_grads = None
+            del out_grads
+            for k in range(n_in):
+                tid = entry.input_ids[k]
+                if in_grads is not None and in_grads[k] is not None:
+                    pending = gradients.get(tid)
+                    if pending is None:
+                        gradients[tid] = [in_grads[k]]
+                    else:
+                        pending.append(in_grads[k])
+                        if len(pending) > MIN_AGGREGATE_COUNT:
+                            uit = gradients_size.find(tid)
+                            if uit == gradients_size.end():
+                                size = (vspace.num_elements(pending[0]) *
+                                        vspace.element_size(pending[0]))
+                                gradients_size[tid] = size
+                            else:
+                                size = deref(uit).second
+                            if len(pending) * size > MIN_AGGREGATE_BYTES:
+                                pending[:] = [vspace.aggregate(pending)]
+                uit = usage_counts.find(tid)
+                if uit == usage_counts.end():
+                    continue
+                deref(uit).second -= 1
+                if deref(uit).second > 0:
+                    continue
+                it = self.tensor_tape.find(tid)
+                if it == self.tensor_tape.end():
+                    # Read by the tape but never tracked: nothing to return.
+                    gradients.pop(tid, None)
+                    continue
+                producer = deref(it).second
+                if producer == -1:
+                    continue
+                uit = op_missing_tensor.find(producer)
+                if uit != op_missing_tensor.end():
+                    deref(uit).second -= 1
+                    if deref(uit).second == 0:
+                        op_stack.push_back(producer)
+            in_grads = None
+
+        # 5. Results.
+        cdef list result = []
+        for tid in sources:
+            pending = gradients.get(tid)
+            if pending is None:
+                result.append(None)
+            else:
+                if len(pending) > 1:
+                    pending[:] = [vspace.aggregate(pending)]
+                result.append(pending[0])
+        return result
+
+
+cdef class ForwardAccumulatorCore:
+    """Forward mode (tape.h's ForwardAccumulator): a tangent per tracked id.
+
+    For each op that reads a tensor with a tangent, ``accumulate`` computes
+    the outputs' tangents with the VSpace's forward rule or, lacking one, by
+    transposing the op's backward function: run it on stand-in output
+    gradients under an inner tape, then take the gradient of its result
+    w.r.t. those stand-ins with the input tangents as output gradients
+    (the "double backward" trick, tape.h's ForwardpropFromTape).
+
+    ``call_state`` is a stack of [inner backward tape or None, accumulating]:
+    while accumulating, the ops a rule runs are not accumulated again by this
+    accumulator (outer accumulators see them: that is how nesting gives
+    higher orders); while an inner tape is set, ops go to that tape.
+    """
+
+    def __cinit__(self, VSpace vspace, bint use_batch=False):
+        self.vspace = vspace
+        self.use_batch = use_batch
+        self.accumulated = {}
+        self.call_state = [[None, False]]
+
+    def watch(self, int64_t tensor_id, tangent):
+        """Start tracking a tensor with a tangent; a second tangent for the
+        same id is added to the first."""
+        existing = self.accumulated.get(tensor_id)
+        if existing is None:
+            self.accumulated[tensor_id] = tangent
+        else:
+            self.accumulated[tensor_id] = self.vspace.aggregate([tangent, existing])
+
+    def fetch_jvp(self, int64_t tensor_id):
+        """The tangent of a tensor, or None if it has none."""
+        return self.accumulated.get(tensor_id)
+
+    def delete_gradient(self, int64_t tensor_id):
+        self.accumulated.pop(tensor_id, None)
+
+    def __len__(self):
+        return len(self.accumulated)
+
+    cpdef bint busy_accumulating(self):
+        return self.call_state[-1][1]
+
+    def push_state(self):
+        """Enter a scope where this accumulator records nothing of its own
+        (TF's ForwardAccumulator.PushState, used by stop_recording)."""
+        self.call_state.append([None, False])
+
+    def pop_state(self):
+        if len(self.call_state) == 1:
+            raise RuntimeError("pop_state without a matching push_state")
+        self.call_state.pop()
+
+    cpdef bint should_record(self, input_ids, trainable=None):
+        cdef list top = self.call_state[-1]
+        if top[0] is not None:
+            return True
+        if top[1]:
+            return False
+        cdef dict acc = self.accumulated
+        cdef Py_ssize_t i = 0
+        for tid in input_ids:
+            if tid in acc and (trainable is None or trainable[i]):
+                return True
+            i += 1
+        return False
+
+    def accumulate(self, op_type, input_ids, tuple input_meta, output_ids,
+                   tuple output_meta, payload, trainable=None):
+        """An op ran: compute the tangents of its outputs.
+
+        input_meta: per input, what zeros_like needs (an input without a
+        tangent but of a trainable dtype gets zeros, as in TF).
+        Returns True when something was recorded or accumulated.
+        """
+        cdef list top = self.call_state[-1]
+        cdef GradientTapeCore inner = top[0]
+        if inner is not None:
+            # A fallback transposition is running this op: it belongs to the
+            # inner tape, not to the tangents.
+            return inner.record_operation(op_type, input_ids, output_ids,
+                                          output_meta, payload, trainable) >= 0
+        if not self.should_record(input_ids, trainable):
+            return False
+        cdef list in_tangents = []
+        cdef Py_ssize_t i = 0
+        cdef dict acc = self.accumulated
+        for tid in input_ids:
+            t = acc.get(tid)
+            if t is None and (trainable is None or trainable[i]):
+                t = self.vspace.zeros_like(input_meta[i])
+            in_tangents.append(t)
+            i += 1
+        self.call_state.append([None, True])
+        try:
+            out_tangents = self.vspace.forward_rule(op_type, payload, in_tangents,
+                                                    self.use_batch)
+            if out_tangents is NotImplemented:
+                out_tangents = self._forward_from_backward(
+                    op_type, payload, output_meta, in_tangents)
+        finally:
+            self.call_state.pop()
+        if len(out_tangents) != len(output_ids):
+            raise ValueError(
+                f"The forward rule of {op_type!r} returned {len(out_tangents)} "
+                f"tangents for {len(output_ids)} outputs")
+        i = 0
+        for tid in output_ids:
+            t = out_tangents[i]
+            # First tangent wins: recompute_grad re-records the same outputs.
+            if t is not None and tid not in acc:
+                acc[tid] = t
+            i += 1
+        return True
+
+    cdef list _forward_from_backward(self, op_type, payload, tuple output_meta,
+                                     list in_tangents):
+        if not self.use_batch:
+            return self._transpose(op_type, payload, output_meta, in_tangents)
+        # One transposition per example of the batch, then restacked.
+        cdef Py_ssize_t n_out = len(output_meta), b, n_batch = -1
+        split = []
+        for t in in_tangents:
+            if t is None:
+                split.append(None)
+            else:
+                parts = self.vspace.unbatch(t)
+                n_batch = len(parts)
+                split.append(parts)
+        if n_batch < 0:
+            return [None] * n_out
+        per_example = []
+        for b in range(n_batch):
+            per_example.append(self._transpose(
+                op_type, payload, output_meta,
+                [None if s is None else s[b] for s in split]))
+        cdef list result = []
+        for k in range(n_out):
+            col = [row[k] for row in per_example]
+            if any(c is None for c in col):
+                result.append(None)
+            else:
+                result.append(self.vspace.batch(col))
+        return result
+
+    cdef list _transpose(self, op_type, payload, tuple output_meta,
+                         list in_tangents):
+        cdef VSpace vspace = self.vspace
+        cdef GradientTapeCore tape = GradientTapeCore(False)
+        cdef list aids = [vspace.forwardprop_aid(m) for m in output_meta]
+        cdef list aid_ids = [vspace.tensor_id(a) for a in aids]
+        for a in aid_ids:
+            tape.watch(a)
+        cdef list top = self.call_state[-1]
+        top[0] = tape
+        try:
+            grads = vspace.call_backward(op_type, payload, [], list(aids))
+        finally:
+            top[0] = None
+        cdef list targets = [], used = []
+        for k in range(len(grads)):
+            if grads[k] is None or in_tangents[k] is None:
+                continue
+            targets.append(vspace.tensor_id(grads[k]))
+            used.append(in_tangents[k])
+        if not targets:
+            return [None] * len(output_meta)
+        return tape.compute_gradient(vspace, targets, aid_ids, None, used, False)
