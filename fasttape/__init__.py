@@ -1,4 +1,35 @@
-"""fasttape: a gradient tape for TensorFlow with a Cython core."""
-from fasttape import _core
+"""fasttape: a gradient tape for TensorFlow with a Cython core.
+
+``fasttape.GradientTape`` is a drop-in for ``tf.GradientTape``;
+``fasttape.patch()`` swaps it into unmodified TF/Keras code.
+
+TensorFlow is imported on first use of a TF-facing name, so that
+``fasttape._core`` stays importable (and testable) without it.
+"""
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "GradientTape": ("fasttape.tape", "GradientTape"),
+    "patch": ("fasttape._patch", "patch"),
+    "unpatch": ("fasttape._patch", "unpatch"),
+    "patched": ("fasttape._patch", "patched"),
+    "is_patched": ("fasttape._patch", "is_patched"),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    try:
+        module_name, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'fasttape' has no attribute {name!r}") from None
+    import importlib
+    value = getattr(importlib.import_module(module_name), attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

@@ -323,7 +323,9 @@ cdef class GradientTapeCore:
     #
     # compute_gradient, as tape.h's ComputeGradient:
     # 1. Prepare. Walk back from the targets through the producers of their
-    #    inputs (not past sources) to find the reachable ops. Prune them to
+    #    inputs (through sources too, as TF 2.21 does: a source computed
+    #    from another source passes its gradient on) to find the reachable
+    #    ops. Prune them to
     #    the ops that read, transitively, a tracked source: the others cannot
     #    change any result. Count, per tensor, how many pruned ops read it
     #    (tensor_usage_counts) and, per op, how many of its outputs are still
@@ -383,7 +385,7 @@ cdef class GradientTapeCore:
         for tid in sources:
             sources_set.insert(tid)
 
-        # 1a. Reachable ops (from targets, stopping at sources).
+        # 1a. Reachable ops (from targets).
         cdef vector[char] reachable = vector[char](n_ops, 0)
         cdef vector[int64_t] reach_list
         cdef vector[int64_t] tensor_stack = targets
@@ -405,7 +407,7 @@ cdef class GradientTapeCore:
             reachable[op_id] = 1
             reach_list.push_back(op_id)
             for tid in entry.input_ids:
-                if sources_set.count(tid) == 0 and seen.count(tid) == 0:
+                if seen.count(tid) == 0:
                     seen.insert(tid)
                     if self.tensor_tape.count(tid):
                         tensor_stack.push_back(tid)
@@ -582,7 +584,7 @@ cdef class GradientTapeCore:
                 uit = usage_counts.find(tid)
                 if uit == usage_counts.end():
                     continue
-                deref(uit).second -= 1
+                deref(uit).second = deref(uit).second - 1
                 if deref(uit).second > 0:
                     continue
                 it = self.tensor_tape.find(tid)
@@ -595,7 +597,7 @@ cdef class GradientTapeCore:
                     continue
                 uit = op_missing_tensor.find(producer)
                 if uit != op_missing_tensor.end():
-                    deref(uit).second -= 1
+                    deref(uit).second = deref(uit).second - 1
                     if deref(uit).second == 0:
                         op_stack.push_back(producer)
             in_grads = None

@@ -1,0 +1,378 @@
+"""Interception: what fasttape records, and every monkeypatch of TF.
+
+All of fasttape's changes to TensorFlow live in this module:
+  - one op callback (``op_callbacks.add_op_callback``), added once per thread
+    and never removed (removing the last one in any thread switches
+    ``execute.execute`` back for all threads);
+  - wrappers of ``record.record_operation*``, ``record.could_possibly_record``,
+    ``record.should_record_backprop``, ``gradients_util.
+    PossibleTapeGradientTypes`` and ``tape.variable(s)_accessed`` — each calls
+    TF's original first, so TF's own tapes keep working beside fasttape's;
+  - while any fasttape tape records, a wrapper of ``pywrap_tfe.
+    TFE_Py_FastPathExecute`` that reads Variable arguments in Python first (a
+    Variable passed straight into a fast-path op is read inside C++, where
+    no hook sees it, and its gradient would silently be None);
+  - the drop-in swap of TF's classes (``swap_classes``/``restore_classes``).
+``install()`` puts the hooks in, ``uninstall()`` takes every one out.
+
+The active tapes are a thread-local stack: MirroredStrategy replica threads
+share their parent's callback list, so the callback must not assume it was
+registered by the thread it runs on.
+"""
+
+import sys
+import threading
+
+from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager import backprop_util
+from tensorflow.python.eager import record
+from tensorflow.python.eager import tape as tf_tape
+from tensorflow.python.framework import op_callbacks
+from tensorflow.python.framework import ops
+from tensorflow.python.framework import dtypes
+from tensorflow.python.ops import gradients_util
+from tensorflow.python.ops import resource_variable_ops
+
+from fasttape import _core
+from fasttape._tf_vspace import (EagerOp, GraphOp, PyBackward, keep,
+                                 output_meta, saved_indices)
+
+_is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
+_BaseVariable = resource_variable_ops.BaseResourceVariable
+
+_TRAINABLE_ENUMS = frozenset(
+    d.as_datatype_enum for d in (
+        dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64,
+        dtypes.complex64, dtypes.complex128, dtypes.resource))
+_VARIANT_ENUM = dtypes.variant.as_datatype_enum
+
+
+def is_trainable(t):
+    enum = t.dtype._type_enum  # pylint: disable=protected-access
+    if enum in _TRAINABLE_ENUMS:
+        return True
+    if enum == _VARIANT_ENUM:
+        return backprop_util.IsTrainable(t)
+    return False
+
+
+def _handle_or_self(x):
+    if isinstance(x, _BaseVariable):
+        return x.handle
+    return x
+
+
+class TapeState:
+    """One fasttape tape as the recording machinery sees it."""
+
+    __slots__ = ("core", "persistent", "watch_accessed_variables",
+                 "variables", "__weakref__")
+
+    def __init__(self, persistent, watch_accessed_variables):
+        self.core = _core.GradientTapeCore(persistent)
+        self.persistent = persistent
+        self.watch_accessed_variables = watch_accessed_variables
+        self.variables = {}  # handle id -> variable
+
+    def watch_variable(self, variable):
+        hid = variable.handle._id  # pylint: disable=protected-access
+        self.core.watch(hid)
+        if hid not in self.variables:
+            self.variables[hid] = variable
+
+    def watched_variables(self):
+        # TF's tape keeps its variables in a set ordered by handle id.
+        return tuple(self.variables[k] for k in sorted(self.variables))
+
+
+class _State(threading.local):
+    def __init__(self):
+        super().__init__()
+        self.tapes = []            # recording TapeStates, innermost last
+        self.in_callback = False   # re-entry guard
+        self.callback_added = False
+
+
+_state = _State()
+_live_lock = threading.Lock()
+_live_tapes = 0                    # recording tapes over all threads
+
+
+def recording_tapes():
+    return _state.tapes
+
+
+# -- the tape stack -------------------------------------------------------------
+
+def push_tape(tape_state):
+    st = _state
+    if not st.callback_added:
+        op_callbacks.add_op_callback(_op_callback)
+        st.callback_added = True
+    install()
+    st.tapes.append(tape_state)
+    global _live_tapes
+    with _live_lock:
+        _live_tapes += 1
+        if _live_tapes == 1:
+            _install_fast_path_wrapper()
+
+
+def pop_tape(tape_state):
+    tapes = _state.tapes
+    for i in range(len(tapes) - 1, -1, -1):
+        if tapes[i] is tape_state:
+            del tapes[i]
+            break
+    else:
+        raise ValueError("Tape is not recording.")
+    global _live_tapes
+    with _live_lock:
+        _live_tapes -= 1
+        if _live_tapes == 0:
+            _uninstall_fast_path_wrapper()
+
+
+# -- recording ------------------------------------------------------------------
+
+def _record(op_type, inputs, outputs, make_payload):
+    """Record an op on every active tape that watches one of its inputs."""
+    tapes = _state.tapes
+    ids = [t._id for t in inputs]  # pylint: disable=protected-access
+    recording = [tp for tp in tapes if tp.core.should_record(ids)]
+    if not recording:
+        return
+    trainable = [is_trainable(t) for t in inputs]
+    recording = [tp for tp in recording if tp.core.should_record(ids, trainable)]
+    if not recording:
+        return
+    payload = make_payload()
+    out_ids = [t._id for t in outputs]  # pylint: disable=protected-access
+    meta = tuple(output_meta(t) for t in outputs)
+    for tp in recording:
+        tp.core.record_operation(op_type, ids, out_ids, meta, payload, trainable)
+
+
+def _op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+    st = _state
+    if not st.tapes or st.in_callback or not outputs or _is_stopped():
+        return None
+    if type(op_type) is bytes:
+        op_type = op_type.decode()
+    st.in_callback = True
+    try:
+        if graph is None:
+            def make_payload():
+                saved_in, saved_out = saved_indices(op_type)
+                return EagerOp(attrs, keep(inputs, saved_in),
+                               keep(outputs, saved_out), len(inputs))
+        else:
+            def make_payload():
+                return GraphOp(outputs[0].op, len(inputs))
+        _record(op_type, inputs, outputs, make_payload)
+    finally:
+        st.in_callback = False
+    return None
+
+
+def _record_python_backward(op_type, output_tensors, input_tensors,
+                            backward_function):
+    if not _state.tapes or _is_stopped():
+        return
+    inputs = [_handle_or_self(t) for t in input_tensors]
+    _record(op_type, inputs, list(output_tensors),
+            lambda: PyBackward(backward_function, len(inputs)))
+
+
+# -- wrappers of TF's record/variable functions ----------------------------------
+
+_originals = {}
+
+
+def _wrapped_record_operation(op_type, output_tensors, input_tensors,
+                              backward_function, forward_function=None):
+    _originals["record_operation"](op_type, output_tensors, input_tensors,
+                                   backward_function, forward_function)
+    _record_python_backward(op_type, output_tensors, input_tensors,
+                            backward_function)
+
+
+def _wrapped_record_operation_backprop_only(op_type, output_tensors,
+                                            input_tensors, backward_function):
+    _originals["record_operation_backprop_only"](
+        op_type, output_tensors, input_tensors, backward_function)
+    _record_python_backward(op_type, output_tensors, input_tensors,
+                            backward_function)
+
+
+def _wrapped_could_possibly_record():
+    return bool(_state.tapes) or _originals["could_possibly_record"]()
+
+
+def _watching(tensors):
+    """The active fasttape tapes that would record an op on ``tensors``."""
+    tapes = _state.tapes
+    if not tapes or _is_stopped():
+        return []
+    flat = [_handle_or_self(t) for t in tensors]
+    flat = [t for t in flat if hasattr(t, "_id")]
+    ids = [t._id for t in flat]  # pylint: disable=protected-access
+    trainable = [is_trainable(t) for t in flat]
+    return [tp for tp in tapes if tp.core.should_record(ids, trainable)]
+
+
+def _wrapped_should_record_backprop(tensors):
+    return (_originals["should_record_backprop"](tensors)
+            or bool(_watching(tensors)))
+
+
+def _wrapped_possible_tape_gradient_types(tensors):
+    theirs = _originals["PossibleTapeGradientTypes"](tensors)
+    watching = _watching(tensors)
+    if not watching:
+        return theirs
+    if theirs or len(watching) > 1 or watching[0].persistent:
+        return gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER
+    return gradients_util.POSSIBLE_GRADIENT_TYPES_FIRST_ORDER
+
+
+def _watch_accessed(variables):
+    tapes = _state.tapes
+    if not tapes or _is_stopped():
+        return
+    for v in variables:
+        for var in tf_tape._variables_override(v):  # pylint: disable=protected-access
+            for tp in tapes:
+                if tp.watch_accessed_variables:
+                    tp.watch_variable(var)
+
+
+def _wrapped_variable_accessed(variable):
+    _originals["variable_accessed"](variable)
+    _watch_accessed((variable,))
+
+
+def _wrapped_variables_accessed(variables):
+    variables = list(variables)
+    _originals["variables_accessed"](variables)
+    _watch_accessed([v for v in variables if v.trainable])
+
+
+_HOOKS = (
+    (record, "record_operation", _wrapped_record_operation),
+    (record, "record_operation_backprop_only",
+     _wrapped_record_operation_backprop_only),
+    (record, "could_possibly_record", _wrapped_could_possibly_record),
+    (record, "should_record_backprop", _wrapped_should_record_backprop),
+    (gradients_util, "PossibleTapeGradientTypes",
+     _wrapped_possible_tape_gradient_types),
+    (tf_tape, "variable_accessed", _wrapped_variable_accessed),
+    (tf_tape, "variables_accessed", _wrapped_variables_accessed),
+)
+
+_installed = False
+
+
+def install():
+    """Put fasttape's hooks into TF (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    for module, name, wrapper in _HOOKS:
+        _originals[name] = getattr(module, name)
+        setattr(module, name, wrapper)
+    _installed = True
+
+
+def uninstall():
+    """Take every hook out again (tests use this to prove each one matters)."""
+    global _installed
+    if not _installed:
+        return
+    for module, name, wrapper in _HOOKS:
+        if getattr(module, name) is wrapper:
+            setattr(module, name, _originals[name])
+    _installed = False
+    _uninstall_fast_path_wrapper()
+
+
+def installed_hooks():
+    """Names of the hooks now in place (for tests)."""
+    names = [name for module, name, wrapper in _HOOKS
+             if getattr(module, name) is wrapper]
+    if pywrap_tfe.TFE_Py_FastPathExecute is _fast_path_reading_variables:
+        names.append("TFE_Py_FastPathExecute")
+    return names
+
+
+# -- the fast-path variable trap ------------------------------------------------
+
+_original_fast_path = pywrap_tfe.TFE_Py_FastPathExecute
+fast_path_wrapper_enabled = True   # tests switch it off to show the trap
+
+
+def _read_variables(args):
+    out = None
+    for i, a in enumerate(args):
+        if isinstance(a, _BaseVariable):
+            value = a.value()
+        elif type(a) is list and a and any(isinstance(x, _BaseVariable) for x in a):
+            value = [x.value() if isinstance(x, _BaseVariable) else x for x in a]
+        else:
+            continue
+        if out is None:
+            out = list(args)
+        out[i] = value
+    return args if out is None else out
+
+
+def _fast_path_reading_variables(*args):
+    if _state.tapes and not _is_stopped():
+        args = _read_variables(args)
+    return _original_fast_path(*args)
+
+
+def _install_fast_path_wrapper():
+    if fast_path_wrapper_enabled:
+        pywrap_tfe.TFE_Py_FastPathExecute = _fast_path_reading_variables
+
+
+def _uninstall_fast_path_wrapper():
+    if pywrap_tfe.TFE_Py_FastPathExecute is _fast_path_reading_variables:
+        pywrap_tfe.TFE_Py_FastPathExecute = _original_fast_path
+
+
+# -- the drop-in class swap -----------------------------------------------------
+
+_swapped = []  # (module, attribute name, original, replacement)
+
+
+def swap_classes(replacements):
+    """Replace, in every loaded module, each attribute that *is* one of the
+    keys of ``replacements`` by its value. Returns how many were swapped."""
+    by_id = {id(k): v for k, v in replacements.items()}
+    count = 0
+    for module in list(sys.modules.values()):
+        try:
+            namespace = vars(module)
+        except TypeError:
+            continue
+        for name, value in list(namespace.items()):
+            replacement = by_id.get(id(value))
+            if replacement is not None and replacement is not value:
+                setattr(module, name, replacement)
+                _swapped.append((module, name, value, replacement))
+                count += 1
+    return count
+
+
+def restore_classes():
+    """Undo every swap_classes, exactly."""
+    while _swapped:
+        module, name, original, replacement = _swapped.pop()
+        if getattr(module, name, None) is replacement:
+            setattr(module, name, original)
+
+
+def swapped_locations():
+    return [(m.__name__, name) for m, name, _, _ in _swapped]

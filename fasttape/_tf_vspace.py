@@ -1,0 +1,283 @@
+"""The TensorFlow "vector space": how the core's opaque gradients are made,
+summed and propagated with TF's own registered gradient functions.
+
+Payloads recorded per op (built in _recording):
+  EagerOp   an op run eagerly: attrs, and only the inputs/outputs its
+            gradient function reads (the rest are None, so memory is freed
+            as TF's exclusion tables free it).
+  GraphOp   an op built while tracing a tf.function: the real tf.Operation
+            (a mock op from AttrValue protos gives wrong gradients).
+  PyBackward a backward function recorded through record.record_operation
+            (custom_gradient, tf.function calls, copies, captures).
+
+Output metadata (what ones/zeros need) is a (shape, dtype, device) tuple for
+eager tensors, or the tensor itself for graph tensors and variants.
+"""
+
+import ast
+import inspect
+import textwrap
+
+from tensorflow.python.eager import backprop
+from tensorflow.python.eager import context
+from tensorflow.python.framework import dtypes
+from tensorflow.python.framework import indexed_slices
+from tensorflow.python.framework import ops
+from tensorflow.python.framework import tensor as tensor_lib
+from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import default_gradient
+
+from fasttape._core import VSpace
+
+# Output indices whose gradient may be None rather than zeros (tape.h's
+# FunctionsAcceptingNoneForIndicesMap).
+NONE_OK_INDICES = {
+    "SoftmaxCrossEntropyWithLogits": frozenset({1}),
+    "SparseSoftmaxCrossEntropyWithLogits": frozenset({1}),
+    "FusedBatchNorm": frozenset({1, 2, 3, 4}),
+    "FusedBatchNormV2": frozenset({1, 2, 3, 4}),
+    "FusedBatchNormV3": frozenset({1, 2, 3, 4, 5}),
+}
+
+_RESOURCE = dtypes.resource
+_VARIANT = dtypes.variant
+_STRING = dtypes.string
+
+
+class EagerOp:
+    __slots__ = ("attrs", "inputs", "outputs", "num_inputs", "__weakref__")
+
+    def __init__(self, attrs, inputs, outputs, num_inputs):
+        self.attrs = attrs
+        self.inputs = inputs
+        self.outputs = outputs
+        self.num_inputs = num_inputs
+
+
+class GraphOp:
+    __slots__ = ("op", "num_inputs", "__weakref__")
+
+    def __init__(self, op, num_inputs):
+        self.op = op
+        self.num_inputs = num_inputs
+
+
+class PyBackward:
+    __slots__ = ("fn", "num_inputs", "__weakref__")
+
+    def __init__(self, fn, num_inputs):
+        self.fn = fn
+        self.num_inputs = num_inputs
+
+
+# -- which inputs/outputs a gradient function reads -------------------------
+
+ALL = None  # "keep every input" (or output)
+_saved_cache = {}
+
+
+def _analyse(fn):
+    """(input indices, output indices) that ``fn(op, *grads)`` may read, each
+    a frozenset, or ALL when it can't be told. Conservative: any use of ``op``
+    other than ``op.inputs[<int>]``, ``op.outputs[<int>]`` or an attribute
+    that holds no tensor keeps everything."""
+    try:
+        src = textwrap.dedent(inspect.getsource(fn))
+        tree = ast.parse(src)
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return ALL, ALL
+    fdef = tree.body[0] if tree.body else None
+    if not isinstance(fdef, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return ALL, ALL
+    if not fdef.args.args:
+        return ALL, ALL
+    op_name = fdef.args.args[0].arg
+    parents = {}
+    for node in ast.walk(fdef):
+        for child in ast.iter_child_nodes(node):
+            parents[child] = node
+    used = {"inputs": set(), "outputs": set()}
+    every = {"inputs": False, "outputs": False}
+    for node in ast.walk(fdef):
+        if not (isinstance(node, ast.Name) and node.id == op_name):
+            continue
+        if isinstance(node.ctx, ast.Store) and parents.get(node) is not fdef.args:
+            return ALL, ALL  # op rebound: give up
+        parent = parents.get(node)
+        if isinstance(parent, ast.arg) or parent is fdef.args:
+            continue
+        if not isinstance(parent, ast.Attribute):
+            return ALL, ALL  # op passed along or stored: anything may be read
+        attr = parent.attr
+        if attr in ("inputs", "outputs"):
+            grand = parents.get(parent)
+            if (isinstance(grand, ast.Subscript) and grand.value is parent
+                    and isinstance(grand.slice, ast.Constant)
+                    and isinstance(grand.slice.value, int)):
+                used[attr].add(grand.slice.value)
+            elif (isinstance(grand, ast.Subscript) and grand.value is parent
+                    and isinstance(grand.slice, ast.UnaryOp)
+                    and isinstance(grand.slice.op, ast.USub)
+                    and isinstance(grand.slice.operand, ast.Constant)):
+                used[attr].add(-grand.slice.operand.value)
+            else:
+                every[attr] = True
+        elif attr in ("get_attr", "type", "name", "skip_input_indices",
+                      "_get_attr_type", "_get_attr_bool", "_get_attr_int",
+                      "node_def", "device", "graph", "_control_flow_context",
+                      "_get_control_flow_context"):
+            continue
+        else:
+            return ALL, ALL
+    return (ALL if every["inputs"] else frozenset(used["inputs"]),
+            ALL if every["outputs"] else frozenset(used["outputs"]))
+
+
+def saved_indices(op_type):
+    """Cached (inputs, outputs) an op type's gradient reads; ALL = all."""
+    try:
+        return _saved_cache[op_type]
+    except KeyError:
+        pass
+    try:
+        fn = ops._gradient_registry.lookup(op_type)  # pylint: disable=protected-access
+    except LookupError:
+        fn = None
+    result = (frozenset(), frozenset()) if fn is None else _analyse(fn)
+    _saved_cache[op_type] = result
+    return result
+
+
+def keep(values, indices):
+    """values with entries not in ``indices`` (ALL keeps all) set to None."""
+    if indices is ALL:
+        return tuple(values)
+    n = len(values)
+    wanted = {i % n for i in indices if -n <= i < n}
+    return tuple(v if i in wanted else None for i, v in enumerate(values))
+
+
+# -- the vspace ---------------------------------------------------------------
+
+_MockOp = backprop._MockOp  # pylint: disable=protected-access
+
+
+def _eager_meta(t):
+    dtype = t.dtype
+    if dtype == _VARIANT or dtype == _RESOURCE:
+        return t  # zeros/ones need the handle data
+    return (t._shape_tuple(), dtype, t.device)  # pylint: disable=protected-access
+
+
+def output_meta(t):
+    if isinstance(t, ops.EagerTensor):
+        return _eager_meta(t)
+    return t
+
+
+class TFVSpace(VSpace):
+    """Calls TF's registered gradients; makes ones/zeros on the right device."""
+
+    def __init__(self):
+        super().__init__(NONE_OK_INDICES)
+        self._fill_cache = {}
+
+    def num_elements(self, grad):
+        return backprop._num_elements(grad)  # pylint: disable=protected-access
+
+    def element_size(self, grad):
+        if isinstance(grad, indexed_slices.IndexedSlices):
+            grad = grad.values
+        return grad.dtype.size
+
+    def aggregate(self, grads):
+        return backprop._aggregate_grads(grads)  # pylint: disable=protected-access
+
+    def tensor_id(self, tensor):
+        return tensor._id  # pylint: disable=protected-access
+
+    def _fill(self, meta, value):
+        if not isinstance(meta, tuple):
+            t = meta
+            if t.dtype == _STRING:
+                return None
+            if t.dtype == _RESOURCE:
+                if value == 0:
+                    return default_gradient.zeros_like(t)
+                return default_gradient.ones_like(t)
+            return (array_ops.zeros_like(t) if value == 0
+                    else array_ops.ones_like(t))
+        shape, dtype, device = meta
+        if dtype == _STRING or (dtype == _RESOURCE and value == 0):
+            return None
+        if not context.executing_eagerly():
+            # Backprop traced inside a graph (jacobian's pfor, tf.function).
+            with ops.device(device):
+                return array_ops.fill(shape, array_ops.constant(value, dtype))
+        key = (shape, dtype, device, value)
+        cached = self._fill_cache.get(key)
+        if cached is not None:
+            return cached
+        with ops.device(device):
+            result = array_ops.fill(
+                array_ops.constant(shape, dtypes.int32),
+                array_ops.constant(bool(value) if dtype.is_bool else value,
+                                   dtype))
+        if len(self._fill_cache) > 512:
+            self._fill_cache.clear()
+        self._fill_cache[key] = result
+        return result
+
+    def ones_like(self, meta):
+        return self._fill(meta, 1)
+
+    def zeros_like(self, meta):
+        return self._fill(meta, 0)
+
+    def call_backward(self, op_type, payload, unneeded_indices, out_grads):
+        n = payload.num_inputs
+        cls = type(payload)
+        if cls is EagerOp:
+            fn = ops._gradient_registry.lookup(op_type)  # pylint: disable=protected-access
+            if fn is None:
+                return [None] * n
+            mock = _MockOp(payload.attrs, payload.inputs, payload.outputs,
+                           op_type, tuple(unneeded_indices))
+            if context.executing_eagerly():
+                grads = fn(mock, *out_grads)
+            else:
+                with ops.name_scope("gradient_tape/"):
+                    grads = fn(mock, *out_grads)
+        elif cls is GraphOp:
+            op = payload.op
+            fn = ops.get_gradient_function(op)
+            if fn is None:
+                # NotDifferentiable, or registered as None.
+                try:
+                    ops._gradient_registry.lookup(op.type)  # pylint: disable=protected-access
+                except LookupError:
+                    if not op._gradient_function:  # pylint: disable=protected-access
+                        raise
+                return [None] * n
+            with ops.name_scope("gradient_tape/"):
+                grads = fn(op, *out_grads)
+        else:
+            grads = payload.fn(*out_grads)
+        if grads is None or isinstance(grads, (tensor_lib.Tensor,
+                                               indexed_slices.IndexedSlices)):
+            grads = [grads]
+        grads = list(grads)
+        if len(grads) != n:
+            # TF tolerates gradient functions that return extra Nones.
+            if len(grads) > n and all(g is None for g in grads[n:]):
+                grads = grads[:n]
+            else:
+                raise ValueError(
+                    f"The gradient function of {op_type!r} returned "
+                    f"{len(grads)} gradients for {n} inputs")
+        return grads
+
+    def forwardprop_aid(self, meta):
+        if not isinstance(meta, tuple) and meta.dtype == _VARIANT:
+            return self.zeros_like(meta)
+        return self.ones_like(meta)

@@ -1,0 +1,344 @@
+"""fasttape.GradientTape: tf.GradientTape's API over fasttape's Cython core.
+
+Every argument, result structure, warning and exception type follows
+``tensorflow/python/eager/backprop.py`` (TF 2.21); only the bookkeeping and
+the backward loop differ.
+"""
+
+from absl import logging
+
+from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager import backprop
+from tensorflow.python.eager import context
+from tensorflow.python.eager import tape as tf_tape
+from tensorflow.python.framework import composite_tensor_gradient
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import check_ops
+from tensorflow.python.ops import default_gradient
+from tensorflow.python.util import variable_utils
+from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
+from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+from tensorflow.python.util import nest
+from tensorflow.python.util import tf_contextlib
+
+from fasttape import _recording
+from fasttape._tf_vspace import TFVSpace, output_meta
+
+_VSPACE = TFVSpace()
+_handle_or_self = _recording._handle_or_self  # pylint: disable=protected-access
+
+_CONSUMED = ("A non-persistent GradientTape can only be used to compute one "
+             "set of gradients (or jacobians)")
+
+
+def _unconnected(value):
+    try:
+        return UnconnectedGradients(value)
+    except ValueError:
+        raise ValueError(
+            "Unknown value for unconnected_gradients: %r" % value) from None
+
+
+def compute(tape_state, flat_targets, flat_sources, output_gradients,
+            flat_sources_raw, unconnected_gradients):
+    """Run the core's backward pass for flat lists of tensors."""
+    unconnected_gradients = _unconnected(unconnected_gradients)
+    target_ids = [t._id for t in flat_targets]  # pylint: disable=protected-access
+    source_ids = [t._id for t in flat_sources]  # pylint: disable=protected-access
+    targets_set = set(target_ids)
+    sources_that_are_targets = {
+        t._id: output_meta(t)  # pylint: disable=protected-access
+        for t in flat_sources if t._id in targets_set}  # pylint: disable=protected-access
+    grads = tape_state.core.compute_gradient(
+        _VSPACE, target_ids, source_ids, sources_that_are_targets,
+        output_gradients, True)
+    if unconnected_gradients == UnconnectedGradients.ZERO:
+        grads = [default_gradient.zeros_like(flat_sources_raw[i])
+                 if g is None else g for i, g in enumerate(grads)]
+    return grads
+
+
+class GradientTape:
+    """Record operations for automatic differentiation (see tf.GradientTape).
+
+    A drop-in replacement: same constructor, methods, results and errors.
+    """
+
+    def __init__(self, persistent=False, watch_accessed_variables=True):
+        self._tape = None
+        self._persistent = persistent
+        self._watch_accessed_variables = watch_accessed_variables
+        self._watched_variables = ()
+        self._recording = False
+
+    def __enter__(self):
+        self._push_tape()
+        return self
+
+    def __exit__(self, typ, value, traceback):
+        if self._recording:
+            self._pop_tape()
+
+    def _push_tape(self):
+        if self._recording:
+            raise ValueError("Tape is still recording, This can happen if you "
+                             "try to re-enter an already-active tape.")
+        if self._tape is None:
+            self._tape = _recording.TapeState(self._persistent,
+                                              self._watch_accessed_variables)
+        _recording.push_tape(self._tape)
+        self._recording = True
+
+    def _pop_tape(self):
+        if not self._recording:
+            raise ValueError("Tape is not recording.")
+        _recording.pop_tape(self._tape)
+        self._recording = False
+
+    @tf_contextlib.contextmanager
+    def _ensure_recording(self):
+        if not self._recording:
+            try:
+                self._push_tape()
+                yield
+            finally:
+                self._pop_tape()
+        else:
+            yield
+
+    def watch(self, tensor):
+        """Ensures that `tensor` (tensors, variables, nests of them) is traced."""
+        for t in backprop._extract_tensors_and_variables(tensor):  # pylint: disable=protected-access
+            if not _recording.is_trainable(t):
+                logging.log_first_n(
+                    logging.WARN, "The dtype of the watched tensor must be "
+                    "floating (e.g. tf.float32), got %r", 5, t.dtype)
+            if hasattr(t, "handle"):
+                for var in tf_tape._variables_override(t):  # pylint: disable=protected-access
+                    self._tape.watch_variable(var)
+                    pywrap_tfe.TFE_Py_VariableWatcherVariableAccessed(var)
+            else:
+                self._tape.core.watch(t._id)  # pylint: disable=protected-access
+
+    @tf_contextlib.contextmanager
+    def stop_recording(self):
+        """Temporarily stops recording operations on this tape."""
+        if self._tape is None:
+            raise RuntimeError(
+                "Trying to stop recording a tape which is not recording.")
+        self._pop_tape()
+        try:
+            yield
+        finally:
+            self._push_tape()
+
+    def reset(self):
+        """Clears all information stored in this tape."""
+        self._pop_tape()
+        self._tape = None
+        self._push_tape()
+
+    def watched_variables(self):
+        """Returns variables watched by this tape in order of construction."""
+        if self._tape is not None:
+            self._watched_variables = self._tape.watched_variables()
+        return self._watched_variables
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=UnconnectedGradients.NONE):
+        """Computes the gradient using operations recorded in context of this tape."""
+        if self._tape is None:
+            raise RuntimeError(_CONSUMED)
+        if self._recording:
+            if not self._persistent:
+                self._pop_tape()
+            else:
+                logging.log_first_n(
+                    logging.WARN, "Calling GradientTape.gradient on a persistent "
+                    "tape inside its context is significantly less efficient "
+                    "than calling it outside the context (it causes the "
+                    "gradient ops to be recorded on the tape, leading to "
+                    "increased CPU and memory usage). Only call "
+                    "GradientTape.gradient inside the context if you actually "
+                    "want to trace the gradient in order to compute higher "
+                    "order derivatives.", 1)
+        if target is None:
+            raise TypeError("Argument `target` should be a list or nested "
+                            "structure of Tensors, Variables or CompositeTensors "
+                            "to be differentiated, but received None.")
+        flat_targets = composite_tensor_gradient.get_flat_tensors_for_gradients(
+            nest.flatten(target))
+        flat_targets = nest.map_structure(_handle_or_self, flat_targets)
+        flat_sources_raw = nest.flatten(sources)
+        flat_sources = [_handle_or_self(t) for t in flat_sources_raw]
+        flat_sources = composite_tensor_gradient.get_flat_tensors_for_gradients(
+            flat_sources)
+        for t in flat_sources:
+            if getattr(t, "is_packed", False):
+                raise ValueError("GradientTape.gradient is not supported on "
+                                 "packed EagerTensors yet.")
+        _check_tensors(flat_targets, "target")
+        _check_tensors(flat_sources, "sources")
+        if output_gradients is not None:
+            output_gradients = nest.flatten(
+                variable_utils.convert_variables_to_tensors(output_gradients))
+            output_gradients = (
+                composite_tensor_gradient.get_flat_tensors_for_gradients(
+                    output_gradients))
+            output_gradients = [None if x is None else ops.convert_to_tensor(x)
+                                for x in output_gradients]
+            if len(output_gradients) != len(flat_targets):
+                raise ValueError(
+                    "Number of output gradients (%d) does not match number of "
+                    "targets (%d)" % (len(output_gradients), len(flat_targets)))
+        tape_state = self._tape
+        if not self._persistent:
+            # Consumed even if the backward pass raises, as in TF.
+            self._watched_variables = tape_state.watched_variables()
+            self._tape = None
+        flat_grad = compute(tape_state, flat_targets, flat_sources,
+                            output_gradients, flat_sources_raw,
+                            unconnected_gradients)
+        flat_sources_raw = nest.map_structure(_handle_or_self, flat_sources_raw)
+        flat_grad = composite_tensor_gradient.replace_flat_tensors_for_gradients(
+            flat_sources_raw, flat_grad)
+        return nest.pack_sequence_as(sources, flat_grad)
+
+    def jacobian(self, target, sources,
+                 unconnected_gradients=UnconnectedGradients.NONE,
+                 parallel_iterations=None, experimental_use_pfor=True):
+        """Computes the jacobian using operations recorded in context of this tape."""
+        if self._tape is None:
+            raise RuntimeError(_CONSUMED)
+        flat_sources = nest.flatten(sources)
+        target_static_shape = target.shape
+        target_shape = array_ops.shape(target)
+        with self._ensure_recording():
+            target = array_ops.reshape(target, [-1])
+
+        def loop_fn(i):
+            with self._ensure_recording():
+                y = array_ops.gather(target, i)
+            return self.gradient(y, flat_sources,
+                                 unconnected_gradients=unconnected_gradients)
+
+        try:
+            target_size = int(target.shape[0])
+        except TypeError:
+            target_size = array_ops.shape(target)[0]
+
+        if experimental_use_pfor:
+            try:
+                output = pfor_ops.pfor(loop_fn, target_size,
+                                       parallel_iterations=parallel_iterations)
+            except ValueError as err:
+                raise ValueError(
+                    "Encountered an exception while vectorizing the "
+                    "jacobian computation. Vectorization can be disabled by "
+                    "setting experimental_use_pfor to False.") from err
+        else:
+            if context.executing_eagerly() and not self._persistent:
+                raise RuntimeError(
+                    "GradientTape must be created with persistent=True"
+                    " to compute the jacobian with eager execution enabled and "
+                    "with  experimental_use_pfor set to False.")
+            output = pfor_ops.for_loop(
+                loop_fn, [target.dtype] * len(flat_sources), target_size,
+                parallel_iterations=parallel_iterations)
+
+        for i, out in enumerate(output):
+            if out is not None:
+                new_shape = array_ops.concat(
+                    [target_shape, array_ops.shape(out)[1:]], axis=0)
+                out = array_ops.reshape(out, new_shape)
+                if context.executing_eagerly():
+                    out.set_shape(target_static_shape.concatenate(
+                        flat_sources[i].shape))
+            output[i] = out
+
+        return nest.pack_sequence_as(sources, output)
+
+    def batch_jacobian(self, target, source,
+                       unconnected_gradients=UnconnectedGradients.NONE,
+                       parallel_iterations=None, experimental_use_pfor=True):
+        """Computes and stacks per-example jacobians."""
+        if self._tape is None:
+            raise RuntimeError("A non-persistent GradientTape can only be used to"
+                               "compute one set of gradients (or jacobians)")
+        target_shape = target.shape
+        if target_shape.rank is None:
+            dim = None
+        else:
+            dim = target_shape.dims[0]
+        if not (target_shape.with_rank_at_least(2) and
+                source.shape.with_rank_at_least(2) and
+                (dim is None or dim.is_compatible_with(source.shape[0]))):
+            raise ValueError(
+                "Need first dimension of target shape (%s) and "
+                "source shape (%s) to match." % (target.shape, source.shape))
+        if target_shape.is_fully_defined():
+            batch_size = int(target_shape[0])
+            target_row_size = target_shape.num_elements() // batch_size
+        else:
+            target_shape = array_ops.shape(target)
+            batch_size = target_shape[0]
+            target_row_size = array_ops.size(target) // batch_size
+        source_shape = array_ops.shape(source)
+        with self._ensure_recording():
+            with ops.control_dependencies(
+                    [check_ops.assert_equal(batch_size, source_shape[0])]):
+                target = array_ops.reshape(target, [batch_size, target_row_size])
+
+        run_once = False
+
+        def loop_fn(i):
+            nonlocal run_once
+            if run_once and not self._persistent:
+                if parallel_iterations is not None:
+                    raise RuntimeError(
+                        "GradientTape must be created with persistent=True"
+                        " to compute the batch_jacobian with parallel_iterations.")
+                else:
+                    raise RuntimeError(
+                        "GradientTape must be created with persistent=True"
+                        " to compute the batch_jacobian.")
+            run_once = True
+            with self._ensure_recording():
+                y = array_ops.gather(target, i, axis=1)
+            return self.gradient(y, source,
+                                 unconnected_gradients=unconnected_gradients)
+
+        if experimental_use_pfor:
+            try:
+                output = pfor_ops.pfor(loop_fn, target_row_size,
+                                       parallel_iterations=parallel_iterations)
+            except ValueError as err:
+                raise ValueError(
+                    "Encountered an exception while vectorizing the "
+                    "batch_jacobian computation. Vectorization can be disabled "
+                    "by setting experimental_use_pfor to False.") from err
+        else:
+            if context.executing_eagerly() and not self._persistent:
+                raise RuntimeError(
+                    "GradientTape must be created with persistent=True"
+                    " to compute the batch_jacobian with eager execution "
+                    "enabled and  with experimental_use_pfor set to False.")
+            output = pfor_ops.for_loop(loop_fn, target.dtype, target_row_size,
+                                       parallel_iterations=parallel_iterations)
+        new_shape = array_ops.concat([target_shape, source_shape[1:]], axis=0)
+        if output is None:
+            return array_ops.zeros(new_shape, target.dtype)
+        output = array_ops.reshape(output, [target_row_size, batch_size, -1])
+        output = array_ops.transpose(output, [1, 0, 2])
+        return array_ops.reshape(output, new_shape)
+
+
+def _check_tensors(flat, what):
+    """TF fails on a non-tensor target or source with an AttributeError."""
+    del what
+    for t in flat:
+        for attr in ("dtype", "_id"):
+            if not hasattr(t, attr):
+                raise AttributeError(
+                    f"{type(t).__name__!r} object has no attribute {attr!r}")
