@@ -1,0 +1,117 @@
+"""Parity harness: one test body, run under tf.GradientTape and fasttape.
+
+A *case* is a function ``case(GradientTape)`` that builds its inputs, records
+under the given tape class and returns any nest of tensors / None / Python
+values. ``assert_parity(case)`` runs it with both implementations and
+compares: structure, None positions, dtypes, shapes, values (per-dtype
+tolerances), or — if TF raises — that fasttape raises the same exception
+type.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+import fasttape
+
+IMPLEMENTATIONS = {"tf": tf.GradientTape, "fasttape": fasttape.GradientTape}
+
+# (rtol, atol) per dtype. Summation order may differ from TF's (fasttape
+# orders deterministically by op id), so allow a few ulps of slack.
+TOLERANCES = {
+    tf.float16: (1e-2, 1e-2),
+    tf.bfloat16: (2e-2, 2e-2),
+    tf.float32: (1e-5, 1e-6),
+    tf.float64: (1e-10, 1e-12),
+    tf.complex64: (1e-5, 1e-6),
+    tf.complex128: (1e-10, 1e-12),
+}
+
+
+class Raised:
+    """What a case raised, kept for comparison."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    def __repr__(self):
+        return f"Raised({type(self.exc).__name__}: {self.exc})"
+
+
+def run_case(case, impl):
+    try:
+        return case(IMPLEMENTATIONS[impl])
+    except Exception as exc:  # noqa: BLE001 - compared, never swallowed
+        return Raised(exc)
+
+
+def _to_numpy(x):
+    if isinstance(x, tf.IndexedSlices):
+        x = tf.convert_to_tensor(x)
+    if isinstance(x, (tf.Tensor, tf.Variable)):
+        return x.dtype, x.numpy()
+    return None, x
+
+
+def assert_same(expected, actual, path="result", rtol=None, atol=None):
+    """Compare two result nests (expected from TF)."""
+    if isinstance(expected, Raised) or isinstance(actual, Raised):
+        assert isinstance(expected, Raised) and isinstance(actual, Raised), (
+            f"{path}: tf gave {expected!r}, fasttape gave {actual!r}")
+        assert type(actual.exc) is type(expected.exc), (
+            f"{path}: tf raised {type(expected.exc).__name__}: {expected.exc}; "
+            f"fasttape raised {type(actual.exc).__name__}: {actual.exc}")
+        return
+    if expected is None or actual is None:
+        assert expected is None and actual is None, (
+            f"{path}: tf gave {expected!r}, fasttape gave {actual!r}")
+        return
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and set(expected) == set(actual), path
+        for k in expected:
+            assert_same(expected[k], actual[k], f"{path}[{k!r}]", rtol, atol)
+        return
+    if isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected), (
+            f"{path}: tf gave {type(expected).__name__}, "
+            f"fasttape gave {type(actual).__name__}")
+        assert len(actual) == len(expected), f"{path}: length differs"
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            assert_same(e, a, f"{path}[{i}]", rtol, atol)
+        return
+    assert isinstance(actual, tf.IndexedSlices) == isinstance(
+        expected, tf.IndexedSlices), (
+            f"{path}: tf gave {type(expected).__name__}, "
+            f"fasttape gave {type(actual).__name__}")
+    e_dtype, e = _to_numpy(expected)
+    a_dtype, a = _to_numpy(actual)
+    if e_dtype is None:
+        assert e == a, f"{path}: tf gave {e!r}, fasttape gave {a!r}"
+        return
+    assert a_dtype == e_dtype, f"{path}: dtype {a_dtype} != tf's {e_dtype}"
+    assert np.shape(a) == np.shape(e), (
+        f"{path}: shape {np.shape(a)} != tf's {np.shape(e)}")
+    r, t = TOLERANCES.get(e_dtype, (0, 0))
+    np.testing.assert_allclose(
+        np.asarray(a, dtype=np.complex128 if np.iscomplexobj(e) else np.float64)
+        if e_dtype in TOLERANCES else a,
+        np.asarray(e, dtype=np.complex128 if np.iscomplexobj(e) else np.float64)
+        if e_dtype in TOLERANCES else e,
+        rtol=r if rtol is None else rtol, atol=t if atol is None else atol,
+        err_msg=path)
+
+
+def assert_parity(case, rtol=None, atol=None, allow_tf_error=True):
+    """Run ``case`` under both implementations and compare the results.
+
+    Returns TF's result. If TF raised and ``allow_tf_error`` is False the
+    test fails (use it where TF is expected to succeed).
+    """
+    expected = run_case(case, "tf")
+    actual = run_case(case, "fasttape")
+    if not allow_tf_error and isinstance(expected, Raised):
+        raise AssertionError(f"tf.GradientTape failed: {expected!r}") from expected.exc
+    if isinstance(actual, Raised) and not isinstance(expected, Raised):
+        raise AssertionError(
+            f"fasttape raised where tf succeeded: {actual!r}") from actual.exc
+    assert_same(expected, actual, rtol=rtol, atol=atol)
+    return expected
