@@ -656,12 +656,15 @@ cdef class ForwardAccumulatorCore:
     def __len__(self):
         return len(self.accumulated)
 
+    # call_state is indexed from the front: release builds compile with
+    # wraparound off, where [-1] on a typed list reads out of bounds.
     cpdef bint busy_accumulating(self):
-        return self.call_state[-1][1]
+        return self.call_state[len(self.call_state) - 1][1]
 
     def push_state(self):
-        """Enter a scope where this accumulator records nothing of its own
-        (TF's ForwardAccumulator.PushState, used by stop_recording)."""
+        """Enter a fresh state: not busy, no inner tape, so ops run from
+        inside a rule are accumulated again until pop_state (TF's
+        ForwardAccumulator.PushState, used while building functions)."""
         self.call_state.append([None, False])
 
     def pop_state(self):
@@ -670,9 +673,11 @@ cdef class ForwardAccumulatorCore:
         self.call_state.pop()
 
     cpdef bint should_record(self, input_ids, trainable=None):
-        cdef list top = self.call_state[-1]
+        cdef list top = self.call_state[len(self.call_state) - 1]
         if top[0] is not None:
-            return True
+            # As tape.h: accumulate() hands the op to that inner tape, so
+            # that tape decides.
+            return (<GradientTapeCore>top[0]).should_record(input_ids, trainable)
         if top[1]:
             return False
         cdef dict acc = self.accumulated
@@ -691,7 +696,7 @@ cdef class ForwardAccumulatorCore:
         tangent but of a trainable dtype gets zeros, as in TF).
         Returns True when something was recorded or accumulated.
         """
-        cdef list top = self.call_state[-1]
+        cdef list top = self.call_state[len(self.call_state) - 1]
         cdef GradientTapeCore inner = top[0]
         if inner is not None:
             # A fallback transposition is running this op: it belongs to the
@@ -769,7 +774,7 @@ cdef class ForwardAccumulatorCore:
         cdef list aid_ids = [vspace.tensor_id(a) for a in aids]
         for a in aid_ids:
             tape.watch(a)
-        cdef list top = self.call_state[-1]
+        cdef list top = self.call_state[len(self.call_state) - 1]
         top[0] = tape
         try:
             grads = vspace.call_backward(op_type, payload, [], list(aids))
