@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "GradientTape": ("fasttape.tape", "GradientTape"),
+    "ForwardAccumulator": ("fasttape.forwardprop", "ForwardAccumulator"),
     "patch": ("fasttape._patch", "patch"),
     "unpatch": ("fasttape._patch", "unpatch"),
     "patched": ("fasttape._patch", "patched"),

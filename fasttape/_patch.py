@@ -6,13 +6,16 @@ The swap itself (a TF monkeypatch) lives in _recording with the others.
 import contextlib
 
 from tensorflow.python.eager import backprop
+from tensorflow.python.eager import forwardprop
 
 from fasttape import _recording
+from fasttape.forwardprop import ForwardAccumulator
 from fasttape.tape import GradientTape
 
 
 def _replacements():
-    return {backprop.GradientTape: GradientTape}
+    return {backprop.GradientTape: GradientTape,
+            forwardprop.ForwardAccumulator: ForwardAccumulator}
 
 
 def patch():

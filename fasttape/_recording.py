@@ -20,6 +20,7 @@ share their parent's callback list, so the callback must not assume it was
 registered by the thread it runs on.
 """
 
+import itertools
 import sys
 import threading
 
@@ -34,8 +35,17 @@ from tensorflow.python.ops import gradients_util
 from tensorflow.python.ops import resource_variable_ops
 
 from fasttape import _core
-from fasttape._tf_vspace import (EagerOp, GraphOp, PyBackward, keep,
+from fasttape._tf_vspace import (EagerOp, GraphOp, PyBackward, TFVSpace, keep,
                                  output_meta, saved_indices)
+
+VSPACE = TFVSpace()
+
+# Tapes and accumulators are numbered in creation order. While an accumulator
+# computes a JVP, only older tapes and accumulators see the ops it runs (TF's
+# rule: that is how nested accumulators and tapes give higher orders without
+# a younger one recording its elder's bookkeeping).
+_nesting_ids = itertools.count()
+_NO_LIMIT = 1 << 62
 
 _is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 _BaseVariable = resource_variable_ops.BaseResourceVariable
@@ -66,13 +76,14 @@ class TapeState:
     """One fasttape tape as the recording machinery sees it."""
 
     __slots__ = ("core", "persistent", "watch_accessed_variables",
-                 "variables", "__weakref__")
+                 "variables", "nesting_id", "__weakref__")
 
     def __init__(self, persistent, watch_accessed_variables):
         self.core = _core.GradientTapeCore(persistent)
         self.persistent = persistent
         self.watch_accessed_variables = watch_accessed_variables
         self.variables = {}  # handle id -> variable
+        self.nesting_id = next(_nesting_ids)
 
     def watch_variable(self, variable):
         hid = variable.handle._id  # pylint: disable=protected-access
@@ -85,12 +96,24 @@ class TapeState:
         return tuple(self.variables[k] for k in sorted(self.variables))
 
 
+class AccumulatorState:
+    """One fasttape forward accumulator as the recording machinery sees it."""
+
+    __slots__ = ("core", "nesting_id", "__weakref__")
+
+    def __init__(self, use_batch):
+        self.core = _core.ForwardAccumulatorCore(VSPACE, use_batch)
+        self.nesting_id = next(_nesting_ids)
+
+
 class _State(threading.local):
     def __init__(self):
         super().__init__()
         self.tapes = []            # recording TapeStates, innermost last
+        self.accumulators = []     # recording AccumulatorStates
         self.in_callback = False   # re-entry guard
         self.callback_added = False
+        self.nesting_limit = _NO_LIMIT
 
 
 _state = _State()
@@ -104,13 +127,13 @@ def recording_tapes():
 
 # -- the tape stack -------------------------------------------------------------
 
-def push_tape(tape_state):
+def _push(stack, item):
     st = _state
     if not st.callback_added:
         op_callbacks.add_op_callback(_op_callback)
         st.callback_added = True
     install()
-    st.tapes.append(tape_state)
+    stack.append(item)
     global _live_tapes
     with _live_lock:
         _live_tapes += 1
@@ -118,14 +141,13 @@ def push_tape(tape_state):
             _install_fast_path_wrapper()
 
 
-def pop_tape(tape_state):
-    tapes = _state.tapes
-    for i in range(len(tapes) - 1, -1, -1):
-        if tapes[i] is tape_state:
-            del tapes[i]
+def _pop(stack, item, error):
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i] is item:
+            del stack[i]
             break
     else:
-        raise ValueError("Tape is not recording.")
+        raise ValueError(error)
     global _live_tapes
     with _live_lock:
         _live_tapes -= 1
@@ -133,29 +155,77 @@ def pop_tape(tape_state):
             _uninstall_fast_path_wrapper()
 
 
+def push_tape(tape_state):
+    _push(_state.tapes, tape_state)
+
+
+def pop_tape(tape_state):
+    _pop(_state.tapes, tape_state, "Tape is not recording.")
+
+
+def push_accumulator(acc_state):
+    _push(_state.accumulators, acc_state)
+
+
+def pop_accumulator(acc_state):
+    _pop(_state.accumulators, acc_state, "Accumulator is not recording.")
+
+
 # -- recording ------------------------------------------------------------------
 
-def _record(op_type, inputs, outputs, make_payload):
-    """Record an op on every active tape that watches one of its inputs."""
-    tapes = _state.tapes
+def _record(op_type, inputs, outputs, make_payload, make_full_payload=None,
+            to_tapes=True, to_accumulators=True):
+    """Record an op on every active tape that watches one of its inputs, and
+    push tangents through it for every active accumulator that tracks one.
+
+    make_payload() builds what a tape keeps; make_full_payload() (default:
+    the same) what an accumulator's rule reads.
+    """
+    st = _state
+    limit = st.nesting_limit
     ids = [t._id for t in inputs]  # pylint: disable=protected-access
-    recording = [tp for tp in tapes if tp.core.should_record(ids)]
-    if not recording:
+    tapes = [tp for tp in st.tapes if tp.nesting_id < limit
+             and tp.core.should_record(ids)] if to_tapes else ()
+    accs = [a for a in st.accumulators if a.nesting_id <= limit
+            and a.core.should_record(ids)] if to_accumulators else ()
+    if not tapes and not accs:
         return
     trainable = [is_trainable(t) for t in inputs]
-    recording = [tp for tp in recording if tp.core.should_record(ids, trainable)]
-    if not recording:
+    tapes = [tp for tp in tapes if tp.core.should_record(ids, trainable)]
+    accs = [a for a in accs if a.core.should_record(ids, trainable)]
+    if not tapes and not accs:
         return
-    payload = make_payload()
     out_ids = [t._id for t in outputs]  # pylint: disable=protected-access
     meta = tuple(output_meta(t) for t in outputs)
-    for tp in recording:
-        tp.core.record_operation(op_type, ids, out_ids, meta, payload, trainable)
+    payload = None
+    if tapes:
+        payload = make_payload()
+        for tp in tapes:
+            tp.core.record_operation(op_type, ids, out_ids, meta, payload,
+                                     trainable)
+    if accs:
+        if make_full_payload is not None:
+            payload = make_full_payload()
+        elif payload is None:
+            payload = make_payload()
+        in_meta = tuple(output_meta(t) for t in inputs)
+        guard = st.in_callback
+        for acc in accs:
+            # The JVP's own ops are seen by older tapes/accumulators only.
+            st.nesting_limit = acc.nesting_id
+            st.in_callback = False
+            try:
+                acc.core.accumulate(op_type, ids, in_meta, out_ids, meta,
+                                    payload, trainable)
+            finally:
+                st.nesting_limit = limit
+                st.in_callback = guard
 
 
 def _op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
     st = _state
-    if not st.tapes or st.in_callback or not outputs or _is_stopped():
+    if (not st.tapes and not st.accumulators) or st.in_callback or not outputs \
+            or _is_stopped():
         return None
     if type(op_type) is bytes:
         op_type = op_type.decode()
@@ -166,22 +236,29 @@ def _op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
                 saved_in, saved_out = saved_indices(op_type)
                 return EagerOp(attrs, keep(inputs, saved_in),
                                keep(outputs, saved_out), len(inputs))
+
+            def make_full_payload():
+                return EagerOp(attrs, tuple(inputs), tuple(outputs), len(inputs))
         else:
             def make_payload():
                 return GraphOp(outputs[0].op, len(inputs))
-        _record(op_type, inputs, outputs, make_payload)
+            make_full_payload = None
+        _record(op_type, inputs, outputs, make_payload, make_full_payload)
     finally:
         st.in_callback = False
     return None
 
 
 def _record_python_backward(op_type, output_tensors, input_tensors,
-                            backward_function):
-    if not _state.tapes or _is_stopped():
+                            backward_function, forward_function=None,
+                            to_tapes=True, to_accumulators=True):
+    st = _state
+    if (not st.tapes and not st.accumulators) or _is_stopped():
         return
     inputs = [_handle_or_self(t) for t in input_tensors]
     _record(op_type, inputs, list(output_tensors),
-            lambda: PyBackward(backward_function, len(inputs)))
+            lambda: PyBackward(backward_function, len(inputs), forward_function),
+            to_tapes=to_tapes, to_accumulators=to_accumulators)
 
 
 # -- wrappers of TF's record/variable functions ----------------------------------
@@ -194,7 +271,7 @@ def _wrapped_record_operation(op_type, output_tensors, input_tensors,
     _originals["record_operation"](op_type, output_tensors, input_tensors,
                                    backward_function, forward_function)
     _record_python_backward(op_type, output_tensors, input_tensors,
-                            backward_function)
+                            backward_function, forward_function)
 
 
 def _wrapped_record_operation_backprop_only(op_type, output_tensors,
@@ -202,23 +279,39 @@ def _wrapped_record_operation_backprop_only(op_type, output_tensors,
     _originals["record_operation_backprop_only"](
         op_type, output_tensors, input_tensors, backward_function)
     _record_python_backward(op_type, output_tensors, input_tensors,
-                            backward_function)
+                            backward_function, to_accumulators=False)
+
+
+def _wrapped_record_operation_forwardprop_only(
+        op_type, output_tensors, input_tensors, backward_function,
+        forwardprop_output_indices):
+    _originals["record_operation_forwardprop_only"](
+        op_type, output_tensors, input_tensors, backward_function,
+        forwardprop_output_indices)
+    _record_python_backward(op_type, output_tensors, input_tensors,
+                            backward_function, to_tapes=False)
 
 
 def _wrapped_could_possibly_record():
-    return bool(_state.tapes) or _originals["could_possibly_record"]()
+    st = _state
+    return (bool(st.tapes) or bool(st.accumulators)
+            or _originals["could_possibly_record"]())
 
 
-def _watching(tensors):
-    """The active fasttape tapes that would record an op on ``tensors``."""
-    tapes = _state.tapes
-    if not tapes or _is_stopped():
+def _watching(tensors, accumulators=False):
+    """The active fasttape tapes (or accumulators) that would record an op
+    on ``tensors``."""
+    st = _state
+    items = st.accumulators if accumulators else st.tapes
+    if not items or _is_stopped():
         return []
     flat = [_handle_or_self(t) for t in tensors]
     flat = [t for t in flat if hasattr(t, "_id")]
     ids = [t._id for t in flat]  # pylint: disable=protected-access
     trainable = [is_trainable(t) for t in flat]
-    return [tp for tp in tapes if tp.core.should_record(ids, trainable)]
+    limit = st.nesting_limit
+    return [x for x in items if x.nesting_id <= limit
+            and x.core.should_record(ids, trainable)]
 
 
 def _wrapped_should_record_backprop(tensors):
@@ -229,6 +322,8 @@ def _wrapped_should_record_backprop(tensors):
 def _wrapped_possible_tape_gradient_types(tensors):
     theirs = _originals["PossibleTapeGradientTypes"](tensors)
     watching = _watching(tensors)
+    if _watching(tensors, accumulators=True):
+        return gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER
     if not watching:
         return theirs
     if theirs or len(watching) > 1 or watching[0].persistent:
@@ -262,6 +357,8 @@ _HOOKS = (
     (record, "record_operation", _wrapped_record_operation),
     (record, "record_operation_backprop_only",
      _wrapped_record_operation_backprop_only),
+    (record, "record_operation_forwardprop_only",
+     _wrapped_record_operation_forwardprop_only),
     (record, "could_possibly_record", _wrapped_could_possibly_record),
     (record, "should_record_backprop", _wrapped_should_record_backprop),
     (gradients_util, "PossibleTapeGradientTypes",
@@ -327,7 +424,8 @@ def _read_variables(args):
 
 
 def _fast_path_reading_variables(*args):
-    if _state.tapes and not _is_stopped():
+    st = _state
+    if (st.tapes or st.accumulators) and not _is_stopped():
         args = _read_variables(args)
     return _original_fast_path(*args)
 

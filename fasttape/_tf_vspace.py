@@ -25,9 +25,11 @@ from tensorflow.python.framework import indexed_slices
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import array_ops_stack
 from tensorflow.python.ops import default_gradient
 
 from fasttape._core import VSpace
+from fasttape._jvp_rules import JVP_RULES, OpView
 
 # Output indices whose gradient may be None rather than zeros (tape.h's
 # FunctionsAcceptingNoneForIndicesMap).
@@ -63,11 +65,12 @@ class GraphOp:
 
 
 class PyBackward:
-    __slots__ = ("fn", "num_inputs", "__weakref__")
+    __slots__ = ("fn", "num_inputs", "forward", "__weakref__")
 
-    def __init__(self, fn, num_inputs):
+    def __init__(self, fn, num_inputs, forward=None):
         self.fn = fn
         self.num_inputs = num_inputs
+        self.forward = forward  # tangents -> output tangents, if TF gave one
 
 
 # -- which inputs/outputs a gradient function reads -------------------------
@@ -196,7 +199,7 @@ class TFVSpace(VSpace):
     def tensor_id(self, tensor):
         return tensor._id  # pylint: disable=protected-access
 
-    def _fill(self, meta, value):
+    def _fill(self, meta, value, cache=True):
         if not isinstance(meta, tuple):
             t = meta
             if t.dtype == _STRING:
@@ -215,7 +218,7 @@ class TFVSpace(VSpace):
             with ops.device(device):
                 return array_ops.fill(shape, array_ops.constant(value, dtype))
         key = (shape, dtype, device, value)
-        cached = self._fill_cache.get(key)
+        cached = self._fill_cache.get(key) if cache else None
         if cached is not None:
             return cached
         with ops.device(device):
@@ -223,9 +226,10 @@ class TFVSpace(VSpace):
                 array_ops.constant(shape, dtypes.int32),
                 array_ops.constant(bool(value) if dtype.is_bool else value,
                                    dtype))
-        if len(self._fill_cache) > 512:
-            self._fill_cache.clear()
-        self._fill_cache[key] = result
+        if cache:
+            if len(self._fill_cache) > 512:
+                self._fill_cache.clear()
+            self._fill_cache[key] = result
         return result
 
     def ones_like(self, meta):
@@ -278,6 +282,38 @@ class TFVSpace(VSpace):
         return grads
 
     def forwardprop_aid(self, meta):
+        # Never cached: each aid must be a distinct tensor (its id is watched).
         if not isinstance(meta, tuple) and meta.dtype == _VARIANT:
-            return self.zeros_like(meta)
-        return self.ones_like(meta)
+            return self._fill(meta, 0, cache=False)
+        return self._fill(meta, 1, cache=False)
+
+    def forward_rule(self, op_type, payload, in_tangents, use_batch):
+        cls = type(payload)
+        if cls is PyBackward:
+            if payload.forward is None:
+                return NotImplemented
+            fn = lambda t: list(payload.forward(*t))  # noqa: E731
+        else:
+            jvp = JVP_RULES.get(op_type)
+            if jvp is None:
+                return NotImplemented
+            if cls is EagerOp:
+                view = OpView(payload.inputs, payload.outputs, attrs=payload.attrs)
+            else:
+                view = OpView(payload.op.inputs, payload.op.outputs, op=payload.op)
+            fn = lambda t: jvp(view, t)  # noqa: E731
+        if not use_batch:
+            return fn(in_tangents)
+        # Batched tangents: the rule per example, restacked.
+        split = [None if t is None else array_ops.unstack(t) for t in in_tangents]
+        n = next(len(s) for s in split if s is not None)
+        rows = [fn([None if s is None else s[b] for s in split]) for b in range(n)]
+        return [None if any(r[k] is None for r in rows)
+                else array_ops_stack.stack([r[k] for r in rows])
+                for k in range(len(rows[0]))]
+
+    def unbatch(self, tangent):
+        return array_ops.unstack(tangent)
+
+    def batch(self, tangents):
+        return array_ops_stack.stack(tangents)

@@ -23,9 +23,7 @@ from tensorflow.python.util import nest
 from tensorflow.python.util import tf_contextlib
 
 from fasttape import _recording
-from fasttape._tf_vspace import TFVSpace, output_meta
-
-_VSPACE = TFVSpace()
+from fasttape._tf_vspace import output_meta
 _handle_or_self = _recording._handle_or_self  # pylint: disable=protected-access
 
 _CONSUMED = ("A non-persistent GradientTape can only be used to compute one "
@@ -51,7 +49,7 @@ def compute(tape_state, flat_targets, flat_sources, output_gradients,
         t._id: output_meta(t)  # pylint: disable=protected-access
         for t in flat_sources if t._id in targets_set}  # pylint: disable=protected-access
     grads = tape_state.core.compute_gradient(
-        _VSPACE, target_ids, source_ids, sources_that_are_targets,
+        _recording.VSPACE, target_ids, source_ids, sources_that_are_targets,
         output_gradients, True)
     if unconnected_gradients == UnconnectedGradients.ZERO:
         grads = [default_gradient.zeros_like(flat_sources_raw[i])

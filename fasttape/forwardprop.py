@@ -1,0 +1,105 @@
+"""fasttape.ForwardAccumulator: tf.autodiff.ForwardAccumulator's API over
+fasttape's core (direct JVP rules, else the transposed registered gradient;
+no tf.function is traced per op type)."""
+
+from absl import logging
+
+from tensorflow.python.framework import ops
+from tensorflow.python.framework import tensor_shape
+from tensorflow.python.ops import array_ops
+from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+from tensorflow.python.util import nest
+
+from fasttape import _recording
+
+_DUPLICATE = ("Tensor {} was specified as a primal multiple times. This may "
+              "indicate an error. If it was intended, please sum the "
+              "corresponding tangents.")
+
+
+class ForwardAccumulator:
+    """Computes Jacobian-vector products ("JVP"s) using forward-mode autodiff.
+
+    A drop-in for ``tf.autodiff.ForwardAccumulator(primals, tangents)``.
+    """
+
+    def __init__(self, primals, tangents):
+        self._accumulator = _recording.AccumulatorState(use_batch=False)
+        self._recording = False
+        primal_ids = set()
+        for primal in nest.flatten(primals):
+            if id(primal) in primal_ids:
+                raise ValueError(_DUPLICATE.format(primal))
+            primal_ids.add(id(primal))
+        self._watch(primals, tangents)
+
+    def __enter__(self):
+        self._push_accumulator()
+        return self
+
+    def __exit__(self, typ, value, traceback):
+        if self._recording:
+            self._pop_accumulator()
+
+    def _push_accumulator(self):
+        if self._recording:
+            raise ValueError("Accumulator is already recording.")
+        _recording.push_accumulator(self._accumulator)
+        self._recording = True
+
+    def _pop_accumulator(self):
+        if not self._recording:
+            raise ValueError("Accumulator is not recording.")
+        _recording.pop_accumulator(self._accumulator)
+        self._recording = False
+
+    def _watch(self, primals, tangents):
+        core = self._accumulator.core
+
+        def _watch(primal, tangent):
+            if not primal.dtype.is_floating:
+                logging.log_first_n(
+                    logging.WARN, "The dtype of the watched primal must be "
+                    "floating (e.g. tf.float32), got %r", 5, primal.dtype)
+            tangent = ops.convert_to_tensor(tangent, dtype=primal.dtype)
+            if hasattr(primal, "handle"):
+                primal = ops.convert_to_tensor(primal.handle)
+            core.watch(primal._id, tangent)  # pylint: disable=protected-access
+
+        nest.map_structure(_watch, primals, tangents)
+
+    def jvp(self, primals, unconnected_gradients=UnconnectedGradients.NONE):
+        """Fetches the Jacobian-vector product computed for ``primals``."""
+        unconnected_gradients = UnconnectedGradients(unconnected_gradients)
+        if self._accumulator is None:
+            raise ValueError("Called jvp() without first tracing anything.")
+        core = self._accumulator.core
+
+        def _fetch_jvp(tensor):
+            if hasattr(tensor, "handle"):
+                unwrapped = ops.convert_to_tensor(tensor.handle)
+            else:
+                unwrapped = tensor
+            result = core.fetch_jvp(unwrapped._id)  # pylint: disable=protected-access
+            if result is None and unconnected_gradients == UnconnectedGradients.ZERO:
+                result = array_ops.zeros_like(tensor)
+            return result
+
+        return nest.map_structure(_fetch_jvp, primals)
+
+    @classmethod
+    def _batch_accumulator(cls, primals, tangents):
+        """An accumulator whose tangents carry a leading batch dimension: one
+        forward pass pushes every column of a Jacobian at once."""
+        acc = super().__new__(cls)
+        acc._recording = False
+        acc._accumulator = _recording.AccumulatorState(use_batch=True)
+        primal_ids = set()
+        for primal, tangent in zip(nest.flatten(primals), nest.flatten(tangents)):
+            tangent.shape.assert_is_compatible_with(
+                tensor_shape.TensorShape([None]) + primal.shape)
+            if id(primal) in primal_ids:
+                raise ValueError(_DUPLICATE.format(primal))
+            primal_ids.add(id(primal))
+        acc._watch(primals, tangents)
+        return acc
