@@ -30,13 +30,14 @@ if mode == "profile":
 
 extensions = [
     Extension(
-        "fasttape._core",
-        ["fasttape/_core.pyx"],
+        f"fasttape.{name}",
+        [f"fasttape/{name}.pyx"],
         language="c++",
         include_dirs=[numpy.get_include()],
         extra_compile_args=compile_args,
         define_macros=macros,
-    ),
+    )
+    for name in ("_core", "_callback")
 ]
 
 setup(

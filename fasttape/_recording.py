@@ -21,50 +21,37 @@ registered by the thread it runs on.
 """
 
 import itertools
+import threading as _threading
 import sys
-import threading
 
 from tensorflow.python import pywrap_tfe
-from tensorflow.python.eager import backprop_util
 from tensorflow.python.eager import record
 from tensorflow.python.eager import tape as tf_tape
 from tensorflow.python.framework import op_callbacks
-from tensorflow.python.framework import ops
-from tensorflow.python.framework import dtypes
 from tensorflow.python.ops import gradients_util
 from tensorflow.python.ops import resource_variable_ops
 
+from fasttape import _callback
 from fasttape import _core
-from fasttape._tf_vspace import (EagerOp, GraphOp, PyBackward, TFVSpace, keep,
-                                 output_meta, saved_indices)
+from fasttape._tf_vspace import TFVSpace
 
-VSPACE = TFVSpace()
+
+def _anything_recording():
+    """Would an op run now be recorded by some tape or accumulator?"""
+    st = _state
+    return bool(st.tapes or st.accumulators) or not pywrap_tfe.TFE_Py_TapeSetIsEmpty()
+
+
+VSPACE = TFVSpace(_anything_recording)
 
 # Tapes and accumulators are numbered in creation order. While an accumulator
 # computes a JVP, only older tapes and accumulators see the ops it runs (TF's
 # rule: that is how nested accumulators and tapes give higher orders without
 # a younger one recording its elder's bookkeeping).
 _nesting_ids = itertools.count()
-_NO_LIMIT = 1 << 62
 
 _is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 _BaseVariable = resource_variable_ops.BaseResourceVariable
-
-_TRAINABLE_ENUMS = frozenset(
-    d.as_datatype_enum for d in (
-        dtypes.float16, dtypes.bfloat16, dtypes.float32, dtypes.float64,
-        dtypes.complex64, dtypes.complex128, dtypes.resource))
-_VARIANT_ENUM = dtypes.variant.as_datatype_enum
-
-
-def is_trainable(t):
-    enum = t.dtype._type_enum  # pylint: disable=protected-access
-    if enum in _TRAINABLE_ENUMS:
-        return True
-    if enum == _VARIANT_ENUM:
-        return backprop_util.IsTrainable(t)
-    return False
-
 
 def _handle_or_self(x):
     if isinstance(x, _BaseVariable):
@@ -106,18 +93,9 @@ class AccumulatorState:
         self.nesting_id = next(_nesting_ids)
 
 
-class _State(threading.local):
-    def __init__(self):
-        super().__init__()
-        self.tapes = []            # recording TapeStates, innermost last
-        self.accumulators = []     # recording AccumulatorStates
-        self.in_callback = False   # re-entry guard
-        self.callback_added = False
-        self.nesting_limit = _NO_LIMIT
-
-
-_state = _State()
-_live_lock = threading.Lock()
+_state = _callback.state
+is_trainable = _callback.is_trainable
+_live_lock = _threading.Lock()
 _live_tapes = 0                    # recording tapes over all threads
 
 
@@ -130,7 +108,7 @@ def recording_tapes():
 def _push(stack, item):
     st = _state
     if not st.callback_added:
-        op_callbacks.add_op_callback(_op_callback)
+        op_callbacks.add_op_callback(_callback.op_callback)
         st.callback_added = True
     install()
     stack.append(item)
@@ -173,82 +151,6 @@ def pop_accumulator(acc_state):
 
 # -- recording ------------------------------------------------------------------
 
-def _record(op_type, inputs, outputs, make_payload, make_full_payload=None,
-            to_tapes=True, to_accumulators=True):
-    """Record an op on every active tape that watches one of its inputs, and
-    push tangents through it for every active accumulator that tracks one.
-
-    make_payload() builds what a tape keeps; make_full_payload() (default:
-    the same) what an accumulator's rule reads.
-    """
-    st = _state
-    limit = st.nesting_limit
-    ids = [t._id for t in inputs]  # pylint: disable=protected-access
-    tapes = [tp for tp in st.tapes if tp.nesting_id < limit
-             and tp.core.should_record(ids)] if to_tapes else ()
-    accs = [a for a in st.accumulators if a.nesting_id <= limit
-            and a.core.should_record(ids)] if to_accumulators else ()
-    if not tapes and not accs:
-        return
-    trainable = [is_trainable(t) for t in inputs]
-    tapes = [tp for tp in tapes if tp.core.should_record(ids, trainable)]
-    accs = [a for a in accs if a.core.should_record(ids, trainable)]
-    if not tapes and not accs:
-        return
-    out_ids = [t._id for t in outputs]  # pylint: disable=protected-access
-    meta = tuple(output_meta(t) for t in outputs)
-    payload = None
-    if tapes:
-        payload = make_payload()
-        for tp in tapes:
-            tp.core.record_operation(op_type, ids, out_ids, meta, payload,
-                                     trainable)
-    if accs:
-        if make_full_payload is not None:
-            payload = make_full_payload()
-        elif payload is None:
-            payload = make_payload()
-        in_meta = tuple(output_meta(t) for t in inputs)
-        guard = st.in_callback
-        for acc in accs:
-            # The JVP's own ops are seen by older tapes/accumulators only.
-            st.nesting_limit = acc.nesting_id
-            st.in_callback = False
-            try:
-                acc.core.accumulate(op_type, ids, in_meta, out_ids, meta,
-                                    payload, trainable)
-            finally:
-                st.nesting_limit = limit
-                st.in_callback = guard
-
-
-def _op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
-    st = _state
-    if (not st.tapes and not st.accumulators) or st.in_callback or not outputs \
-            or _is_stopped():
-        return None
-    if type(op_type) is bytes:
-        op_type = op_type.decode()
-    st.in_callback = True
-    try:
-        if graph is None:
-            def make_payload():
-                saved_in, saved_out = saved_indices(op_type)
-                return EagerOp(attrs, keep(inputs, saved_in),
-                               keep(outputs, saved_out), len(inputs))
-
-            def make_full_payload():
-                return EagerOp(attrs, tuple(inputs), tuple(outputs), len(inputs))
-        else:
-            def make_payload():
-                return GraphOp(outputs[0].op, len(inputs))
-            make_full_payload = None
-        _record(op_type, inputs, outputs, make_payload, make_full_payload)
-    finally:
-        st.in_callback = False
-    return None
-
-
 def _record_python_backward(op_type, output_tensors, input_tensors,
                             backward_function, forward_function=None,
                             to_tapes=True, to_accumulators=True):
@@ -256,9 +158,10 @@ def _record_python_backward(op_type, output_tensors, input_tensors,
     if (not st.tapes and not st.accumulators) or _is_stopped():
         return
     inputs = [_handle_or_self(t) for t in input_tensors]
-    _record(op_type, inputs, list(output_tensors),
-            lambda: PyBackward(backward_function, len(inputs), forward_function),
-            to_tapes=to_tapes, to_accumulators=to_accumulators)
+    _callback.record(op_type, inputs, list(output_tensors),
+                     _callback.PY_BACKWARD, backward=backward_function,
+                     forward=forward_function, to_tapes=to_tapes,
+                     to_accumulators=to_accumulators)
 
 
 # -- wrappers of TF's record/variable functions ----------------------------------
@@ -408,25 +311,10 @@ _original_fast_path = pywrap_tfe.TFE_Py_FastPathExecute
 fast_path_wrapper_enabled = True   # tests switch it off to show the trap
 
 
-def _read_variables(args):
-    out = None
-    for i, a in enumerate(args):
-        if isinstance(a, _BaseVariable):
-            value = a.value()
-        elif type(a) is list and a and any(isinstance(x, _BaseVariable) for x in a):
-            value = [x.value() if isinstance(x, _BaseVariable) else x for x in a]
-        else:
-            continue
-        if out is None:
-            out = list(args)
-        out[i] = value
-    return args if out is None else out
-
-
 def _fast_path_reading_variables(*args):
     st = _state
     if (st.tapes or st.accumulators) and not _is_stopped():
-        args = _read_variables(args)
+        args = _callback.read_variables(args)
     return _original_fast_path(*args)
 
 

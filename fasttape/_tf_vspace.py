@@ -29,6 +29,7 @@ from tensorflow.python.ops import array_ops_stack
 from tensorflow.python.ops import default_gradient
 
 from fasttape._core import VSpace
+from fasttape._fast_grads import FAST_GRADS, REAL_FLOAT_ENUMS
 from fasttape._jvp_rules import JVP_RULES, OpView
 
 # Output indices whose gradient may be None rather than zeros (tape.h's
@@ -151,39 +152,44 @@ def saved_indices(op_type):
     return result
 
 
-def keep(values, indices):
-    """values with entries not in ``indices`` (ALL keeps all) set to None."""
-    if indices is ALL:
-        return tuple(values)
-    n = len(values)
-    wanted = {i % n for i in indices if -n <= i < n}
-    return tuple(v if i in wanted else None for i, v in enumerate(values))
-
-
 # -- the vspace ---------------------------------------------------------------
 
 _MockOp = backprop._MockOp  # pylint: disable=protected-access
 
 
-def _eager_meta(t):
-    dtype = t.dtype
-    if dtype == _VARIANT or dtype == _RESOURCE:
-        return t  # zeros/ones need the handle data
-    return (t._shape_tuple(), dtype, t.device)  # pylint: disable=protected-access
-
-
-def output_meta(t):
-    if isinstance(t, ops.EagerTensor):
-        return _eager_meta(t)
-    return t
+def _never_recording():
+    return False
 
 
 class TFVSpace(VSpace):
-    """Calls TF's registered gradients; makes ones/zeros on the right device."""
+    """Calls TF's registered gradients; makes ones/zeros on the right device.
 
-    def __init__(self):
+    ``is_recording()`` says whether any tape or accumulator would record the
+    backward pass's own ops; only when none does are the fast rules used.
+    """
+
+    def __init__(self, is_recording=_never_recording):
         super().__init__(NONE_OK_INDICES)
         self._fill_cache = {}
+        self._is_recording = is_recording
+        self.use_fast_rules = True
+
+    def _fast(self, op_type, payload, unneeded_indices, out_grads):
+        """Output of the fast rule, or None where TF's function must run."""
+        rule = FAST_GRADS.get(op_type)
+        if (rule is None or not self.use_fast_rules
+                or not context.executing_eagerly() or self._is_recording()):
+            return None
+        for g in out_grads:
+            if g is not None and (type(g) is not ops.EagerTensor or
+                                  g._datatype_enum() not in REAL_FLOAT_ENUMS):  # pylint: disable=protected-access
+                return None
+        try:
+            return rule(payload, out_grads, unneeded_indices)
+        except Exception:  # pylint: disable=broad-except
+            # Unusual attrs, a dropped input, a fallback-only kernel: TF's
+            # function decides (and raises the user-facing error if any).
+            return None
 
     def num_elements(self, grad):
         return backprop._num_elements(grad)  # pylint: disable=protected-access
@@ -211,6 +217,7 @@ class TFVSpace(VSpace):
             return (array_ops.zeros_like(t) if value == 0
                     else array_ops.ones_like(t))
         shape, dtype, device = meta
+        dtype = dtypes.as_dtype(dtype)
         if dtype == _STRING or (dtype == _RESOURCE and value == 0):
             return None
         if not context.executing_eagerly():
@@ -242,6 +249,9 @@ class TFVSpace(VSpace):
         n = payload.num_inputs
         cls = type(payload)
         if cls is EagerOp:
+            grads = self._fast(op_type, payload, unneeded_indices, out_grads)
+            if grads is not None:
+                return grads
             fn = ops._gradient_registry.lookup(op_type)  # pylint: disable=protected-access
             if fn is None:
                 return [None] * n

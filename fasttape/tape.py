@@ -23,7 +23,7 @@ from tensorflow.python.util import nest
 from tensorflow.python.util import tf_contextlib
 
 from fasttape import _recording
-from fasttape._tf_vspace import output_meta
+from fasttape._callback import output_meta
 _handle_or_self = _recording._handle_or_self  # pylint: disable=protected-access
 
 _CONSUMED = ("A non-persistent GradientTape can only be used to compute one "

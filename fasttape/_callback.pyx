@@ -1,0 +1,224 @@
+# cython: language_level=3
+# distutils: language = c++
+"""The recording hot path, compiled: the op callback and what it records.
+
+Everything here runs once per executed op while a fasttape tape or
+accumulator is active, so it avoids Python-level property lookups (dtype
+objects, closures) and talks to the core through its C-level methods. The
+hooks that route TF into these functions are installed by _recording, the
+one module that patches TF.
+"""
+
+import threading
+
+from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager import backprop_util
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import resource_variable_ops
+
+from fasttape._core cimport GradientTapeCore, ForwardAccumulatorCore
+from fasttape._tf_vspace import EagerOp, GraphOp, PyBackward, saved_indices
+
+cdef object _is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
+cdef object _EagerTensor = ops.EagerTensor
+cdef object _BaseVariable = resource_variable_ops.BaseResourceVariable
+
+# DataType enums (types.proto) of the differentiable dtypes: half, bfloat16,
+# float, double, complex64, complex128, resource; variant is decided by its
+# element dtype, as TF's IsTrainable does.
+cdef frozenset _TRAINABLE = frozenset({19, 14, 1, 2, 8, 18, 20})
+cdef int _RESOURCE = 20
+cdef int _VARIANT = 21
+NO_LIMIT = 1 << 62
+
+EAGER_OP = 0
+GRAPH_OP = 1
+PY_BACKWARD = 2
+
+
+class State(threading.local):
+    """Per-thread recording state."""
+
+    def __init__(self):
+        super().__init__()
+        self.tapes = []            # recording TapeStates, innermost last
+        self.accumulators = []     # recording AccumulatorStates
+        self.in_callback = False   # re-entry guard
+        self.callback_added = False
+        self.nesting_limit = NO_LIMIT
+
+
+state = State()
+
+
+cdef inline int _enum(t) except? -1:
+    if type(t) is _EagerTensor:
+        return t._datatype_enum()
+    return t.dtype._type_enum
+
+
+cpdef bint is_trainable(t) except? -1:
+    cdef int enum = _enum(t)
+    if enum in _TRAINABLE:
+        return True
+    if enum == _VARIANT:
+        return backprop_util.IsTrainable(t)
+    return False
+
+
+cpdef object output_meta(t):
+    """What ones/zeros for ``t`` need: (shape, dtype enum, device) for an
+    eager tensor; the tensor itself for graph tensors, resources and
+    variants (their zeros need handle data)."""
+    if type(t) is _EagerTensor:
+        enum = t._datatype_enum()
+        if enum != _RESOURCE and enum != _VARIANT:
+            return (t._shape_tuple(), enum, t.device)
+    return t
+
+
+cdef list _ids(tensors):
+    return [t._id for t in tensors]
+
+
+cdef dict _saved_masks = {}
+
+
+cdef tuple _masks(op_type, Py_ssize_t n_in, Py_ssize_t n_out):
+    """Per input and output: does the op's gradient read it? (cached)"""
+    key = (op_type, n_in, n_out)
+    masks = _saved_masks.get(key)
+    if masks is None:
+        saved_in, saved_out = saved_indices(op_type)
+        masks = (_mask(saved_in, n_in), _mask(saved_out, n_out))
+        _saved_masks[key] = masks
+    return masks
+
+
+cdef object _mask(indices, Py_ssize_t n):
+    if indices is None:
+        return None  # all
+    wanted = {i % n for i in indices if -n <= i < n}
+    return tuple([i in wanted for i in range(n)])
+
+
+cdef tuple _keep(values, mask):
+    if mask is None:
+        return tuple(values)
+    return tuple([v if m else None for v, m in zip(values, mask)])
+
+
+def record(op_type, inputs, outputs, int kind, attrs=None, backward=None,
+           forward=None, bint to_tapes=True, bint to_accumulators=True):
+    """Record an op on every active tape that watches one of its inputs, and
+    push tangents through it for every active accumulator that tracks one.
+
+    kind: EAGER_OP (attrs given), GRAPH_OP, or PY_BACKWARD (backward and
+    optionally forward functions given, as record.record_operation takes).
+    """
+    st = state
+    cdef object limit = st.nesting_limit
+    cdef list ids = _ids(inputs)
+    cdef list tapes = []
+    cdef list accs = []
+    if to_tapes:
+        for tp in st.tapes:
+            if tp.nesting_id < limit and (<GradientTapeCore>tp.core).should_record(ids):
+                tapes.append(tp)
+    if to_accumulators:
+        for a in st.accumulators:
+            if a.nesting_id <= limit and (<ForwardAccumulatorCore>a.core).should_record(ids):
+                accs.append(a)
+    if not tapes and not accs:
+        return
+    cdef list trainable = [is_trainable(t) for t in inputs]
+    tapes = [tp for tp in tapes
+             if (<GradientTapeCore>tp.core).should_record(ids, trainable)]
+    accs = [a for a in accs
+            if (<ForwardAccumulatorCore>a.core).should_record(ids, trainable)]
+    if not tapes and not accs:
+        return
+    cdef list out_ids = _ids(outputs)
+    cdef tuple meta = tuple([output_meta(t) for t in outputs])
+    cdef Py_ssize_t n_in = len(inputs)
+    payload = None
+    if tapes:
+        if kind == EAGER_OP:
+            in_mask, out_mask = _masks(op_type, n_in, len(outputs))
+            payload = EagerOp(attrs, _keep(inputs, in_mask),
+                              _keep(outputs, out_mask), n_in)
+        elif kind == GRAPH_OP:
+            payload = GraphOp(outputs[0].op, n_in)
+        else:
+            payload = PyBackward(backward, n_in, forward)
+        for tp in tapes:
+            (<GradientTapeCore>tp.core).record_operation(
+                op_type, ids, out_ids, meta, payload, trainable)
+    if accs:
+        if kind == EAGER_OP:
+            payload = EagerOp(attrs, tuple(inputs), tuple(outputs), n_in)
+        elif payload is None:
+            payload = (GraphOp(outputs[0].op, n_in) if kind == GRAPH_OP
+                       else PyBackward(backward, n_in, forward))
+        in_meta = tuple([output_meta(t) for t in inputs])
+        guard = st.in_callback
+        for acc in accs:
+            # The JVP's own ops are seen by older tapes/accumulators only.
+            st.nesting_limit = acc.nesting_id
+            st.in_callback = False
+            try:
+                acc.core.accumulate(op_type, ids, in_meta, out_ids, meta,
+                                    payload, trainable)
+            finally:
+                st.nesting_limit = limit
+                st.in_callback = guard
+
+
+def op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+    """TF's op callback: fires for every eager op (fast path and fallback)
+    and every op built while tracing."""
+    st = state
+    if not st.tapes and not st.accumulators:
+        return None
+    if st.in_callback or not outputs or _is_stopped():
+        return None
+    if type(op_type) is bytes:
+        op_type = op_type.decode()
+    st.in_callback = True
+    try:
+        record(op_type, inputs, outputs,
+               EAGER_OP if graph is None else GRAPH_OP, attrs)
+    finally:
+        st.in_callback = False
+    return None
+
+
+cdef dict _is_variable_type = {}
+
+
+cdef inline bint _is_variable(a):
+    cls = type(a)
+    r = _is_variable_type.get(cls)
+    if r is None:
+        r = issubclass(cls, _BaseVariable)
+        _is_variable_type[cls] = r
+    return r
+
+
+def read_variables(tuple args):
+    """Fast-path arguments with every Variable (also inside a list) replaced
+    by its value read in Python, so the read is seen and recorded."""
+    cdef list out = None
+    cdef Py_ssize_t i
+    for i in range(len(args)):
+        a = args[i]
+        if _is_variable(a):
+            value = a.value()
+        elif type(a) is list and any([_is_variable(x) for x in a]):
+            value = [x.value() if _is_variable(x) else x for x in a]
+        else:
+            continue
+        if out is None:
+            out = list(args)
+        out[i] = value
+    return args if out is None else out

@@ -1,0 +1,319 @@
+"""Fast gradient rules: TF's registered gradients for the ops that dominate
+real models, issuing the same kernels straight through TF's C++ fast path.
+
+A rule is ``fn(op, grads, skip) -> list | None`` where ``op`` is the recorded
+EagerOp (attrs, inputs, outputs), ``grads`` the output gradients and ``skip``
+the input indices whose gradient is not needed. A rule returns None when its
+preconditions do not hold (broadcasting, unusual attrs); the caller then runs
+TF's registered function. Rules are used only when nothing records: no
+fasttape tape or accumulator and no TF tape is active in the thread, the
+gradient is dense and real-valued, and execution is eager. Under a recording
+tape (higher-order derivatives) TF's own functions run, so the recorded
+second-order graph is exactly TF's.
+
+Each rule runs the kernels TF's function runs, in the same order, so results
+agree bit for bit; compat/test_fast_grads.py proves each one against TF's.
+"""
+
+from tensorflow.python import pywrap_tfe
+from tensorflow.python.eager import context
+from tensorflow.python.framework import constant_op
+from tensorflow.python.framework import dtypes
+
+_FAST_PATH = pywrap_tfe.TFE_Py_FastPathExecute  # the original, unwrapped
+_INT32 = dtypes.int32
+
+REAL_FLOAT_ENUMS = frozenset(
+    d.as_datatype_enum for d in (dtypes.float16, dtypes.bfloat16,
+                                 dtypes.float32, dtypes.float64))
+
+FAST_GRADS = {}
+
+
+def fast_rule(*op_types):
+    def register(fn):
+        for op_type in op_types:
+            FAST_GRADS[op_type] = fn
+        return fn
+    return register
+
+
+def _ex(op_name, *args):
+    return _FAST_PATH(context._context, op_name, None, *args)  # pylint: disable=protected-access
+
+
+_const_cache = {}
+
+
+def _const(value, dtype):
+    """A cached eager constant (shapes, axes, scale factors)."""
+    key = (value, dtype)
+    c = _const_cache.get(key)
+    if c is None:
+        if len(_const_cache) > 4096:
+            _const_cache.clear()
+        c = constant_op.constant(value, dtype=dtype)
+        _const_cache[key] = c
+    return c
+
+
+def _attr(op, name):
+    attrs = op.attrs
+    for i in range(0, len(attrs), 2):
+        if attrs[i] == name:
+            return attrs[i + 1]
+    raise KeyError(name)
+
+
+def _shape(t):
+    return t._shape_tuple()  # pylint: disable=protected-access
+
+
+# -- identity-like ---------------------------------------------------------------
+
+@fast_rule("Identity", "ReadVariableOp", "Snapshot")
+def _identity(op, g, skip):
+    return [g[0]]
+
+
+@fast_rule("AddN")
+def _add_n(op, g, skip):
+    return [g[0]] * op.num_inputs
+
+
+# -- elementwise binary (only when no broadcasting is involved) --------------------
+
+def _same_shapes(op, g):
+    x, y = op.inputs
+    if x is None or y is None:
+        return False
+    s = _shape(g)
+    return _shape(x) == s and _shape(y) == s
+
+
+@fast_rule("Add", "AddV2")
+def _add(op, g, skip):
+    if not _same_shapes(op, g[0]):
+        return None
+    return [g[0], g[0]]
+
+
+@fast_rule("Sub")
+def _sub(op, g, skip):
+    if not _same_shapes(op, g[0]):
+        return None
+    return [g[0], _ex("Neg", g[0])]
+
+
+@fast_rule("Mul")
+def _mul(op, g, skip):
+    if not _same_shapes(op, g[0]):
+        return None
+    x, y = op.inputs
+    return [None if 0 in skip else _ex("Mul", g[0], y),
+            None if 1 in skip else _ex("Mul", g[0], x)]
+
+
+# -- elementwise unary -------------------------------------------------------------
+
+@fast_rule("Neg")
+def _neg(op, g, skip):
+    return [_ex("Neg", g[0])]
+
+
+@fast_rule("Sin")
+def _sin(op, g, skip):
+    return [_ex("Mul", g[0], _ex("Cos", op.inputs[0]))]
+
+
+@fast_rule("Cos")
+def _cos(op, g, skip):
+    return [_ex("Mul", _ex("Neg", g[0]), _ex("Sin", op.inputs[0]))]
+
+
+@fast_rule("Exp")
+def _exp(op, g, skip):
+    return [_ex("Mul", g[0], op.outputs[0])]
+
+
+@fast_rule("Log")
+def _log(op, g, skip):
+    return [_ex("Mul", g[0], _ex("Reciprocal", op.inputs[0]))]
+
+
+@fast_rule("Square")
+def _square(op, g, skip):
+    x = op.inputs[0]
+    return [_ex("Mul", g[0], _ex("Mul", x, _const(2.0, x.dtype)))]
+
+
+@fast_rule("Sqrt")
+def _sqrt(op, g, skip):
+    return [_ex("SqrtGrad", op.outputs[0], g[0])]
+
+
+@fast_rule("Tanh")
+def _tanh(op, g, skip):
+    return [_ex("TanhGrad", op.outputs[0], g[0])]
+
+
+@fast_rule("Sigmoid")
+def _sigmoid(op, g, skip):
+    return [_ex("SigmoidGrad", op.outputs[0], g[0])]
+
+
+@fast_rule("Relu")
+def _relu(op, g, skip):
+    return [_ex("ReluGrad", g[0], op.outputs[0])]
+
+
+# -- linear algebra and layers -------------------------------------------------------
+
+def _mat_mul(a, b, ta, tb, ga, gb):
+    return _ex("MatMul", a, b, "transpose_a", ta, "transpose_b", tb,
+               "grad_a", ga, "grad_b", gb)
+
+
+@fast_rule("MatMul")
+def _matmul(op, g, skip):
+    grad = g[0]
+    a, b = op.inputs
+    ta, tb = _attr(op, "transpose_a"), _attr(op, "transpose_b")
+    grad_a = grad_b = None
+    if 0 not in skip:
+        if not ta and not tb:
+            grad_a = _mat_mul(grad, b, False, True, True, False)
+        elif not ta and tb:
+            grad_a = _mat_mul(grad, b, False, False, True, False)
+        elif ta and not tb:
+            grad_a = _mat_mul(b, grad, False, True, True, False)
+        else:
+            grad_a = _mat_mul(b, grad, True, True, True, False)
+    if 1 not in skip:
+        if not ta and not tb:
+            grad_b = _mat_mul(a, grad, True, False, False, True)
+        elif not ta and tb:
+            grad_b = _mat_mul(grad, a, True, False, False, True)
+        elif ta and not tb:
+            grad_b = _mat_mul(a, grad, False, False, False, True)
+        else:
+            grad_b = _mat_mul(grad, a, True, True, False, True)
+    return [grad_a, grad_b]
+
+
+@fast_rule("BiasAdd")
+def _bias_add(op, g, skip):
+    return [g[0], None if 1 in skip else
+            _ex("BiasAddGrad", g[0], "data_format", _attr(op, "data_format"))]
+
+
+@fast_rule("SparseSoftmaxCrossEntropyWithLogits")
+def _sparse_xent(op, g, skip):
+    if g[1] is not None:
+        return None  # second-order term: TF's function handles it
+    vec = _ex("ExpandDims", g[0], _const(-1, _INT32))
+    return [_ex("Mul", vec, op.outputs[1]), None]
+
+
+@fast_rule("Conv2D")
+def _conv2d(op, g, skip):
+    x, w = op.inputs
+    attrs = ("strides", _attr(op, "strides"),
+             "use_cudnn_on_gpu", _attr(op, "use_cudnn_on_gpu"),
+             "padding", _attr(op, "padding"),
+             "explicit_paddings", _attr(op, "explicit_paddings"),
+             "data_format", _attr(op, "data_format"),
+             "dilations", _attr(op, "dilations"))
+    return [
+        None if 0 in skip else _ex("Conv2DBackpropInput",
+                                   _const(_shape(x), _INT32), w, g[0], *attrs),
+        None if 1 in skip else _ex("Conv2DBackpropFilter",
+                                   x, _const(_shape(w), _INT32), g[0], *attrs),
+    ]
+
+
+@fast_rule("MaxPool")
+def _max_pool(op, g, skip):
+    return [_ex("MaxPoolGrad", op.inputs[0], op.outputs[0], g[0],
+                "ksize", _attr(op, "ksize"), "strides", _attr(op, "strides"),
+                "padding", _attr(op, "padding"),
+                "explicit_paddings", _attr(op, "explicit_paddings"),
+                "data_format", _attr(op, "data_format"))]
+
+
+# -- shapes and reductions ------------------------------------------------------------
+
+def _reshape_to(g, like):
+    return _ex("Reshape", g, _const(_shape(like), _INT32))
+
+
+@fast_rule("Reshape", "ExpandDims")
+def _reshape(op, g, skip):
+    return [_reshape_to(g[0], op.inputs[0]), None]
+
+
+@fast_rule("Squeeze")
+def _squeeze(op, g, skip):
+    return [_reshape_to(g[0], op.inputs[0])]
+
+
+@fast_rule("Transpose")
+def _transpose(op, g, skip):
+    perm = op.inputs[1]
+    if perm is None:
+        return None
+    p = [int(i) for i in perm._numpy()]  # pylint: disable=protected-access
+    inverse = [0] * len(p)
+    for i, j in enumerate(p):
+        inverse[j] = i
+    return [_ex("Transpose", g[0], _const(tuple(inverse), perm.dtype)), None]
+
+
+def _axes(op, rank):
+    axes = op.inputs[1]._numpy().reshape(-1)  # pylint: disable=protected-access
+    return sorted({int(a) % rank for a in axes}) if rank else []
+
+
+def _sum_grad(op, grad):
+    x = op.inputs[0]
+    shape = _shape(x)
+    rank = len(shape)
+    axes = _axes(op, rank)
+    if axes == list(range(rank)):
+        grad = _ex("Reshape", grad, _const((1,) * rank, _INT32))
+        return _ex("Tile", grad, _const(shape, _INT32))
+    kept = tuple(1 if i in axes else d for i, d in enumerate(shape))
+    if not _attr(op, "keep_dims"):
+        grad = _ex("Reshape", grad, _const(kept, _INT32))
+    return _ex("BroadcastTo", grad, _const(shape, _INT32))
+
+
+@fast_rule("Sum")
+def _sum(op, g, skip):
+    if op.inputs[0] is None or op.inputs[1] is None:
+        return None
+    return [_sum_grad(op, g[0]), None]
+
+
+@fast_rule("Mean")
+def _mean(op, g, skip):
+    x, y = op.inputs[0], op.outputs[0]
+    if x is None or y is None or op.inputs[1] is None:
+        return None
+    sum_grad = _sum_grad(op, g[0])
+    in_size = 1
+    for d in _shape(x):
+        in_size *= d
+    out_size = 1
+    for d in _shape(y):
+        out_size *= d
+    factor = in_size // max(out_size, 1)
+    return [_ex("RealDiv", sum_grad, _const(factor, sum_grad.dtype)), None]
+
+
+@fast_rule("Cast")
+def _cast(op, g, skip):
+    src = op.inputs[0]
+    if src is None or src.dtype.as_datatype_enum not in REAL_FLOAT_ENUMS:
+        return None
+    return [_ex("Cast", g[0], "DstT", src.dtype, "Truncate", False)]
