@@ -44,7 +44,7 @@ cdef class GradientTapeCore:
     cpdef delete_trace(self, int64_t tensor_id)
     cdef list _compute(self, VSpace vspace, vector[int64_t]& targets,
                        vector[int64_t]& sources, dict sources_that_are_targets,
-                       output_gradients, bint build_default_zeros)
+                       output_gradients, bint build_default_zeros, bint keep)
 
 
 cdef class ForwardAccumulatorCore:

@@ -347,13 +347,15 @@ cdef class GradientTapeCore:
 
     def compute_gradient(self, VSpace vspace, target_ids, source_ids,
                          sources_that_are_targets=None, output_gradients=None,
-                         bint build_default_zeros=True):
+                         bint build_default_zeros=True, bint retain=False):
         """Gradients of the targets w.r.t. each source: a list, None where a
         source is not connected.
 
         sources_that_are_targets: {tensor id: meta} for ids that are both, so
         an untracked target that is a source still gets ones.
         output_gradients: None, or one entry per target (None = ones).
+        retain: keep the trace even on a non-persistent tape (several passes
+        over one trace, as a Jacobian needs); ``release()`` ends it.
         """
         if self.consumed:
             raise RuntimeError(
@@ -366,19 +368,26 @@ cdef class GradientTapeCore:
             raise ValueError(
                 f"{len(output_gradients)} output gradients for "
                 f"{targets.size()} targets")
-        if not self.persistent:
+        cdef bint keep = self.persistent or retain
+        if not keep:
             self.consumed = True
         try:
             return self._compute(vspace, targets, sources,
                                  sources_that_are_targets or {},
-                                 output_gradients, build_default_zeros)
+                                 output_gradients, build_default_zeros, keep)
         finally:
-            if not self.persistent:
+            if not keep:
                 self._release_all()
+
+    def release(self):
+        """End a non-persistent tape kept alive by ``retain=True`` passes."""
+        if not self.persistent:
+            self.consumed = True
+            self._release_all()
 
     cdef list _compute(self, VSpace vspace, vector[int64_t]& targets,
                        vector[int64_t]& sources, dict sources_that_are_targets,
-                       output_gradients, bint build_default_zeros):
+                       output_gradients, bint build_default_zeros, bint keep):
         cdef unordered_set[int64_t] sources_set
         cdef int64_t tid, op_id, producer, n_ops = self.next_op_id
         cdef size_t i
@@ -488,7 +497,7 @@ cdef class GradientTapeCore:
                 gradients.setdefault(tid, []).append(
                     vspace.ones_like(sources_that_are_targets[tid]))
 
-        if not self.persistent:
+        if not keep:
             # Only the pruned ops' payloads are needed from here on.
             self.op_tape = [None] * n_ops
             self.live_ops = 0
@@ -548,7 +557,7 @@ cdef class GradientTapeCore:
                     if needed.count(entry.input_ids[k]) == 0:
                         unneeded.append(k)
                 payload = entry.payload
-                if not self.persistent:
+                if not keep:
                     entry.payload = None
                 in_grads = vspace.call_backward(entry.op_type, payload,
                                                 unneeded, out_grads)
@@ -559,7 +568,7 @@ cdef class GradientTapeCore:
                         f"{'None' if in_grads is None else len(in_grads)} "
                         f"gradients for {n_in} inputs")
             else:
-                if not self.persistent:
+                if not keep:
                     entry.payload = None
                 in_grads = None
             del out_grads

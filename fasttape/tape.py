@@ -14,8 +14,10 @@ from tensorflow.python.eager import tape as tf_tape
 from tensorflow.python.framework import composite_tensor_gradient
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import array_ops_stack
 from tensorflow.python.ops import check_ops
 from tensorflow.python.ops import default_gradient
+from tensorflow.python.ops import linalg_ops_impl
 from tensorflow.python.util import variable_utils
 from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
@@ -39,7 +41,7 @@ def _unconnected(value):
 
 
 def compute(tape_state, flat_targets, flat_sources, output_gradients,
-            flat_sources_raw, unconnected_gradients):
+            flat_sources_raw, unconnected_gradients, retain=False):
     """Run the core's backward pass for flat lists of tensors."""
     unconnected_gradients = _unconnected(unconnected_gradients)
     target_ids = [t._id for t in flat_targets]  # pylint: disable=protected-access
@@ -50,7 +52,7 @@ def compute(tape_state, flat_targets, flat_sources, output_gradients,
         for t in flat_sources if t._id in targets_set}  # pylint: disable=protected-access
     grads = tape_state.core.compute_gradient(
         _recording.VSPACE, target_ids, source_ids, sources_that_are_targets,
-        output_gradients, True)
+        output_gradients, True, retain)
     if unconnected_gradients == UnconnectedGradients.ZERO:
         grads = [default_gradient.zeros_like(flat_sources_raw[i])
                  if g is None else g for i, g in enumerate(grads)]
@@ -203,6 +205,62 @@ class GradientTape:
             flat_sources_raw, flat_grad)
         return nest.pack_sequence_as(sources, flat_grad)
 
+    def _gradient_rows(self, target, flat_sources, unconnected_gradients,
+                       batch):
+        """One backward pass per row of the (batch) Jacobian, all over the
+        same trace; returns per source the stacked rows, or None."""
+        unconnected_gradients = _unconnected(unconnected_gradients)
+        tape_state = self._tape
+        if self._recording and not self._persistent:
+            self._pop_tape()
+        flat_raw = list(flat_sources)
+        flat = composite_tensor_gradient.get_flat_tensors_for_gradients(
+            [_handle_or_self(t) for t in flat_raw])
+        _check_tensors([target] + flat, "sources")
+        shape = target.shape
+        if batch:
+            b = shape[0]
+            n = shape.num_elements() // max(b, 1)
+            basis = array_ops.reshape(
+                array_ops.tile(array_ops.expand_dims(
+                    linalg_ops_impl.eye(n, dtype=target.dtype), 1), [1, b, 1]),
+                [n] + shape.as_list())
+        else:
+            n = shape.num_elements()
+            basis = array_ops.reshape(linalg_ops_impl.eye(n, dtype=target.dtype),
+                                      [n] + shape.as_list())
+        columns = [[] for _ in flat]
+        try:
+            for i in range(n):
+                grads = compute(tape_state, [target], flat, [basis[i]], flat_raw,
+                                UnconnectedGradients.NONE, retain=True)
+                for col, g in zip(columns, grads):
+                    col.append(g)
+        finally:
+            if not self._persistent:
+                self._watched_variables = tape_state.watched_variables()
+                tape_state.core.release()
+                self._tape = None
+        out = []
+        for col, src in zip(columns, flat_raw):
+            if all(g is None for g in col):
+                if unconnected_gradients == UnconnectedGradients.ZERO:
+                    col = [default_gradient.zeros_like(src)] * n
+                else:
+                    out.append(None)
+                    continue
+            col = [default_gradient.zeros_like(src) if g is None
+                   else ops.convert_to_tensor(g) for g in col]
+            rows = array_ops_stack.stack(col)
+            if batch:
+                # [row, batch, x...] -> [batch, row..., x...]
+                rank = len(rows.shape)
+                rows = array_ops.transpose(rows, [1, 0] + list(range(2, rank)))
+                rows = array_ops.reshape(
+                    rows, shape.concatenate(src.shape[1:]))
+            out.append(rows)
+        return out
+
     def jacobian(self, target, sources,
                  unconnected_gradients=UnconnectedGradients.NONE,
                  parallel_iterations=None, experimental_use_pfor=True):
@@ -210,6 +268,18 @@ class GradientTape:
         if self._tape is None:
             raise RuntimeError(_CONSUMED)
         flat_sources = nest.flatten(sources)
+        if _use_loop(target):
+            if not experimental_use_pfor and not self._persistent:
+                raise RuntimeError(
+                    "GradientTape must be created with persistent=True"
+                    " to compute the jacobian with eager execution enabled and "
+                    "with  experimental_use_pfor set to False.")
+            rows = self._gradient_rows(target, flat_sources,
+                                       unconnected_gradients, batch=False)
+            output = [None if r is None else array_ops.reshape(
+                r, target.shape.concatenate(s.shape))
+                      for r, s in zip(rows, flat_sources)]
+            return nest.pack_sequence_as(sources, output)
         target_static_shape = target.shape
         target_shape = array_ops.shape(target)
         with self._ensure_recording():
@@ -265,6 +335,31 @@ class GradientTape:
             raise RuntimeError("A non-persistent GradientTape can only be used to"
                                "compute one set of gradients (or jacobians)")
         target_shape = target.shape
+        if _use_loop(target, batch=True) and not nest.is_nested(source):
+            source_shape = source.shape
+            if not (target_shape.rank >= 2 and source_shape.rank is not None
+                    and source_shape.rank >= 2
+                    and target_shape[0] == source_shape[0]):
+                raise ValueError(
+                    "Need first dimension of target shape (%s) and "
+                    "source shape (%s) to match." % (target.shape, source.shape))
+            if not experimental_use_pfor and not self._persistent:
+                raise RuntimeError(
+                    "GradientTape must be created with persistent=True"
+                    " to compute the batch_jacobian with eager execution "
+                    "enabled and  with experimental_use_pfor set to False.")
+            [rows] = self._gradient_rows(target, [source],
+                                         unconnected_gradients, batch=True)
+            if rows is None:
+                return array_ops.zeros(
+                    target_shape.concatenate(source_shape[1:]), target.dtype)
+            return rows
+        if _use_loop(target, batch=True):
+            # fasttape extension: a nest of sources (TF takes one tensor).
+            flat = nest.flatten(source)
+            rows = self._gradient_rows(target, flat, unconnected_gradients,
+                                       batch=True)
+            return nest.pack_sequence_as(source, rows)
         if target_shape.rank is None:
             dim = None
         else:
@@ -330,6 +425,24 @@ class GradientTape:
         output = array_ops.reshape(output, [target_row_size, batch_size, -1])
         output = array_ops.transpose(output, [1, 0, 2])
         return array_ops.reshape(output, new_shape)
+
+
+_LOOP_MAX_ROWS = 1024
+
+
+def _use_loop(target, batch=False):
+    """Eager Jacobians of up to _LOOP_MAX_ROWS rows run as that many backward
+    passes over the recorded trace: no tracing, no pfor rewrite, a fixed cost
+    per row. Larger or symbolic ones go through TF's pfor, as in TF."""
+    if not context.executing_eagerly() or not isinstance(target, ops.EagerTensor):
+        return False
+    shape = target.shape
+    if not shape.is_fully_defined() or (batch and shape.rank < 2):
+        return False
+    rows = shape.num_elements()
+    if batch:
+        rows //= max(shape[0], 1)
+    return 0 < rows <= _LOOP_MAX_ROWS
 
 
 def _check_tensors(flat, what):
