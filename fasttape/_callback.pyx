@@ -167,8 +167,9 @@ def record(op_type, inputs, outputs, int kind, attrs=None, backward=None,
             st.nesting_limit = acc.nesting_id
             st.in_callback = False
             try:
-                acc.core.accumulate(op_type, ids, in_meta, out_ids, meta,
-                                    payload, trainable)
+                if acc.core.accumulate(op_type, ids, in_meta, out_ids, meta,
+                                       payload, trainable):
+                    acc.track(outputs)
             finally:
                 st.nesting_limit = limit
                 st.in_callback = guard

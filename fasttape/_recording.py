@@ -20,7 +20,9 @@ share their parent's callback list, so the callback must not assume it was
 registered by the thread it runs on.
 """
 
+import functools
 import itertools
+import weakref
 import threading as _threading
 import sys
 
@@ -86,11 +88,29 @@ class TapeState:
 class AccumulatorState:
     """One fasttape forward accumulator as the recording machinery sees it."""
 
-    __slots__ = ("core", "nesting_id", "__weakref__")
+    __slots__ = ("core", "nesting_id", "refs", "__weakref__")
 
     def __init__(self, use_batch):
         self.core = _core.ForwardAccumulatorCore(VSPACE, use_batch)
         self.nesting_id = next(_nesting_ids)
+        self.refs = {}  # tensor id -> weakref whose callback drops the tangent
+
+    def track(self, outputs):
+        """Drop each output's tangent when the output itself dies, as TF's
+        accumulator does, so a long forward pass does not pile tangents up."""
+        core, refs = self.core, self.refs
+        for t in outputs:
+            tid = t._id  # pylint: disable=protected-access
+            if tid not in refs and core.fetch_jvp(tid) is not None:
+                refs[tid] = weakref.ref(
+                    t, functools.partial(_forget_tangent, weakref.ref(self), tid))
+
+
+def _forget_tangent(acc_ref, tid, _):
+    acc = acc_ref()
+    if acc is not None:
+        acc.core.delete_gradient(tid)
+        acc.refs.pop(tid, None)
 
 
 _state = _callback.state

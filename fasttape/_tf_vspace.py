@@ -80,11 +80,19 @@ ALL = None  # "keep every input" (or output)
 _saved_cache = {}
 
 
-def _analyse(fn):
-    """(input indices, output indices) that ``fn(op, *grads)`` may read, each
-    a frozenset, or ALL when it can't be told. Conservative: any use of ``op``
-    other than ``op.inputs[<int>]``, ``op.outputs[<int>]`` or an attribute
-    that holds no tensor keeps everything."""
+def _union(a, b):
+    if a is ALL or b is ALL:
+        return ALL
+    return a | b
+
+
+def _analyse(fn, param=0, depth=0):
+    """(input indices, output indices) that ``fn`` may read through its
+    ``param``-th argument (the op), each a frozenset, or ALL when it can't be
+    told. Conservative: any use of the op other than ``op.inputs[<int>]``,
+    ``op.outputs[<int>]``, an attribute that holds no tensor, or passing it
+    positionally to a module-level function (analysed in turn, a few levels
+    deep) keeps everything."""
     try:
         src = textwrap.dedent(inspect.getsource(fn))
         tree = ast.parse(src)
@@ -93,39 +101,45 @@ def _analyse(fn):
     fdef = tree.body[0] if tree.body else None
     if not isinstance(fdef, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return ALL, ALL
-    if not fdef.args.args:
+    if len(fdef.args.args) <= param:
         return ALL, ALL
-    op_name = fdef.args.args[0].arg
+    op_name = fdef.args.args[param].arg
     parents = {}
     for node in ast.walk(fdef):
         for child in ast.iter_child_nodes(node):
             parents[child] = node
-    used = {"inputs": set(), "outputs": set()}
-    every = {"inputs": False, "outputs": False}
+    used = {"inputs": frozenset(), "outputs": frozenset()}
     for node in ast.walk(fdef):
         if not (isinstance(node, ast.Name) and node.id == op_name):
             continue
-        if isinstance(node.ctx, ast.Store) and parents.get(node) is not fdef.args:
+        if isinstance(node.ctx, ast.Store):
             return ALL, ALL  # op rebound: give up
         parent = parents.get(node)
-        if isinstance(parent, ast.arg) or parent is fdef.args:
+        if isinstance(parent, ast.Call) and node in parent.args and depth < 3:
+            callee = fn.__globals__.get(parent.func.id) if isinstance(
+                parent.func, ast.Name) else None
+            if not inspect.isfunction(callee):
+                return ALL, ALL
+            sub_in, sub_out = _analyse(callee, parent.args.index(node), depth + 1)
+            used["inputs"] = _union(used["inputs"], sub_in)
+            used["outputs"] = _union(used["outputs"], sub_out)
             continue
         if not isinstance(parent, ast.Attribute):
             return ALL, ALL  # op passed along or stored: anything may be read
         attr = parent.attr
         if attr in ("inputs", "outputs"):
             grand = parents.get(parent)
-            if (isinstance(grand, ast.Subscript) and grand.value is parent
-                    and isinstance(grand.slice, ast.Constant)
-                    and isinstance(grand.slice.value, int)):
-                used[attr].add(grand.slice.value)
-            elif (isinstance(grand, ast.Subscript) and grand.value is parent
-                    and isinstance(grand.slice, ast.UnaryOp)
-                    and isinstance(grand.slice.op, ast.USub)
-                    and isinstance(grand.slice.operand, ast.Constant)):
-                used[attr].add(-grand.slice.operand.value)
-            else:
-                every[attr] = True
+            index = None
+            if isinstance(grand, ast.Subscript) and grand.value is parent:
+                sl = grand.slice
+                if isinstance(sl, ast.Constant) and isinstance(sl.value, int):
+                    index = sl.value
+                elif (isinstance(sl, ast.UnaryOp) and isinstance(sl.op, ast.USub)
+                      and isinstance(sl.operand, ast.Constant)
+                      and isinstance(sl.operand.value, int)):
+                    index = -sl.operand.value
+            used[attr] = _union(used[attr], ALL if index is None
+                                else frozenset({index}))
         elif attr in ("get_attr", "type", "name", "skip_input_indices",
                       "_get_attr_type", "_get_attr_bool", "_get_attr_int",
                       "node_def", "device", "graph", "_control_flow_context",
@@ -133,8 +147,7 @@ def _analyse(fn):
             continue
         else:
             return ALL, ALL
-    return (ALL if every["inputs"] else frozenset(used["inputs"]),
-            ALL if every["outputs"] else frozenset(used["outputs"]))
+    return used["inputs"], used["outputs"]
 
 
 def saved_indices(op_type):

@@ -8,23 +8,38 @@ with the ratio fasttape/tf (below 1 means fasttape is faster).
 
 import argparse
 import cProfile
+import gc
 import json
 import statistics
 import sys
 import time
+import weakref
 
 import numpy as np
 
 
 class Workload:
-    """name, and ``make()`` -> (forward, step): forward() runs the model with
-    no tape; step(GradientTape) records and returns the gradients."""
+    """name, and ``make(tf)`` -> (forward, record): ``forward()`` runs the
+    model with no tape (the floor); ``record(impl)`` runs it under ``impl``'s
+    tape or accumulator and returns ``finish``, a function that computes and
+    returns the gradients (or JVPs). ``impl`` has ``GradientTape`` and
+    ``ForwardAccumulator`` (TF's or fasttape's)."""
 
-    def __init__(self, name, make, description, repeats=None):
+    def __init__(self, name, make, description, max_repeats=None):
         self.name = name
         self.make = make
         self.description = description
-        self.repeats = repeats
+        self.max_repeats = max_repeats
+
+
+def _grad_case(forward, sources, watch=()):
+    def record(impl):
+        with impl.GradientTape() as tape:
+            for w in watch:
+                tape.watch(w)
+            loss = forward()
+        return lambda: tape.gradient(loss, sources)
+    return forward, record
 
 
 def _chain(tf):
@@ -37,13 +52,7 @@ def _chain(tf):
             y = tf.sin(y) * x
         return y
 
-    def step(GradientTape):
-        with GradientTape() as tape:
-            tape.watch(x)
-            y = forward()
-        return tape.gradient(y, x)
-
-    return forward, step
+    return _grad_case(forward, x, watch=[x])
 
 
 def _dense_stack(tf, sizes, batch, seed):
@@ -65,12 +74,9 @@ def _dense_stack(tf, sizes, batch, seed):
         return tf.reduce_mean(
             tf.nn.sparse_softmax_cross_entropy_with_logits(labels, h))
 
-    def step(GradientTape):
-        with GradientTape() as tape:
-            loss = forward()
-        return tape.gradient(loss, params)
+    forward.params = params
 
-    return forward, step
+    return _grad_case(forward, params)
 
 
 def _mlp_small(tf):
@@ -91,12 +97,7 @@ def _embedding(tf):
         e = tf.reduce_mean(tf.gather(table, ids), axis=1)
         return tf.reduce_mean(tf.square(tf.matmul(e, w)))
 
-    def step(GradientTape):
-        with GradientTape() as tape:
-            loss = forward()
-        return tape.gradient(loss, [table, w])
-
-    return forward, step
+    return _grad_case(forward, [table, w])
 
 
 def _rnn(tf):
@@ -112,12 +113,7 @@ def _rnn(tf):
             h = tf.tanh(tf.matmul(xs[t], wx) + tf.matmul(h, wh) + b)
         return tf.reduce_sum(h * h)
 
-    def step(GradientTape):
-        with GradientTape() as tape:
-            loss = forward()
-        return tape.gradient(loss, [wx, wh, b])
-
-    return forward, step
+    return _grad_case(forward, [wx, wh, b])
 
 
 def _cnn(tf):
@@ -137,12 +133,7 @@ def _cnn(tf):
         return tf.reduce_mean(
             tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
 
-    def step(GradientTape):
-        with GradientTape() as tape:
-            loss = forward()
-        return tape.gradient(loss, [k1, k2, w])
-
-    return forward, step
+    return _grad_case(forward, [k1, k2, w])
 
 
 def _matmul(tf):
@@ -156,12 +147,7 @@ def _matmul(tf):
             h = tf.matmul(h, b)
         return tf.reduce_sum(h)
 
-    def step(GradientTape):
-        with GradientTape() as tape:
-            loss = forward()
-        return tape.gradient(loss, a)
-
-    return forward, step
+    return _grad_case(forward, a)
 
 
 def _hvp(tf):
@@ -174,16 +160,48 @@ def _hvp(tf):
         h = tf.tanh(tf.linalg.matvec(m, x))
         return tf.reduce_sum(tf.sin(h) * h)
 
-    def step(GradientTape):
-        # reverse-over-reverse Hessian-vector product
-        with GradientTape() as outer:
-            with GradientTape() as inner:
+    def record(impl):
+        # forward-over-reverse Hessian-vector product
+        with impl.ForwardAccumulator(x, v) as acc:
+            with impl.GradientTape() as tape:
                 y = f()
-            g = inner.gradient(y, x)
-            gv = tf.reduce_sum(g * v)
-        return outer.gradient(gv, x)
+            g = tape.gradient(y, x)
+        return lambda: acc.jvp(g)
 
-    return f, step
+    return f, record
+
+
+def _jvp(tf):
+    forward, _ = _mlp_small(tf)
+    params = forward.params
+    rng = np.random.default_rng(7)
+    tangents = [tf.constant(rng.normal(size=p.shape).astype("float32"))
+                for p in params]
+
+    def record(impl):
+        with impl.ForwardAccumulator(params, tangents) as acc:
+            loss = forward()
+        return lambda: acc.jvp(loss)
+
+    return forward, record
+
+
+def _jacobian(tf):
+    rng = np.random.default_rng(8)
+    x = tf.constant(rng.normal(size=(1, 16)).astype("float32"))
+    w1 = tf.Variable(rng.normal(0, 0.3, (16, 64)).astype("float32"))
+    w2 = tf.Variable(rng.normal(0, 0.3, (64, 32)).astype("float32"))
+
+    def forward():
+        return tf.tanh(tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2))
+
+    def record(impl):
+        with impl.GradientTape() as tape:
+            tape.watch(x)
+            y = forward()
+        return lambda: tape.jacobian(y, x)
+
+    return forward, record
 
 
 WORKLOADS = [
@@ -193,7 +211,10 @@ WORKLOADS = [
     Workload("rnn", _rnn, "unrolled tanh RNN cell, 40 steps, batch 8"),
     Workload("cnn", _cnn, "small CNN step: 2 conv + pool, batch 16, 16x16"),
     Workload("embedding", _embedding, "embedding step (IndexedSlices)"),
-    Workload("hvp", _hvp, "Hessian-vector product (reverse over reverse)"),
+    Workload("hvp", _hvp, "Hessian-vector product (forward over reverse)"),
+    Workload("jvp", _jvp, "JVP through the small MLP (forward mode)"),
+    Workload("jacobian", _jacobian, "jacobian of a 32-output function",
+             max_repeats=10),
     Workload("matmul", _matmul, "compute-bound: 4 chained 512x512 matmuls"),
 ]
 BY_NAME = {w.name: w for w in WORKLOADS}
@@ -225,50 +246,101 @@ def check_equal(tf, a, b, rtol=1e-4, atol=1e-5):
 
 def _time(fn, *args):
     t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
+    result = fn(*args)
+    return time.perf_counter() - t0, result
+
+
+def _step(record, impl):
+    return record(impl)()
+
+
+def held_bytes(tf, record, impl):
+    """Bytes of the tensors made during ``record(impl)`` that are still alive
+    after it returns, while only its ``finish`` closure is kept: what the
+    tape (or accumulator) holds for the backward pass, plus the result."""
+    from tensorflow.python.framework import op_callbacks
+    made = []
+
+    def watch(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        for o in outputs:
+            if graph is None and o.dtype != tf.resource and o.dtype != tf.variant:
+                made.append((weakref.ref(o), o.dtype.size * int(np.prod(o.shape))))
+
+    op_callbacks.add_op_callback(watch)
+    try:
+        finish = record(impl)
+    finally:
+        op_callbacks.remove_op_callback(watch)
+    gc.collect()
+    held = sum(size for ref, size in made if ref() is not None)
+    del finish
+    return held
+
+
+class _Impl:
+    def __init__(self, GradientTape, ForwardAccumulator):
+        self.GradientTape = GradientTape
+        self.ForwardAccumulator = ForwardAccumulator
 
 
 def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None):
-    forward, step = workload.make(tf)
-    ref = step(tf.GradientTape)
-    got = step(fasttape.GradientTape)
-    equal = check_equal(tf, ref, got)
+    tf_impl = _Impl(tf.GradientTape, tf.autodiff.ForwardAccumulator)
+    ft_impl = _Impl(fasttape.GradientTape, fasttape.ForwardAccumulator)
+    forward, record = workload.make(tf)
+    equal = check_equal(tf, _step(record, tf_impl), _step(record, ft_impl))
+    if workload.max_repeats:
+        repeats = min(repeats, workload.max_repeats)
+        warmup = min(warmup, 1)
     for _ in range(warmup):
         forward()
-        step(tf.GradientTape)
-        step(fasttape.GradientTape)
-    floor, t_tf, t_ft = [], [], []
+        _step(record, tf_impl)
+        _step(record, ft_impl)
+    mem_tf = held_bytes(tf, record, tf_impl)
+    mem_ft = held_bytes(tf, record, ft_impl)
+    times = {k: [] for k in ("floor", "rec_tf", "rec_ft", "tf", "ft")}
     for _ in range(repeats):
-        floor.append(_time(forward))
-        t_tf.append(_time(step, tf.GradientTape))
+        times["floor"].append(_time(forward)[0])
+        times["rec_tf"].append(_time(record, tf_impl)[0])
+        times["rec_ft"].append(_time(record, ft_impl)[0])
+        times["tf"].append(_time(_step, record, tf_impl)[0])
         if profiler is not None:
             profiler.enable()
-        t_ft.append(_time(step, fasttape.GradientTape))
+        times["ft"].append(_time(_step, record, ft_impl)[0])
         if profiler is not None:
             profiler.disable()
-    med = statistics.median
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {
         "workload": workload.name,
         "description": workload.description,
         "grads_equal": bool(equal),
-        "floor_ms": med(floor) * 1e3,
-        "tf_ms": med(t_tf) * 1e3,
-        "fasttape_ms": med(t_ft) * 1e3,
-        "ratio": med(t_ft) / med(t_tf),
+        "floor_ms": med["floor"],
+        "tf_ms": med["tf"],
+        "fasttape_ms": med["ft"],
+        "ratio": med["ft"] / med["tf"],
+        "record_overhead_tf_ms": med["rec_tf"] - med["floor"],
+        "record_overhead_fasttape_ms": med["rec_ft"] - med["floor"],
+        "held_bytes_tf": mem_tf,
+        "held_bytes_fasttape": mem_ft,
         "repeats": repeats,
     }
 
 
 def format_table(rows):
-    head = f"{'workload':<12} {'floor ms':>9} {'tf ms':>9} {'fasttape ms':>12} {'ratio':>7}  grads"
+    head = (f"{'workload':<11} {'floor':>7} {'tf':>8} {'fasttape':>9} {'ratio':>6}"
+            f" {'rec tf':>7} {'rec ft':>7} {'held tf':>8} {'held ft':>8}  grads")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['workload']:<12} {r['floor_ms']:>9.3f} {r['tf_ms']:>9.3f} "
-            f"{r['fasttape_ms']:>12.3f} {r['ratio']:>7.2f}  "
+            f"{r['workload']:<11} {r['floor_ms']:>7.2f} {r['tf_ms']:>8.2f} "
+            f"{r['fasttape_ms']:>9.2f} {r['ratio']:>6.2f} "
+            f"{r['record_overhead_tf_ms']:>7.2f} {r['record_overhead_fasttape_ms']:>7.2f} "
+            f"{_kib(r['held_bytes_tf']):>8} {_kib(r['held_bytes_fasttape']):>8}  "
             f"{'equal' if r['grads_equal'] else 'DIFFER'}")
     return "\n".join(lines)
+
+
+def _kib(n):
+    return f"{n / 1024:.0f}K"
 
 
 def main(argv=None):
@@ -295,8 +367,10 @@ def main(argv=None):
                                  args.warmup, profiler))
         print(f"  {name}: done", file=sys.stderr, flush=True)
     print(format_table(rows))
-    print("\nratio = fasttape / tf.GradientTape, medians of "
-          f"{args.repeats} alternating steps (< 1: fasttape faster).")
+    print("\nms per step, medians of alternating runs in one process. ratio ="
+          " fasttape / tf (< 1: fasttape faster).\nrec = recording overhead "
+          "(forward under the tape minus the floor); held = bytes of forward "
+          "tensors the\ntape keeps alive for the backward pass.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
