@@ -16,6 +16,7 @@ _LAZY = {
     "unpatch": ("fasttape._patch", "unpatch"),
     "patched": ("fasttape._patch", "patched"),
     "is_patched": ("fasttape._patch", "is_patched"),
+    "profile": ("fasttape.profiler", "profile"),
 }
 
 __all__ = sorted(_LAZY)
