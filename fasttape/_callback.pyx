@@ -67,13 +67,13 @@ cpdef bint is_trainable(t) except? -1:
 
 
 cpdef object output_meta(t):
-    """What ones/zeros for ``t`` need: (shape, dtype enum, device) for an
-    eager tensor; the tensor itself for graph tensors, resources and
-    variants (their zeros need handle data)."""
+    """What ones/zeros for ``t`` need: (shape, dtype enum) for an eager
+    tensor; the tensor itself for graph tensors, resources and variants
+    (their zeros need handle data)."""
     if type(t) is _EagerTensor:
         enum = t._datatype_enum()
         if enum != _RESOURCE and enum != _VARIANT:
-            return (t._shape_tuple(), enum, t.device)
+            return (t._shape_tuple(), enum)
     return t
 
 
@@ -125,7 +125,8 @@ def record(op_type, inputs, outputs, int kind, attrs=None, backward=None,
         for tp in st.tapes:
             if tp.nesting_id < limit and (<GradientTapeCore>tp.core).should_record(ids):
                 tapes.append(tp)
-    if to_accumulators:
+    if to_accumulators and any([is_trainable(t) for t in outputs]):
+        # (TF's accumulators skip ops with no differentiable output.)
         for a in st.accumulators:
             if a.nesting_id <= limit and (<ForwardAccumulatorCore>a.core).should_record(ids):
                 accs.append(a)

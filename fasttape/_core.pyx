@@ -84,7 +84,9 @@ cdef class VSpace:
 
     def forward_rule(self, op_type, payload, list in_tangents, bint use_batch):
         """Output tangents of one op, or NotImplemented when no rule exists
-        (the core then transposes the backward function)."""
+        (the core then transposes the backward function). With use_batch,
+        inputs without a tangent are None (unbatched zeros would have the
+        wrong rank); the rule must treat them as zeros."""
         return NotImplemented
 
     def forwardprop_aid(self, meta):
@@ -715,21 +717,30 @@ cdef class ForwardAccumulatorCore:
         if not self.should_record(input_ids, trainable):
             return False
         cdef list in_tangents = []
+        cdef list own_tangents = []  # None where in_tangents has made-up zeros
         cdef Py_ssize_t i = 0
         cdef dict acc = self.accumulated
         for tid in input_ids:
             t = acc.get(tid)
+            own_tangents.append(t)
             if t is None and (trainable is None or trainable[i]):
                 t = self.vspace.zeros_like(input_meta[i])
             in_tangents.append(t)
             i += 1
         self.call_state.append([None, True])
         try:
-            out_tangents = self.vspace.forward_rule(op_type, payload, in_tangents,
-                                                    self.use_batch)
+            # Batched, made-up zeros would lack the batch dimension: rules
+            # get None there too and fill per example (see VSpace).
+            out_tangents = self.vspace.forward_rule(
+                op_type, payload, own_tangents if self.use_batch else in_tangents,
+                self.use_batch)
             if out_tangents is NotImplemented:
+                # Batched, the made-up zeros have no batch dimension: unbatching
+                # them would split the wrong axis. A zero tangent adds nothing
+                # to the transposed map, so the fallback skips them instead.
                 out_tangents = self._forward_from_backward(
-                    op_type, payload, output_meta, in_tangents)
+                    op_type, payload, output_meta,
+                    own_tangents if self.use_batch else in_tangents)
         finally:
             self.call_state.pop()
         if len(out_tangents) != len(output_ids):

@@ -49,8 +49,7 @@ class OpView:
         raise KeyError(name)
 
 
-@rule("Identity", "ReadVariableOp", "Snapshot", "EnsureShape",
-      "PreventGradient")
+@rule("Identity", "ReadVariableOp", "EnsureShape")
 def _identity(op, t):
     return [array_ops.identity(t[0])]
 

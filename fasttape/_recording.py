@@ -27,11 +27,14 @@ import threading as _threading
 import sys
 
 from tensorflow.python import pywrap_tfe
+from tensorflow.python.autograph.core import config as autograph_config
+from tensorflow.python.autograph.core import config_lib as autograph_config_lib
+from tensorflow.python.eager import backprop
+from tensorflow.python.eager import execute
 from tensorflow.python.eager import record
 from tensorflow.python.eager import tape as tf_tape
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.ops import gradients_util
-from tensorflow.python.ops import resource_variable_ops
 
 from fasttape import _callback
 from fasttape import _core
@@ -53,12 +56,16 @@ VSPACE = TFVSpace(_anything_recording)
 _nesting_ids = itertools.count()
 
 _is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
-_BaseVariable = resource_variable_ops.BaseResourceVariable
 
-def _handle_or_self(x):
-    if isinstance(x, _BaseVariable):
-        return x.handle
-    return x
+_handle_or_self = backprop._handle_or_self  # pylint: disable=protected-access
+
+
+def could_record():
+    """Would a watch() take effect now? As TF's TFE_Py_TapeWatch: only while
+    some tape (TF's or fasttape's) records on this thread, not stopped."""
+    if _is_stopped():
+        return False
+    return bool(_state.tapes) or not pywrap_tfe.TFE_Py_TapeSetIsEmpty()
 
 
 class TapeState:
@@ -126,11 +133,14 @@ def recording_tapes():
 # -- the tape stack -------------------------------------------------------------
 
 def _push(stack, item):
+    global _callback_registered
     st = _state
     if not st.callback_added:
         op_callbacks.add_op_callback(_callback.op_callback)
         st.callback_added = True
+        _callback_registered = True
     install()
+    _ensure_callbacks_armed()
     stack.append(item)
     global _live_tapes
     with _live_lock:
@@ -276,6 +286,21 @@ def _wrapped_variables_accessed(variables):
     _watch_accessed([v for v in variables if v.trainable])
 
 
+def _ensure_callbacks_armed():
+    """Op callbacks switch ``execute.execute`` for all threads; a thread that
+    removes its last callback switches it back for all, and fallback-path ops
+    would then silently go unrecorded here. fasttape's callback is never
+    removed, so callbacks stay armed once it is in."""
+    if execute.execute is not execute.execute_with_callbacks:
+        execute.execute = execute.execute_with_callbacks
+
+
+def _wrapped_remove_op_callback(op_callback):
+    _originals["remove_op_callback"](op_callback)
+    if _callback_registered:
+        _ensure_callbacks_armed()
+
+
 _HOOKS = (
     (record, "record_operation", _wrapped_record_operation),
     (record, "record_operation_backprop_only",
@@ -288,9 +313,15 @@ _HOOKS = (
      _wrapped_possible_tape_gradient_types),
     (tf_tape, "variable_accessed", _wrapped_variable_accessed),
     (tf_tape, "variables_accessed", _wrapped_variables_accessed),
+    (op_callbacks, "remove_op_callback", _wrapped_remove_op_callback),
 )
 
+# AutoGraph must not try to convert fasttape's own (partly compiled) code
+# when a tape is used inside a user's tf.function, as it leaves TF's alone.
+_AUTOGRAPH_RULE = autograph_config_lib.DoNotConvert("fasttape")
+
 _installed = False
+_callback_registered = False  # fasttape's op callback is in some thread
 
 
 def install():
@@ -301,6 +332,8 @@ def install():
     for module, name, wrapper in _HOOKS:
         _originals[name] = getattr(module, name)
         setattr(module, name, wrapper)
+    autograph_config.CONVERSION_RULES = (
+        (_AUTOGRAPH_RULE,) + tuple(autograph_config.CONVERSION_RULES))
     _installed = True
 
 
@@ -312,6 +345,8 @@ def uninstall():
     for module, name, wrapper in _HOOKS:
         if getattr(module, name) is wrapper:
             setattr(module, name, _originals[name])
+    autograph_config.CONVERSION_RULES = tuple(
+        r for r in autograph_config.CONVERSION_RULES if r is not _AUTOGRAPH_RULE)
     _installed = False
     _uninstall_fast_path_wrapper()
 

@@ -10,8 +10,9 @@ Payloads recorded per op (built in _recording):
   PyBackward a backward function recorded through record.record_operation
             (custom_gradient, tf.function calls, copies, captures).
 
-Output metadata (what ones/zeros need) is a (shape, dtype, device) tuple for
-eager tensors, or the tensor itself for graph tensors and variants.
+Output metadata (what ones/zeros need) is a (shape, dtype enum) tuple for
+eager tensors, or the tensor itself for graph tensors, resources and
+variants.
 """
 
 import ast
@@ -45,6 +46,8 @@ NONE_OK_INDICES = {
     "FusedBatchNormV3": frozenset({1, 2, 3, 4, 5}),
 }
 
+_DIFFERENTIABLE = frozenset({dtypes.float16, dtypes.bfloat16, dtypes.float32,
+                             dtypes.float64, dtypes.complex64, dtypes.complex128})
 _RESOURCE = dtypes.resource
 _VARIANT = dtypes.variant
 _STRING = dtypes.string
@@ -250,23 +253,22 @@ class TFVSpace(VSpace):
                 return default_gradient.ones_like(t)
             return (array_ops.zeros_like(t) if value == 0
                     else array_ops.ones_like(t))
-        shape, dtype, device = meta
+        # As TF's vspace: made on the current device (the scope of the
+        # gradient() call), not on the device of the tensor they stand for.
+        shape, dtype = meta
         dtype = dtypes.as_dtype(dtype)
         if dtype == _STRING or (dtype == _RESOURCE and value == 0):
             return None
         if not context.executing_eagerly():
             # Backprop traced inside a graph (jacobian's pfor, tf.function).
-            with ops.device(device):
-                return array_ops.fill(shape, array_ops.constant(value, dtype))
-        key = (shape, dtype, device, value)
+            return array_ops.fill(shape, array_ops.constant(value, dtype))
+        key = (shape, dtype, context.context().device_name, value)
         cached = self._fill_cache.get(key) if cache else None
         if cached is not None:
             return cached
-        with ops.device(device):
-            result = array_ops.fill(
-                array_ops.constant(shape, dtypes.int32),
-                array_ops.constant(bool(value) if dtype.is_bool else value,
-                                   dtype))
+        result = array_ops.fill(
+            array_ops.constant(shape, dtypes.int32),
+            array_ops.constant(bool(value) if dtype.is_bool else value, dtype))
         if cache:
             if len(self._fill_cache) > 512:
                 self._fill_cache.clear()
@@ -366,10 +368,21 @@ class TFVSpace(VSpace):
             fn = lambda t: jvp(view, t)  # noqa: E731
         if not use_batch:
             return fn(in_tangents)
-        # Batched tangents: the rule per example, restacked.
+        # Batched tangents: the rule per example, restacked; an input of a
+        # differentiable dtype without a tangent gets zeros per example.
+        if cls is EagerOp:
+            primals = payload.inputs
+        elif cls is GraphOp:
+            primals = payload.op.inputs
+        else:
+            primals = [None] * len(in_tangents)
+        zeros = [array_ops.zeros_like(p) if t is None and p is not None
+                 and p.dtype in _DIFFERENTIABLE else None
+                 for t, p in zip(in_tangents, primals)]
         split = [None if t is None else array_ops.unstack(t) for t in in_tangents]
         n = next(len(s) for s in split if s is not None)
-        rows = [fn([None if s is None else s[b] for s in split]) for b in range(n)]
+        rows = [fn([z if s is None else s[b] for s, z in zip(split, zeros)])
+                for b in range(n)]
         return [None if any(r[k] is None for r in rows)
                 else array_ops_stack.stack([r[k] for r in rows])
                 for k in range(len(rows[0]))]

@@ -2,12 +2,11 @@
 fasttape's core (direct JVP rules, else the transposed registered gradient;
 no tf.function is traced per op type)."""
 
-from absl import logging
-
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor_shape
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+from tensorflow.python.platform import tf_logging as logging
 from tensorflow.python.util import nest
 
 from fasttape import _recording

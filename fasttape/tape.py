@@ -5,10 +5,9 @@ Every argument, result structure, warning and exception type follows
 the backward loop differ.
 """
 
-from absl import logging
-
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop
+from tensorflow.python.eager import backprop_util
 from tensorflow.python.eager import context
 from tensorflow.python.eager import tape as tf_tape
 from tensorflow.python.framework import composite_tensor_gradient
@@ -21,12 +20,13 @@ from tensorflow.python.ops import linalg_ops_impl
 from tensorflow.python.util import variable_utils
 from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+from tensorflow.python.platform import tf_logging as logging
 from tensorflow.python.util import nest
 from tensorflow.python.util import tf_contextlib
 
 from fasttape import _recording
 from fasttape._callback import output_meta
-_handle_or_self = _recording._handle_or_self  # pylint: disable=protected-access
+_handle_or_self = backprop._handle_or_self  # pylint: disable=protected-access
 
 _CONSUMED = ("A non-persistent GradientTape can only be used to compute one "
              "set of gradients (or jacobians)")
@@ -109,11 +109,16 @@ class GradientTape:
 
     def watch(self, tensor):
         """Ensures that `tensor` (tensors, variables, nests of them) is traced."""
+        could_record = _recording.could_record()
         for t in backprop._extract_tensors_and_variables(tensor):  # pylint: disable=protected-access
-            if not _recording.is_trainable(t):
+            if not backprop_util.IsTrainable(t):
                 logging.log_first_n(
                     logging.WARN, "The dtype of the watched tensor must be "
                     "floating (e.g. tf.float32), got %r", 5, t.dtype)
+            if self._tape is None:  # TF: tape.watch(None, t) fails the same way
+                raise AttributeError("'NoneType' object has no attribute '_tape'")
+            if not could_record:
+                continue  # as TF: no tape records on this thread now
             if hasattr(t, "handle"):
                 for var in tf_tape._variables_override(t):  # pylint: disable=protected-access
                     self._tape.watch_variable(var)
@@ -150,6 +155,7 @@ class GradientTape:
         """Computes the gradient using operations recorded in context of this tape."""
         if self._tape is None:
             raise RuntimeError(_CONSUMED)
+        unconnected_gradients = _unconnected(unconnected_gradients)
         if self._recording:
             if not self._persistent:
                 self._pop_tape()
@@ -170,11 +176,22 @@ class GradientTape:
         flat_targets = composite_tensor_gradient.get_flat_tensors_for_gradients(
             nest.flatten(target))
         flat_targets = nest.map_structure(_handle_or_self, flat_targets)
+        for t in flat_targets:
+            if not backprop_util.IsTrainable(t):
+                logging.vlog(
+                    1, "The dtype of the target tensor must be "
+                    "floating (e.g. tf.float32) when calling GradientTape.gradient, "
+                    "got %r", t.dtype)
         flat_sources_raw = nest.flatten(sources)
         flat_sources = [_handle_or_self(t) for t in flat_sources_raw]
         flat_sources = composite_tensor_gradient.get_flat_tensors_for_gradients(
             flat_sources)
         for t in flat_sources:
+            if not backprop_util.IsTrainable(t):
+                logging.vlog(
+                    1, "The dtype of the source tensor must be "
+                    "floating (e.g. tf.float32) when calling GradientTape.gradient, "
+                    "got %r", t.dtype)
             if getattr(t, "is_packed", False):
                 raise ValueError("GradientTape.gradient is not supported on "
                                  "packed EagerTensors yet.")
