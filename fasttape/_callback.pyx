@@ -17,7 +17,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops
 
 from fasttape._core cimport GradientTapeCore, ForwardAccumulatorCore
-from fasttape._tf_vspace import EagerOp, GraphOp, PyBackward, saved_indices
+from fasttape._saved import saved_indices
 
 cdef object _is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 cdef object _EagerTensor = ops.EagerTensor
@@ -35,6 +35,48 @@ EAGER_OP = 0
 GRAPH_OP = 1
 PY_BACKWARD = 2
 
+
+# -- backward payloads (what a recorded op keeps for its backward pass) --------
+
+cdef class EagerOp:
+    """An op run eagerly: its attrs and the inputs/outputs its gradient reads
+    (None in place of the others)."""
+    cdef readonly tuple attrs, inputs, outputs
+    cdef readonly Py_ssize_t num_inputs
+    cdef object __weakref__
+
+    def __cinit__(self, attrs, tuple inputs, tuple outputs, Py_ssize_t num_inputs):
+        self.attrs = tuple(attrs) if attrs is not None else ()
+        self.inputs = inputs
+        self.outputs = outputs
+        self.num_inputs = num_inputs
+
+
+cdef class GraphOp:
+    """An op built while tracing: the real tf.Operation."""
+    cdef readonly object op
+    cdef readonly Py_ssize_t num_inputs
+    cdef object __weakref__
+
+    def __cinit__(self, op, Py_ssize_t num_inputs):
+        self.op = op
+        self.num_inputs = num_inputs
+
+
+cdef class PyBackward:
+    """A backward function recorded through record.record_operation, and
+    the forward (tangent) function TF gave with it, if any."""
+    cdef readonly object fn, forward
+    cdef readonly Py_ssize_t num_inputs
+    cdef object __weakref__
+
+    def __cinit__(self, fn, Py_ssize_t num_inputs, forward=None):
+        self.fn = fn
+        self.num_inputs = num_inputs
+        self.forward = forward
+
+
+# -- per-thread state -----------------------------------------------------------
 
 class State(threading.local):
     """Per-thread recording state."""
@@ -125,7 +167,8 @@ def record(op_type, inputs, outputs, int kind, attrs=None, backward=None,
         for tp in st.tapes:
             if tp.nesting_id < limit and (<GradientTapeCore>tp.core).should_record(ids):
                 tapes.append(tp)
-    if to_accumulators and any([is_trainable(t) for t in outputs]):
+    if to_accumulators and st.accumulators and any(
+            [is_trainable(t) for t in outputs]):
         # (TF's accumulators skip ops with no differentiable output.)
         for a in st.accumulators:
             if a.nesting_id <= limit and (<ForwardAccumulatorCore>a.core).should_record(ids):
