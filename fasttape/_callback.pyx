@@ -13,6 +13,7 @@ import threading
 
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop_util
+from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops
 
@@ -206,10 +207,16 @@ def record(op_type, inputs, outputs, int kind, attrs=None, backward=None,
                        else PyBackward(backward, n_in, forward))
         in_meta = tuple([output_meta(t) for t in inputs])
         guard = st.in_callback
+        # While TF builds a graph op it suppresses op callbacks for ops made
+        # inside them; the JVP's own ops must still be seen (by the fallback's
+        # inner tape and by older tapes/accumulators), so lift that here.
+        ctx = context.context()
+        tf_guard = ctx.invoking_op_callbacks
         for acc in accs:
             # The JVP's own ops are seen by older tapes/accumulators only.
             st.nesting_limit = acc.nesting_id
             st.in_callback = False
+            ctx.invoking_op_callbacks = False
             try:
                 if acc.core.accumulate(op_type, ids, in_meta, out_ids, meta,
                                        payload, trainable):
@@ -217,6 +224,7 @@ def record(op_type, inputs, outputs, int kind, attrs=None, backward=None,
             finally:
                 st.nesting_limit = limit
                 st.in_callback = guard
+                ctx.invoking_op_callbacks = tf_guard
 
 
 def op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):

@@ -808,4 +808,7 @@ cdef class ForwardAccumulatorCore:
             used.append(in_tangents[k])
         if not targets:
             return [None] * len(output_meta)
-        return tape.compute_gradient(vspace, targets, aid_ids, None, used, False)
+        # Zeros for missing output gradients, as TF's Python JVP helper gets
+        # from tape.gradient (backward functions of tf.function calls need
+        # them).
+        return tape.compute_gradient(vspace, targets, aid_ids, None, used, True)

@@ -49,7 +49,7 @@ def _anything_recording():
 
 VSPACE = TFVSpace(_anything_recording)
 
-# Tapes and accumulators are numbered in creation order. While an accumulator
+# Tapes and accumulators are numbered in the order they are pushed. While an accumulator
 # computes a JVP, only older tapes and accumulators see the ops it runs (TF's
 # rule: that is how nested accumulators and tapes give higher orders without
 # a younger one recording its elder's bookkeeping).
@@ -141,6 +141,9 @@ def _push(stack, item):
         _callback_registered = True
     install()
     _ensure_callbacks_armed()
+    # As TF: a fresh nesting id at every push (entering, or resuming after
+    # stop_recording), so "older" means "pushed earlier".
+    item.nesting_id = next(_nesting_ids)
     stack.append(item)
     global _live_tapes
     with _live_lock:

@@ -259,7 +259,7 @@ class TFVSpace(VSpace):
         zeros = [array_ops.zeros_like(p) if t is None and p is not None
                  and p.dtype in _DIFFERENTIABLE else None
                  for t, p in zip(in_tangents, primals)]
-        split = [None if t is None else array_ops.unstack(t) for t in in_tangents]
+        split = [None if t is None else array_ops_stack.unstack(t) for t in in_tangents]
         n = next(len(s) for s in split if s is not None)
         rows = [fn([z if s is None else s[b] for s, z in zip(split, zeros)])
                 for b in range(n)]
@@ -268,7 +268,7 @@ class TFVSpace(VSpace):
                 for k in range(len(rows[0]))]
 
     def unbatch(self, tangent):
-        return array_ops.unstack(tangent)
+        return array_ops_stack.unstack(tangent)
 
     def batch(self, tangents):
         return array_ops_stack.stack(tangents)

@@ -61,6 +61,11 @@ class ForwardAccumulator:
                     logging.WARN, "The dtype of the watched primal must be "
                     "floating (e.g. tf.float32), got %r", 5, primal.dtype)
             tangent = ops.convert_to_tensor(tangent, dtype=primal.dtype)
+            if not self._accumulator.core.use_batch and not (
+                    primal.shape.is_compatible_with(tangent.shape)):
+                raise ValueError(
+                    "Tangent {} was expected to be of shape {} but is instead "
+                    "of shape {}".format(tangent, primal.shape, tangent.shape))
             if hasattr(primal, "handle"):
                 primal = ops.convert_to_tensor(primal.handle)
             core.watch(primal._id, tangent)  # pylint: disable=protected-access
