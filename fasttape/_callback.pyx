@@ -258,6 +258,23 @@ cdef inline bint _is_variable(a):
     return r
 
 
+cdef object _ResourceVariable = resource_variable_ops.ResourceVariable
+cdef object _variable_accessed = resource_variable_ops.variable_accessed
+cdef object _RAW_FAST_PATH = pywrap_tfe.TFE_Py_FastPathExecute
+
+
+cdef object _read(v):
+    """v.value(), minus its Python layers for a plain ResourceVariable: tell
+    the tapes (TF's and fasttape's) it was read, then run ReadVariableOp
+    through the raw fast path, where the op callback records it."""
+    if type(v) is not _ResourceVariable or v._caching_device is not None \
+            or v._cached_value is not None:
+        return v.value()
+    _variable_accessed(v)
+    return _RAW_FAST_PATH(context._context, "ReadVariableOp", None, v.handle,
+                          "dtype", v._dtype)
+
+
 def read_variables(tuple args):
     """Fast-path arguments with every Variable (also inside a list) replaced
     by its value read in Python, so the read is seen and recorded."""
@@ -266,9 +283,9 @@ def read_variables(tuple args):
     for i in range(len(args)):
         a = args[i]
         if _is_variable(a):
-            value = a.value()
+            value = _read(a)
         elif type(a) is list and any([_is_variable(x) for x in a]):
-            value = [x.value() if _is_variable(x) else x for x in a]
+            value = [_read(x) if _is_variable(x) else x for x in a]
         else:
             continue
         if out is None:

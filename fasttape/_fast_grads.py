@@ -81,37 +81,65 @@ def _add_n(op, g, skip):
     return [g[0]] * op.num_inputs
 
 
-# -- elementwise binary (only when no broadcasting is involved) --------------------
+# -- elementwise binary, with broadcasting ---------------------------------------
 
-def _same_shapes(op, g):
+def _reduce_to(g, shape):
+    """Sum a broadcast gradient back to ``shape`` (TF's _ReduceGradientArg,
+    with the reduction axes found from the static shapes instead of a
+    BroadcastGradientArgs kernel)."""
+    gs = _shape(g)
+    if gs == shape:
+        return g
+    rank = len(gs)
+    lead = rank - len(shape)
+    axes = tuple(i for i in range(rank)
+                 if i < lead or (shape[i - lead] == 1 and gs[i] != 1))
+    if axes:
+        g = _ex("Sum", g, _const(axes, _INT32), "keep_dims", True)
+    return _ex("Reshape", g, _const(shape, _INT32))
+
+
+def _binary_shapes(op):
     x, y = op.inputs
     if x is None or y is None:
-        return False
-    s = _shape(g)
-    return _shape(x) == s and _shape(y) == s
+        raise _NotApplicable
+    return x, y, _shape(x), _shape(y)
+
+
+class _NotApplicable(Exception):
+    pass
 
 
 @fast_rule("Add", "AddV2")
 def _add(op, g, skip):
-    if not _same_shapes(op, g[0]):
-        return None
-    return [g[0], g[0]]
+    x, y, sx, sy = _binary_shapes(op)
+    return [None if 0 in skip else _reduce_to(g[0], sx),
+            None if 1 in skip else _reduce_to(g[0], sy)]
 
 
 @fast_rule("Sub")
 def _sub(op, g, skip):
-    if not _same_shapes(op, g[0]):
-        return None
-    return [g[0], _ex("Neg", g[0])]
+    x, y, sx, sy = _binary_shapes(op)
+    return [None if 0 in skip else _reduce_to(g[0], sx),
+            None if 1 in skip else _reduce_to(_ex("Neg", g[0]), sy)]
 
 
 @fast_rule("Mul")
 def _mul(op, g, skip):
-    if not _same_shapes(op, g[0]):
-        return None
-    x, y = op.inputs
-    return [None if 0 in skip else _ex("Mul", g[0], y),
-            None if 1 in skip else _ex("Mul", g[0], x)]
+    x, y, sx, sy = _binary_shapes(op)
+    return [None if 0 in skip else _reduce_to(_ex("Mul", g[0], y), sx),
+            None if 1 in skip else _reduce_to(_ex("Mul", x, g[0]), sy)]
+
+
+@fast_rule("RealDiv")
+def _real_div(op, g, skip):
+    x, y, sx, sy = _binary_shapes(op)
+    gx = None if 0 in skip else _reduce_to(_ex("RealDiv", g[0], y), sx)
+    gy = None
+    if 1 not in skip:
+        ratio = _ex("RealDiv", _ex("RealDiv", _ex("Neg", x), y), y)
+        gy = _reduce_to(_ex("Mul", g[0], ratio), sy)
+    return [gx, gy]
 
 
 # -- elementwise unary -------------------------------------------------------------
