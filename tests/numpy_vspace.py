@@ -580,8 +580,8 @@ def gradient(tp, vspace, targets, sources, output_gradients=None,
 
 
 def value(t):
-    """NumPy value of a T (None stays None)."""
-    return None if t is None else t.value
+    """NumPy value of a T; anything else (None, arrays) as is."""
+    return t.value if isinstance(t, T) else t
 
 
 class GradientMismatch(AssertionError):
