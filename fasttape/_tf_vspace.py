@@ -139,6 +139,8 @@ class TFVSpace(VSpace):
         dtype = dtypes.as_dtype(dtype)
         if dtype == _STRING or (dtype == _RESOURCE and value == 0):
             return None
+        if dtype.is_bool:
+            value = bool(value)
         if not context.executing_eagerly():
             # Backprop traced inside a graph (jacobian's pfor, tf.function).
             return array_ops.fill(shape, array_ops.constant(value, dtype))
@@ -148,7 +150,7 @@ class TFVSpace(VSpace):
             return cached
         result = array_ops.fill(
             array_ops.constant(shape, dtypes.int32),
-            array_ops.constant(bool(value) if dtype.is_bool else value, dtype))
+            array_ops.constant(value, dtype))
         if cache:
             if len(self._fill_cache) > 512:
                 self._fill_cache.clear()
