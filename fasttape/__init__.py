@@ -17,6 +17,8 @@ _LAZY = {
     "patched": ("fasttape._patch", "patched"),
     "is_patched": ("fasttape._patch", "is_patched"),
     "profile": ("fasttape.profiler", "profile"),
+    "hvp": ("fasttape.functional", "hvp"),
+    "hessian": ("fasttape.functional", "hessian"),
 }
 
 __all__ = sorted(_LAZY)
