@@ -77,6 +77,35 @@ cdef class PyBackward:
         self.forward = forward
 
 
+# -- a tape as the recording machinery sees it ------------------------------------
+
+cdef class TapeState:
+    """One fasttape GradientTape's recording state."""
+    cdef readonly GradientTapeCore core
+    cdef readonly bint persistent
+    cdef readonly bint watch_accessed_variables
+    cdef public dict variables          # handle id -> variable
+    cdef public long long nesting_id    # set at every push (see _recording)
+    cdef object __weakref__
+
+    def __init__(self, bint persistent, bint watch_accessed_variables):
+        self.core = GradientTapeCore(persistent)
+        self.persistent = persistent
+        self.watch_accessed_variables = watch_accessed_variables
+        self.variables = {}
+        self.nesting_id = 0
+
+    def watch_variable(self, variable):
+        hid = variable.handle._id
+        self.core.watch(hid)
+        if hid not in self.variables:
+            self.variables[hid] = variable
+
+    def watched_variables(self):
+        # TF's tape keeps its variables in a set ordered by handle id.
+        return tuple([self.variables[k] for k in sorted(self.variables)])
+
+
 # -- per-thread state -----------------------------------------------------------
 
 class State(threading.local):
@@ -159,30 +188,46 @@ def record(op_type, inputs, outputs, int kind, attrs=None, backward=None,
     kind: EAGER_OP (attrs given), GRAPH_OP, or PY_BACKWARD (backward and
     optionally forward functions given, as record.record_operation takes).
     """
-    st = state
-    cdef object limit = st.nesting_limit
+    _record(state, op_type, inputs, outputs, kind, attrs, backward, forward,
+            to_tapes, to_accumulators)
+
+
+cdef int _record(st, op_type, inputs, outputs, int kind, attrs, backward,
+                 forward, bint to_tapes, bint to_accumulators) except -1:
+    cdef long long limit = st.nesting_limit
     cdef list ids = _ids(inputs)
-    cdef list tapes = []
-    cdef list accs = []
+    cdef list tapes = None
+    cdef list accs = None
+    cdef TapeState ts
     if to_tapes:
-        for tp in st.tapes:
-            if tp.nesting_id < limit and (<GradientTapeCore>tp.core).should_record(ids):
-                tapes.append(tp)
-    if to_accumulators and st.accumulators and any(
+        for tp in <list>st.tapes:
+            ts = <TapeState>tp
+            if ts.nesting_id < limit and ts.core.should_record(ids, None):
+                if tapes is None:
+                    tapes = [ts]
+                else:
+                    tapes.append(ts)
+    cdef list acc_list = st.accumulators
+    if to_accumulators and acc_list and any(
             [is_trainable(t) for t in outputs]):
         # (TF's accumulators skip ops with no differentiable output.)
-        for a in st.accumulators:
-            if a.nesting_id <= limit and (<ForwardAccumulatorCore>a.core).should_record(ids):
-                accs.append(a)
-    if not tapes and not accs:
-        return
+        for a in acc_list:
+            if a.nesting_id <= limit and (<ForwardAccumulatorCore>a.core).should_record(ids, None):
+                if accs is None:
+                    accs = [a]
+                else:
+                    accs.append(a)
+    if tapes is None and accs is None:
+        return 0
     cdef list trainable = [is_trainable(t) for t in inputs]
-    tapes = [tp for tp in tapes
-             if (<GradientTapeCore>tp.core).should_record(ids, trainable)]
-    accs = [a for a in accs
-            if (<ForwardAccumulatorCore>a.core).should_record(ids, trainable)]
+    if tapes is not None:
+        tapes = [tp for tp in tapes
+                 if (<TapeState>tp).core.should_record(ids, trainable)]
+    if accs is not None:
+        accs = [a for a in accs
+                if (<ForwardAccumulatorCore>a.core).should_record(ids, trainable)]
     if not tapes and not accs:
-        return
+        return 0
     cdef list out_ids = _ids(outputs)
     cdef tuple meta = tuple([output_meta(t) for t in outputs])
     cdef Py_ssize_t n_in = len(inputs)
@@ -197,7 +242,7 @@ def record(op_type, inputs, outputs, int kind, attrs=None, backward=None,
         else:
             payload = PyBackward(backward, n_in, forward)
         for tp in tapes:
-            (<GradientTapeCore>tp.core).record_operation(
+            (<TapeState>tp).core.record_operation(
                 op_type, ids, out_ids, meta, payload, trainable)
     if accs:
         if kind == EAGER_OP:
@@ -225,6 +270,7 @@ def record(op_type, inputs, outputs, int kind, attrs=None, backward=None,
                 st.nesting_limit = limit
                 st.in_callback = guard
                 ctx.invoking_op_callbacks = tf_guard
+    return 0
 
 
 def op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
@@ -239,8 +285,9 @@ def op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
         op_type = op_type.decode()
     st.in_callback = True
     try:
-        record(op_type, inputs, outputs,
-               EAGER_OP if graph is None else GRAPH_OP, attrs)
+        _record(st, op_type, inputs, outputs,
+                EAGER_OP if graph is None else GRAPH_OP, attrs, None, None,
+                True, True)
     finally:
         st.in_callback = False
     return None

@@ -68,28 +68,7 @@ def could_record():
     return bool(_state.tapes) or not pywrap_tfe.TFE_Py_TapeSetIsEmpty()
 
 
-class TapeState:
-    """One fasttape tape as the recording machinery sees it."""
-
-    __slots__ = ("core", "persistent", "watch_accessed_variables",
-                 "variables", "nesting_id", "__weakref__")
-
-    def __init__(self, persistent, watch_accessed_variables):
-        self.core = _core.GradientTapeCore(persistent)
-        self.persistent = persistent
-        self.watch_accessed_variables = watch_accessed_variables
-        self.variables = {}  # handle id -> variable
-        self.nesting_id = next(_nesting_ids)
-
-    def watch_variable(self, variable):
-        hid = variable.handle._id  # pylint: disable=protected-access
-        self.core.watch(hid)
-        if hid not in self.variables:
-            self.variables[hid] = variable
-
-    def watched_variables(self):
-        # TF's tape keeps its variables in a set ordered by handle id.
-        return tuple(self.variables[k] for k in sorted(self.variables))
+TapeState = _callback.TapeState
 
 
 class AccumulatorState:
