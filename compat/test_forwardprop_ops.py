@@ -349,6 +349,18 @@ DIRECT = [
     Case("Mixed_dense_layer", lambda x, w, b: tf.nn.log_softmax(
         tf.tanh(tf.nn.bias_add(tf.matmul(x, w), b))),
          [N(4, 3), N(3, 5), N(5)], ["MatMul", "BiasAdd", "Tanh", "LogSoftmax"]),
+    # Moved from the fallback list when direct rules were added:
+    Case("MaxPool", lambda x: tf.nn.max_pool2d(x, 2, 2, "VALID"), [Dis(1, 4, 4, 2)],
+         ["MaxPool"]),
+    Case("MaxPool_SAME_stride1", lambda x: tf.nn.max_pool2d(x, 3, 1, "SAME"),
+         [Dis(1, 3, 3, 1)], ["MaxPool"]),
+    Case("AvgPool", lambda x: tf.nn.avg_pool2d(x, 2, 1, "SAME"), [N(1, 4, 4, 2)], ["AvgPool"]),
+    Case("SoftmaxCrossEntropyWithLogits", lambda lab, log: tf.nn.softmax_cross_entropy_with_logits(
+        labels=tf.nn.softmax(lab), logits=log), [N(3, 4), N(3, 4)],
+        ["SoftmaxCrossEntropyWithLogits"]),
+    Case("SparseSoftmaxCrossEntropyWithLogits",
+         lambda lab, log: tf.nn.sparse_softmax_cross_entropy_with_logits(labels=lab, logits=log),
+         [I32(0, 3, 1), N(3, 4)], ["SparseSoftmaxCrossEntropyWithLogits"]),
 ]
 
 
@@ -460,11 +472,6 @@ FALLBACK = [
          [N(4, 2), I32(2, 0, 2, 1)], ["UnsortedSegmentSum"]),
     Case("SegmentMax", lambda x, i: tf.math.segment_max(x, i),
          [Dis(4, 2), I32(0, 0, 1, 1)], ["SegmentMax"]),
-    Case("MaxPool", lambda x: tf.nn.max_pool2d(x, 2, 2, "VALID"), [Dis(1, 4, 4, 2)],
-         ["MaxPool"]),
-    Case("MaxPool_SAME_stride1", lambda x: tf.nn.max_pool2d(x, 3, 1, "SAME"),
-         [Dis(1, 3, 3, 1)], ["MaxPool"]),
-    Case("AvgPool", lambda x: tf.nn.avg_pool2d(x, 2, 1, "SAME"), [_img], ["AvgPool"]),
     Case("MaxPool3D", lambda x: tf.nn.max_pool3d(x, 2, 2, "VALID"), [Dis(1, 2, 4, 4, 1)],
          ["MaxPool3D"]),
     Case("Conv2DBackpropInput", lambda x, w: tf.nn.conv2d_transpose(
@@ -479,12 +486,6 @@ FALLBACK = [
         ["DepthwiseConv2dNative"], rtol=1e-4, atol=1e-5),
     Case("Conv3D", lambda x, w: tf.nn.conv3d(x, w, [1, 1, 1, 1, 1], "VALID"),
          [N(1, 3, 3, 3, 1), N(2, 2, 2, 1, 2)], ["Conv3D"], rtol=1e-4, atol=1e-5),
-    Case("SoftmaxCrossEntropyWithLogits", lambda lab, log: tf.nn.softmax_cross_entropy_with_logits(
-        labels=tf.nn.softmax(lab), logits=log), [N(3, 4), N(3, 4)],
-        ["SoftmaxCrossEntropyWithLogits"]),
-    Case("SparseSoftmaxCrossEntropyWithLogits",
-         lambda lab, log: tf.nn.sparse_softmax_cross_entropy_with_logits(labels=lab, logits=log),
-         [I32(0, 3, 1), N(3, 4)], ["SparseSoftmaxCrossEntropyWithLogits"]),
     Case("L2Loss", tf.nn.l2_loss, [N(3, 2)], ["L2Loss"]),
     Case("Einsum_matmul", lambda a, b: tf.einsum("bij,bjk->bik", a, b),
          [N(2, 3, 4), N(2, 4, 2)], ["Einsum"]),

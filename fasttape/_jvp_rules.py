@@ -1,5 +1,6 @@
 """Forward-mode rules: ``JVP_RULES[op_type](op, tangents) -> output tangents``.
 
+A rule may return NotImplemented to use the fallback for an op instance.
 ``op`` is a small view with ``inputs``, ``outputs`` and ``attr(name)``, the
 same for ops recorded eagerly and ops built in a graph. ``tangents`` has one
 entry per input: a tensor (zeros for an input of a differentiable dtype that
@@ -238,3 +239,52 @@ def _conv2d(op, t):
            "dilations", "use_cudnn_on_gpu")}
     conv = lambda a, b: gen_nn_ops.conv2d(a, b, **kw)  # noqa: E731
     return [conv(t[0], w) + conv(x, t[1])]
+
+
+def _pool_attrs(op):
+    return {name: op.attr(name) for name in
+            ("ksize", "strides", "padding", "data_format")}
+
+
+@rule("MaxPool")
+def _max_pool(op, t):
+    # The tangent at each window's maximum: MaxPoolGradGrad pushes a tensor
+    # shaped like the input through the max selection.
+    kw = _pool_attrs(op)
+    if kw["padding"] in ("EXPLICIT", b"EXPLICIT"):
+        return NotImplemented  # MaxPoolGradGrad has no explicit padding
+    return [gen_nn_ops.max_pool_grad_grad(op.inputs[0], op.outputs[0], t[0], **kw)]
+
+
+@rule("AvgPool")
+def _avg_pool(op, t):
+    return [gen_nn_ops.avg_pool(t[0], **_pool_attrs(op))]
+
+
+def _softmax_jvp(p, dlogits):
+    return p * (dlogits - math_ops.reduce_sum(p * dlogits, -1, keepdims=True))
+
+
+@rule("SparseSoftmaxCrossEntropyWithLogits")
+def _sparse_xent(op, t):
+    # loss = logsumexp(logits) - logits[label]; backprop = softmax - onehot.
+    backprop = op.outputs[1]
+    p = nn_ops.softmax(op.inputs[0])
+    return [math_ops.reduce_sum(backprop * t[0], -1), _softmax_jvp(p, t[0])]
+
+
+@rule("SoftmaxCrossEntropyWithLogits")
+def _xent(op, t):
+    # loss = sum(labels) * logsumexp(logits) - sum(labels * logits);
+    # backprop = softmax * sum(labels) - labels.
+    logits, labels = op.inputs
+    dlogits, dlabels = t
+    backprop = op.outputs[1]
+    p = nn_ops.softmax(logits)
+    log_p = nn_ops.log_softmax(logits)
+    loss_t = (math_ops.reduce_sum(backprop * dlogits, -1)
+              - math_ops.reduce_sum(log_p * dlabels, -1))
+    total = math_ops.reduce_sum(labels, -1, keepdims=True)
+    backprop_t = (_softmax_jvp(p, dlogits) * total
+                  + p * math_ops.reduce_sum(dlabels, -1, keepdims=True) - dlabels)
+    return [loss_t, backprop_t]

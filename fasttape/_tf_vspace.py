@@ -265,6 +265,8 @@ class TFVSpace(VSpace):
         n = next(len(s) for s in split if s is not None)
         rows = [fn([z if s is None else s[b] for s, z in zip(split, zeros)])
                 for b in range(n)]
+        if any(r is NotImplemented for r in rows):
+            return NotImplemented
         return [None if any(r[k] is None for r in rows)
                 else array_ops_stack.stack([r[k] for r in rows])
                 for k in range(len(rows[0]))]
