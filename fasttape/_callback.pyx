@@ -149,6 +149,9 @@ cpdef object output_meta(t):
     return t
 
 
+cdef tuple _NO_META = (None,)
+
+
 cdef list _ids(tensors):
     return [t._id for t in tensors]
 
@@ -229,7 +232,11 @@ cdef int _record(st, op_type, inputs, outputs, int kind, attrs, backward,
     if not tapes and not accs:
         return 0
     cdef list out_ids = _ids(outputs)
-    cdef tuple meta = tuple([output_meta(t) for t in outputs])
+    # A single-output op never needs zeros for a missing output gradient (it
+    # runs only when its one output has a gradient), and a target's ones are
+    # made from the target itself: skip the metadata then.
+    cdef tuple meta = (_NO_META if len(outputs) == 1 and not accs
+                       else tuple([output_meta(t) for t in outputs]))
     cdef Py_ssize_t n_in = len(inputs)
     payload = None
     if tapes:

@@ -23,7 +23,7 @@ cdef class OpEntry:
     cdef readonly object op_type        # the framework's op name (str)
     cdef vector[int64_t] input_ids      # ids of the op's inputs, in order
     cdef vector[int64_t] output_ids     # ids of the op's outputs, in order
-    cdef readonly tuple output_meta     # per output: what ones_like/zeros_like need
+    cdef readonly tuple output_meta     # per output: what ones_like/zeros_like need (or None)
     cdef public object payload          # opaque backward payload; dropped once used (non-persistent)
 
 
@@ -44,7 +44,8 @@ cdef class GradientTapeCore:
     cpdef delete_trace(self, int64_t tensor_id)
     cdef list _compute(self, VSpace vspace, vector[int64_t]& targets,
                        vector[int64_t]& sources, dict sources_that_are_targets,
-                       output_gradients, bint build_default_zeros, bint keep)
+                       output_gradients, bint build_default_zeros, bint keep,
+                       target_meta)
 
 
 cdef class ForwardAccumulatorCore:

@@ -349,7 +349,8 @@ cdef class GradientTapeCore:
 
     def compute_gradient(self, VSpace vspace, target_ids, source_ids,
                          sources_that_are_targets=None, output_gradients=None,
-                         bint build_default_zeros=True, bint retain=False):
+                         bint build_default_zeros=True, bint retain=False,
+                         target_meta=None):
         """Gradients of the targets w.r.t. each source: a list, None where a
         source is not connected.
 
@@ -358,6 +359,9 @@ cdef class GradientTapeCore:
         output_gradients: None, or one entry per target (None = ones).
         retain: keep the trace even on a non-persistent tape (several passes
         over one trace, as a Jacobian needs); ``release()`` ends it.
+        target_meta: None, or per target the meta for its ones, used where
+        the recorded output_meta entry is None (the framework may skip
+        recording metadata that only a target would need).
         """
         if self.consumed:
             raise RuntimeError(
@@ -376,7 +380,8 @@ cdef class GradientTapeCore:
         try:
             return self._compute(vspace, targets, sources,
                                  sources_that_are_targets or {},
-                                 output_gradients, build_default_zeros, keep)
+                                 output_gradients, build_default_zeros, keep,
+                                 target_meta)
         finally:
             if not keep:
                 self._release_all()
@@ -389,7 +394,8 @@ cdef class GradientTapeCore:
 
     cdef list _compute(self, VSpace vspace, vector[int64_t]& targets,
                        vector[int64_t]& sources, dict sources_that_are_targets,
-                       output_gradients, bint build_default_zeros, bint keep):
+                       output_gradients, bint build_default_zeros, bint keep,
+                       target_meta):
         cdef unordered_set[int64_t] sources_set
         cdef int64_t tid, op_id, producer, n_ops = self.next_op_id
         cdef size_t i
@@ -492,8 +498,16 @@ cdef class GradientTapeCore:
                         "failed to find operation producing a tensor")
                 for j in range(producer_entry.output_ids.size()):
                     if producer_entry.output_ids[j] == tid:
+                        meta = producer_entry.output_meta[j]
+                        if meta is None and target_meta is not None:
+                            meta = target_meta[i]
+                        if meta is None:
+                            raise ValueError(
+                                "No metadata to build the initial gradient of "
+                                f"target {tid}: record output_meta or pass "
+                                "target_meta")
                         gradients.setdefault(tid, []).append(
-                            vspace.ones_like(producer_entry.output_meta[j]))
+                            vspace.ones_like(meta))
                         break
             elif tid in sources_that_are_targets:
                 gradients.setdefault(tid, []).append(

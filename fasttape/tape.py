@@ -52,7 +52,7 @@ def compute(tape_state, flat_targets, flat_sources, output_gradients,
         for t in flat_sources if t._id in targets_set}  # pylint: disable=protected-access
     grads = tape_state.core.compute_gradient(
         _recording.VSPACE, target_ids, source_ids, sources_that_are_targets,
-        output_gradients, True, retain)
+        output_gradients, True, retain, [output_meta(t) for t in flat_targets])
     if unconnected_gradients == UnconnectedGradients.ZERO:
         grads = [default_gradient.zeros_like(flat_sources_raw[i])
                  if g is None else g for i, g in enumerate(grads)]
