@@ -202,31 +202,33 @@ def _mat_mul(a, b, ta, tb, ga, gb):
                "grad_a", ga, "grad_b", gb)
 
 
+# How TF's _MatMulGrad forms each input's gradient, per (transpose_a,
+# transpose_b): (first operand, second operand, transpose_a, transpose_b),
+# with "g" the output gradient and "a", "b" the op's inputs.
+_MATMUL_GRAD_A = {(False, False): ("g", "b", False, True),
+                  (False, True): ("g", "b", False, False),
+                  (True, False): ("b", "g", False, True),
+                  (True, True): ("b", "g", True, True)}
+_MATMUL_GRAD_B = {(False, False): ("a", "g", True, False),
+                  (False, True): ("g", "a", True, False),
+                  (True, False): ("a", "g", False, False),
+                  (True, True): ("g", "a", True, True)}
+
+
 @fast_rule("MatMul")
 def _matmul(op, g, skip):
-    grad = g[0]
     a, b = op.inputs
-    ta, tb = _attr(op, "transpose_a"), _attr(op, "transpose_b")
-    grad_a = grad_b = None
-    if 0 not in skip:
-        if not ta and not tb:
-            grad_a = _mat_mul(grad, b, False, True, True, False)
-        elif not ta and tb:
-            grad_a = _mat_mul(grad, b, False, False, True, False)
-        elif ta and not tb:
-            grad_a = _mat_mul(b, grad, False, True, True, False)
-        else:
-            grad_a = _mat_mul(b, grad, True, True, True, False)
-    if 1 not in skip:
-        if not ta and not tb:
-            grad_b = _mat_mul(a, grad, True, False, False, True)
-        elif not ta and tb:
-            grad_b = _mat_mul(grad, a, True, False, False, True)
-        elif ta and not tb:
-            grad_b = _mat_mul(a, grad, False, False, False, True)
-        else:
-            grad_b = _mat_mul(grad, a, True, True, False, True)
-    return [grad_a, grad_b]
+    values = {"g": g[0], "a": a, "b": b}
+    key = (bool(_attr(op, "transpose_a")), bool(_attr(op, "transpose_b")))
+    grads = []
+    for index, table, flags in ((0, _MATMUL_GRAD_A, (True, False)),
+                                (1, _MATMUL_GRAD_B, (False, True))):
+        if index in skip:
+            grads.append(None)
+            continue
+        x, y, tx, ty = table[key]
+        grads.append(_mat_mul(values[x], values[y], tx, ty, *flags))
+    return grads
 
 
 @fast_rule("BiasAdd")

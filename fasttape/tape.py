@@ -314,14 +314,7 @@ class GradientTape:
             target_size = array_ops.shape(target)[0]
 
         if experimental_use_pfor:
-            try:
-                output = pfor_ops.pfor(loop_fn, target_size,
-                                       parallel_iterations=parallel_iterations)
-            except ValueError as err:
-                raise ValueError(
-                    "Encountered an exception while vectorizing the "
-                    "jacobian computation. Vectorization can be disabled by "
-                    "setting experimental_use_pfor to False.") from err
+            output = _pfor(loop_fn, target_size, parallel_iterations, "jacobian")
         else:
             if context.executing_eagerly() and not self._persistent:
                 raise RuntimeError(
@@ -420,14 +413,8 @@ class GradientTape:
                                  unconnected_gradients=unconnected_gradients)
 
         if experimental_use_pfor:
-            try:
-                output = pfor_ops.pfor(loop_fn, target_row_size,
-                                       parallel_iterations=parallel_iterations)
-            except ValueError as err:
-                raise ValueError(
-                    "Encountered an exception while vectorizing the "
-                    "batch_jacobian computation. Vectorization can be disabled "
-                    "by setting experimental_use_pfor to False.") from err
+            output = _pfor(loop_fn, target_row_size, parallel_iterations,
+                           "batch_jacobian")
         else:
             if context.executing_eagerly() and not self._persistent:
                 raise RuntimeError(
@@ -442,6 +429,16 @@ class GradientTape:
         output = array_ops.reshape(output, [target_row_size, batch_size, -1])
         output = array_ops.transpose(output, [1, 0, 2])
         return array_ops.reshape(output, new_shape)
+
+
+def _pfor(loop_fn, n, parallel_iterations, what):
+    try:
+        return pfor_ops.pfor(loop_fn, n, parallel_iterations=parallel_iterations)
+    except ValueError as err:
+        raise ValueError(
+            f"Encountered an exception while vectorizing the {what} "
+            "computation. Vectorization can be disabled by setting "
+            "experimental_use_pfor to False.") from err
 
 
 _LOOP_MAX_ROWS = 1024
