@@ -71,7 +71,7 @@ def _shape(t):
 
 # -- identity-like ---------------------------------------------------------------
 
-@fast_rule("Identity", "ReadVariableOp", "Snapshot")
+@fast_rule("Identity", "ReadVariableOp")
 def _identity(op, g, skip):
     return [g[0]]
 
