@@ -255,13 +255,20 @@ def _step(record, impl):
 
 
 def held_bytes(tf, record, impl):
-    """Bytes of the tensors made during ``record(impl)`` that are still alive
-    after it returns, while only its ``finish`` closure is kept: what the
-    tape (or accumulator) holds for the backward pass, plus the result."""
+    """Bytes of the tensors made during ``record(impl)`` (variable reads
+    aside) that are still alive after it returns, while only its ``finish``
+    closure is kept: what the tape (or accumulator) holds for the backward
+    pass, plus the result."""
     from tensorflow.python.framework import op_callbacks
     made = []
 
     def watch(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        # Variable reads are left out: TF's fast path reads a Variable passed
+        # straight into an op inside C++, where no callback sees the value
+        # its tape holds, while fasttape reads it in Python (a visible
+        # ReadVariableOp). Counting them would charge fasttape alone.
+        if op_type in ("ReadVariableOp", b"ReadVariableOp"):
+            return
         for o in outputs:
             if graph is None and o.dtype != tf.resource and o.dtype != tf.variant:
                 made.append((weakref.ref(o), o.dtype.size * int(np.prod(o.shape))))
