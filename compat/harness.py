@@ -8,8 +8,12 @@ tolerances), or — if TF raises — that fasttape raises the same exception
 type.
 """
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
+from absl import logging as absl_logging
+from tensorflow.python.platform import tf_logging
 
 import fasttape
 
@@ -115,3 +119,33 @@ def assert_parity(case, rtol=None, atol=None, allow_tf_error=True):
             f"fasttape raised where tf succeeded: {actual!r}") from actual.exc
     assert_same(expected, actual, rtol=rtol, atol=atol)
     return expected
+
+
+_WARN_LEVELS = {absl_logging.WARN, tf_logging.WARN}
+
+
+@contextlib.contextmanager
+def captured_log_first_n(*logging_modules):
+    """Capture ``log_first_n`` calls made through each given logging module
+    (e.g. TF's backprop.logging and fasttape.tape.logging) as
+    ("WARN" or level, message) records.
+
+    Patching the function (not a handler) sidesteps log_first_n's per call
+    site counter, which would make a warning vanish after 5 (or 1) calls.
+    """
+    records = []
+
+    def fake(level, msg, n, *args):
+        del n
+        records.append(("WARN" if level in _WARN_LEVELS else level,
+                        msg % args if args else msg))
+
+    modules = {id(m): m for m in logging_modules}
+    saved = [(m, m.log_first_n) for m in modules.values()]
+    for m in modules.values():
+        m.log_first_n = fake
+    try:
+        yield records
+    finally:
+        for m, fn in saved:
+            m.log_first_n = fn

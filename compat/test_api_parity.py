@@ -24,6 +24,7 @@ from tensorflow.python.platform import tf_logging
 
 import fasttape
 import fasttape.tape as ft_tape
+import harness
 from harness import Raised, assert_parity
 
 
@@ -49,32 +50,11 @@ def ok(case, **kwargs):
     return assert_parity(case, allow_tf_error=False, **kwargs)
 
 
-_WARN_LEVELS = {absl_logging.WARN, tf_logging.WARN}
 
 
-@contextlib.contextmanager
 def captured_log_first_n():
-    """Capture ``log_first_n`` of TF's backprop module and of fasttape.tape.
-
-    Patching the function (not a handler) sidesteps log_first_n's per call
-    site counter, which would make a warning vanish after 5 (or 1) calls.
-    """
-    records = []
-
-    def fake(level, msg, n, *args):
-        del n
-        records.append(("WARN" if level in _WARN_LEVELS else level,
-                        msg % args if args else msg))
-
-    modules = {id(m): m for m in (tf_backprop.logging, ft_tape.logging)}
-    saved = [(m, m.log_first_n) for m in modules.values()]
-    for m in modules.values():
-        m.log_first_n = fake
-    try:
-        yield records
-    finally:
-        for m, fn in saved:
-            m.log_first_n = fn
+    """Warnings logged by TF's backprop module and by fasttape.tape."""
+    return harness.captured_log_first_n(tf_backprop.logging, ft_tape.logging)
 
 
 def ragged_parts(rt):

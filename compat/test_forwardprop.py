@@ -11,17 +11,15 @@ Where TF itself raises, the case checks that fasttape raises the same type
 (``fwd_error``); known fasttape bugs are strict xfails (markers below).
 """
 
-import contextlib
 
 import numpy as np
 import pytest
 import tensorflow as tf
-from absl import logging as absl_logging
 from tensorflow.python.eager import forwardprop as tf_forwardprop
-from tensorflow.python.platform import tf_logging
 
 import fasttape
 import fasttape.forwardprop as ft_forwardprop
+import harness
 from harness import Raised, assert_same
 
 # Known fasttape bugs (strict: each marker fails as soon as its bug is fixed).
@@ -316,30 +314,12 @@ def test_exception_inside_the_block_stops_recording():
     fwd_parity(case)
 
 
-_WARN_LEVELS = {absl_logging.WARN, tf_logging.WARN}
 
 
-@contextlib.contextmanager
 def captured_forwardprop_warnings():
-    """Capture log_first_n of TF's forwardprop module (tf_logging) and of
-    fasttape.forwardprop (absl logging), patching the function itself so the
-    per-call-site counter cannot hide a warning."""
-    records = []
-
-    def fake(level, msg, n, *args):
-        del n
-        records.append(("WARN" if level in _WARN_LEVELS else level,
-                        msg % args if args else msg))
-
-    modules = {id(m): m for m in (tf_forwardprop.logging, ft_forwardprop.logging)}
-    saved = [(m, m.log_first_n) for m in modules.values()]
-    for m in modules.values():
-        m.log_first_n = fake
-    try:
-        yield records
-    finally:
-        for m, fn in saved:
-            m.log_first_n = fn
+    """Warnings logged by TF's forwardprop module and fasttape.forwardprop."""
+    return harness.captured_log_first_n(tf_forwardprop.logging,
+                                        ft_forwardprop.logging)
 
 
 @pytest.mark.parametrize("dtype", [tf.int32, tf.int64, tf.bool, tf.complex64,
