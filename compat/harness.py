@@ -110,10 +110,15 @@ def assert_parity(case, rtol=None, atol=None, allow_tf_error=True):
     Returns TF's result. If TF raised and ``allow_tf_error`` is False the
     test fails (use it where TF is expected to succeed).
     """
-    expected = run_case(case, "tf")
-    actual = run_case(case, "fasttape")
+    return compare(run_case(case, "tf"), run_case(case, "fasttape"),
+                   rtol, atol, allow_tf_error)
+
+
+def compare(expected, actual, rtol=None, atol=None, allow_tf_error=True):
+    """Compare TF's result (or Raised) with fasttape's; return TF's. If TF
+    raised and ``allow_tf_error`` is False the test fails."""
     if not allow_tf_error and isinstance(expected, Raised):
-        raise AssertionError(f"tf.GradientTape failed: {expected!r}") from expected.exc
+        raise AssertionError(f"tf failed: {expected!r}") from expected.exc
     if isinstance(actual, Raised) and not isinstance(expected, Raised):
         raise AssertionError(
             f"fasttape raised where tf succeeded: {actual!r}") from actual.exc
