@@ -78,7 +78,7 @@ class AccumulatorState:
 
     def __init__(self, use_batch):
         self.core = _core.ForwardAccumulatorCore(VSPACE, use_batch)
-        self.nesting_id = next(_nesting_ids)
+        self.nesting_id = 0  # set at every push
         self.refs = {}  # tensor id -> weakref whose callback drops the tangent
 
     def track(self, outputs):
