@@ -13,6 +13,7 @@ C++ containers hold integers only; Python objects live in Python containers.
 from libc.stdint cimport int64_t
 from libcpp.vector cimport vector
 from libcpp.unordered_map cimport unordered_map
+from libcpp.unordered_set cimport unordered_set
 
 
 cdef class VSpace:
@@ -42,6 +43,9 @@ cdef class GradientTapeCore:
     cpdef int64_t record_operation(self, op_type, input_ids, output_ids,
                                    tuple output_meta, payload, trainable=*) except -2
     cpdef delete_trace(self, int64_t tensor_id)
+    cdef void _prune(self, vector[int64_t]& targets, vector[int64_t]& sources,
+                     vector[int64_t]& op_list,
+                     unordered_set[int64_t]& needed) except *
     cdef list _compute(self, VSpace vspace, vector[int64_t]& targets,
                        vector[int64_t]& sources, dict sources_that_are_targets,
                        output_gradients, bint build_default_zeros, bint keep,

@@ -123,6 +123,18 @@ cdef inline void _fill(vector[int64_t]& dst, ids) except *:
         dst.push_back(i)
 
 
+cdef inline int64_t _number(unordered_map[int64_t, int64_t]& number,
+                            vector[int64_t]& order, int64_t tid) except -1:
+    """tid's number in order of first appearance."""
+    cdef unordered_map[int64_t, int64_t].iterator it = number.find(tid)
+    if it != number.end():
+        return deref(it).second
+    cdef int64_t n = order.size()
+    number[tid] = n
+    order.push_back(tid)
+    return n
+
+
 cdef class GradientTapeCore:
     """A reverse-mode tape: what was computed from what, and how to go back.
 
@@ -392,16 +404,69 @@ cdef class GradientTapeCore:
             self.consumed = True
             self._release_all()
 
-    cdef list _compute(self, VSpace vspace, vector[int64_t]& targets,
-                       vector[int64_t]& sources, dict sources_that_are_targets,
-                       output_gradients, bint build_default_zeros, bint keep,
-                       target_meta):
-        cdef unordered_set[int64_t] sources_set
-        cdef int64_t tid, op_id, producer, n_ops = self.next_op_id
-        cdef size_t i
-        for tid in sources:
-            sources_set.insert(tid)
+    def plan(self, target_ids, source_ids):
+        """What compute_gradient(targets, sources) would run, for callers that
+        cache a compiled backward pass: ``(code, entries)``, or None on a
+        consumed tape.
 
+        entries: the pruned OpEntry objects, in op-id order.
+        code: bytes of int64 values fixing everything else the pass depends
+        on: per entry its input and output ids renumbered by first
+        appearance (so repeated runs of one program give equal codes), then
+        per renumbered tensor its producer (entry position, -1 watched,
+        -2 untracked, -3 an op outside the pass), then the targets' and the
+        sources' numbers. Equal codes, with equal payloads up to their
+        tensors' values, mean the same computation.
+        """
+        if self.consumed:
+            return None
+        cdef vector[int64_t] targets, sources, op_list, code, order
+        cdef unordered_set[int64_t] needed
+        _fill(targets, target_ids)
+        _fill(sources, source_ids)
+        self._prune(targets, sources, op_list, needed)
+        cdef unordered_map[int64_t, int64_t] number, position
+        cdef unordered_map[int64_t, int64_t].iterator it
+        cdef int64_t tid, op_id
+        cdef size_t i
+        cdef OpEntry entry
+        cdef list entries = []
+        for i in range(op_list.size()):
+            position[op_list[i]] = i
+        for op_id in op_list:
+            entry = self.op_tape[op_id]
+            entries.append(entry)
+            code.push_back(entry.input_ids.size())
+            code.push_back(entry.output_ids.size())
+            for tid in entry.input_ids:
+                code.push_back(_number(number, order, tid))
+            for tid in entry.output_ids:
+                code.push_back(_number(number, order, tid))
+        code.push_back(-9)
+        for tid in targets:
+            code.push_back(_number(number, order, tid))
+        code.push_back(-9)
+        for tid in sources:
+            code.push_back(_number(number, order, tid))
+        code.push_back(-9)
+        for tid in order:
+            it = self.tensor_tape.find(tid)
+            if it == self.tensor_tape.end():
+                code.push_back(-2)
+            elif deref(it).second == -1:
+                code.push_back(-1)
+            else:
+                it = position.find(deref(it).second)
+                code.push_back(-3 if it == position.end() else deref(it).second)
+        cdef bytes out = (<char*>code.data())[:code.size() * sizeof(int64_t)]
+        return out, entries
+
+    cdef void _prune(self, vector[int64_t]& targets, vector[int64_t]& sources,
+                     vector[int64_t]& op_list,
+                     unordered_set[int64_t]& needed) except *:
+        """Step 1a-1b: the pruned ops in op-id order (op_list) and the tensors
+        whose gradient matters (needed)."""
+        cdef int64_t tid, op_id, n_ops = self.next_op_id
         # 1a. Reachable ops (from targets).
         cdef vector[char] reachable = vector[char](n_ops, 0)
         cdef vector[int64_t] reach_list
@@ -438,7 +503,6 @@ cdef class GradientTapeCore:
             for tid in entry.input_ids:
                 readers[tid].push_back(op_id)
         cdef vector[char] useful = vector[char](n_ops, 0)
-        cdef unordered_set[int64_t] needed  # tensors whose gradient matters
         cdef unordered_map[int64_t, vector[int64_t]].iterator rit
         for tid in sources:
             if self.tensor_tape.count(tid) and needed.count(tid) == 0:
@@ -460,12 +524,28 @@ cdef class GradientTapeCore:
                         needed.insert(tid)
                         tensor_stack.push_back(tid)
 
-        cdef dict ops = {}          # op id -> OpEntry, the pruned ops
-        cdef vector[int64_t] op_list
         for op_id in reach_list:
             if useful[op_id]:
-                ops[op_id] = self.op_tape[op_id]
                 op_list.push_back(op_id)
+
+
+    cdef list _compute(self, VSpace vspace, vector[int64_t]& targets,
+                       vector[int64_t]& sources, dict sources_that_are_targets,
+                       output_gradients, bint build_default_zeros, bint keep,
+                       target_meta):
+        cdef unordered_set[int64_t] sources_set
+        cdef int64_t tid, op_id, producer, n_ops = self.next_op_id
+        cdef size_t i
+        cdef unordered_map[int64_t, int64_t].iterator it
+        cdef OpEntry entry
+        for tid in sources:
+            sources_set.insert(tid)
+        cdef vector[int64_t] op_list
+        cdef unordered_set[int64_t] needed  # tensors whose gradient matters
+        self._prune(targets, sources, op_list, needed)
+        cdef dict ops = {}          # op id -> OpEntry, the pruned ops
+        for op_id in op_list:
+            ops[op_id] = self.op_tape[op_id]
 
         # 1c. Usage counts and missing outputs over the pruned ops.
         cdef unordered_map[int64_t, int64_t] usage_counts
