@@ -9,11 +9,13 @@ hooks that route TF into these functions are installed by _recording, the
 one module that patches TF.
 """
 
+import gc as _gc
 import threading
 
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.eager import context
+from tensorflow.python.eager import tape as tf_tape
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops
 
@@ -44,7 +46,7 @@ cdef class EagerOp:
     (None in place of the others), kept in one tuple: few objects per
     recorded op means fewer garbage-collector passes while recording."""
     cdef readonly tuple attrs
-    cdef tuple saved                    # inputs then outputs
+    cdef readonly tuple saved           # inputs then outputs
     cdef readonly Py_ssize_t num_inputs
     cdef object __weakref__
 
@@ -333,20 +335,44 @@ cdef inline bint _is_variable(a):
 
 
 cdef object _ResourceVariable = resource_variable_ops.ResourceVariable
-cdef object _variable_accessed = resource_variable_ops.variable_accessed
 cdef object _RAW_FAST_PATH = pywrap_tfe.TFE_Py_FastPathExecute
+cdef object _tape_variable_accessed = pywrap_tfe.TFE_Py_TapeVariableAccessed
+cdef object _watcher_variable_accessed = pywrap_tfe.TFE_Py_VariableWatcherVariableAccessed
+cdef object _default_get_variables = tf_tape.default_get_variables
+cdef object _get_default_graph = ops.get_default_graph
 
 
 cdef object _read(v):
     """v.value(), minus its Python layers for a plain ResourceVariable: tell
-    the tapes (TF's and fasttape's) it was read, then run ReadVariableOp
+    the tapes (TF's and fasttape's) it was read, as
+    resource_variable_ops.variable_accessed does, then run ReadVariableOp
     through the raw fast path, where the op callback records it."""
     if type(v) is not _ResourceVariable or v._caching_device is not None \
             or v._cached_value is not None:
         return v.value()
-    _variable_accessed(v)
+    graph = _get_default_graph()
+    if hasattr(graph, "watch_variable"):
+        graph.watch_variable(v)
+    if v._trainable:
+        override = tf_tape._variables_override
+        for var in ((v,) if override is _default_get_variables else override(v)):
+            _tape_variable_accessed(var)
+            _watcher_variable_accessed(var)
+            for tp in <list>state.tapes:
+                if (<TapeState>tp).watch_accessed_variables:
+                    (<TapeState>tp).watch_variable(var)
     return _RAW_FAST_PATH(context._context, "ReadVariableOp", None, v.handle,
                           "dtype", v._dtype)
+
+
+def fast_path_reading_variables(*args):
+    """TFE_Py_FastPathExecute while a fasttape tape records somewhere: on a
+    recording thread, Variables among the arguments are read here, where the
+    read is seen (TF reads them inside C++, where no op callback fires)."""
+    st = state
+    if (st.tapes or st.accumulators) and not _is_stopped():
+        args = read_variables(args)
+    return _RAW_FAST_PATH(*args)
 
 
 def read_variables(tuple args):
@@ -366,3 +392,62 @@ def read_variables(tuple args):
             out = list(args)
         out[i] = value
     return args if out is None else out
+
+
+# -- compiled backward: what a recorded pass depends on besides tensor values --
+
+cdef object _hashable(value):
+    """Attr values as dict keys: lists (shapes, strides) become tuples."""
+    if isinstance(value, (list, tuple)):
+        return tuple([_hashable(v) for v in value])
+    return value
+
+
+def backward_signature(list entries):
+    """For the pruned entries of a backward pass (GradientTapeCore.plan):
+    ``(signature, feeds)``, or None where the pass cannot be compiled (a
+    payload other than an eagerly run op, or an output whose zeros need a
+    tensor).
+
+    signature: a flat tuple of, per entry, its op type, attrs, output metas
+    and number of saved slots, then per slot the dtype and shape of the
+    saved tensor (None where the gradient reads none): everything but
+    tensor values. Flat, to allocate few objects (the garbage collector's
+    passes cost more than the loop). feeds: the saved tensors, in order.
+    """
+    cdef list sig = [], feeds = []
+    cdef EagerOp p
+    gc_was_enabled = _gc.isenabled()
+    _gc.disable()
+    try:
+        for entry in entries:
+            payload = entry.payload
+            if type(payload) is not EagerOp:
+                return None
+            p = <EagerOp>payload
+            metas = entry.output_meta
+            for meta in metas:
+                if meta is not None and type(meta) is not tuple:
+                    return None
+            attrs = p.attrs
+            try:
+                hash(attrs)
+            except TypeError:
+                attrs = _hashable(attrs)
+            sig.append(entry.op_type)
+            sig.append(attrs)
+            sig.append(metas)
+            sig.append(len(p.saved))
+            for x in p.saved:
+                if x is None:
+                    sig.append(None)
+                    continue
+                if type(x) is not _EagerTensor:
+                    return None
+                sig.append(x._datatype_enum())
+                sig.append(x._shape_tuple())
+                feeds.append(x)
+        return tuple(sig), feeds
+    finally:
+        if gc_was_enabled:
+            _gc.enable()

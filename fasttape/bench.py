@@ -302,6 +302,10 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None):
         forward()
         _step(record, tf_impl)
         _step(record, ft_impl)
+    # Checked again in the steady state: after warm-up, fasttape replays
+    # compiled backward passes.
+    equal = equal and check_equal(tf, _step(record, tf_impl),
+                                  _step(record, ft_impl))
     mem_tf = held_bytes(tf, record, tf_impl)
     mem_ft = held_bytes(tf, record, ft_impl)
     times = {k: [] for k in ("floor", "rec_tf", "rec_ft", "tf", "ft")}

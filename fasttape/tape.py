@@ -17,6 +17,7 @@ from tensorflow.python.ops import array_ops_stack
 from tensorflow.python.ops import check_ops
 from tensorflow.python.ops import default_gradient
 from tensorflow.python.ops import linalg_ops_impl
+from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.util import variable_utils
 from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
@@ -24,8 +25,9 @@ from tensorflow.python.platform import tf_logging as logging
 from tensorflow.python.util import nest
 from tensorflow.python.util import tf_contextlib
 
+from fasttape import _compiled
 from fasttape import _recording
-from fasttape._callback import output_meta
+from fasttape._callback import is_trainable, output_meta
 _handle_or_self = backprop._handle_or_self  # pylint: disable=protected-access
 
 _CONSUMED = ("A non-persistent GradientTape can only be used to compute one "
@@ -50,9 +52,17 @@ def compute(tape_state, flat_targets, flat_sources, output_gradients,
     sources_that_are_targets = {
         t._id: output_meta(t)  # pylint: disable=protected-access
         for t in flat_sources if t._id in targets_set}  # pylint: disable=protected-access
-    grads = tape_state.core.compute_gradient(
-        _recording.VSPACE, target_ids, source_ids, sources_that_are_targets,
-        output_gradients, True, retain, [output_meta(t) for t in flat_targets])
+    core, vspace = tape_state.core, _recording.VSPACE
+    target_meta = [output_meta(t) for t in flat_targets]
+
+    def eager_pass():
+        return core.compute_gradient(
+            vspace, target_ids, source_ids, sources_that_are_targets,
+            output_gradients, True, retain, target_meta)
+
+    grads = _compiled.gradient(core, vspace, target_ids, source_ids,
+                               sources_that_are_targets, output_gradients,
+                               retain, target_meta, eager_pass)
     if unconnected_gradients == UnconnectedGradients.ZERO:
         grads = [default_gradient.zeros_like(flat_sources_raw[i])
                  if g is None else g for i, g in enumerate(grads)]
@@ -173,28 +183,40 @@ class GradientTape:
             raise TypeError("Argument `target` should be a list or nested "
                             "structure of Tensors, Variables or CompositeTensors "
                             "to be differentiated, but received None.")
-        flat_targets = composite_tensor_gradient.get_flat_tensors_for_gradients(
-            nest.flatten(target))
-        flat_targets = nest.map_structure(_handle_or_self, flat_targets)
-        for t in flat_targets:
-            if not backprop_util.IsTrainable(t):
-                logging.vlog(
-                    1, "The dtype of the target tensor must be "
-                    "floating (e.g. tf.float32) when calling GradientTape.gradient, "
-                    "got %r", t.dtype)
-        flat_sources_raw = nest.flatten(sources)
-        flat_sources = [_handle_or_self(t) for t in flat_sources_raw]
-        flat_sources = composite_tensor_gradient.get_flat_tensors_for_gradients(
-            flat_sources)
-        for t in flat_sources:
-            if not backprop_util.IsTrainable(t):
-                logging.vlog(
-                    1, "The dtype of the source tensor must be "
-                    "floating (e.g. tf.float32) when calling GradientTape.gradient, "
-                    "got %r", t.dtype)
-            if getattr(t, "is_packed", False):
-                raise ValueError("GradientTape.gradient is not supported on "
-                                 "packed EagerTensors yet.")
+        plain_targets, plain_sources = _plain_flat(target), _plain_flat(sources)
+        if plain_targets is not None and plain_sources is not None:
+            # The common case (eager tensors and variables, alone or in a
+            # list or tuple) without nest and composite-tensor machinery.
+            flat_targets = [_handle_or_self(t) for t in plain_targets]
+            flat_sources_raw = plain_sources
+            flat_sources = [_handle_or_self(t) for t in flat_sources_raw]
+            for t in flat_targets:
+                if not is_trainable(t):
+                    _vlog_untrainable("target", t)
+            for t in flat_sources:
+                if not is_trainable(t):
+                    _vlog_untrainable("source", t)
+                if t.is_packed:
+                    raise ValueError("GradientTape.gradient is not supported on "
+                                     "packed EagerTensors yet.")
+        else:
+            plain_sources = None
+            flat_targets = composite_tensor_gradient.get_flat_tensors_for_gradients(
+                nest.flatten(target))
+            flat_targets = nest.map_structure(_handle_or_self, flat_targets)
+            for t in flat_targets:
+                if not backprop_util.IsTrainable(t):
+                    _vlog_untrainable("target", t)
+            flat_sources_raw = nest.flatten(sources)
+            flat_sources = [_handle_or_self(t) for t in flat_sources_raw]
+            flat_sources = composite_tensor_gradient.get_flat_tensors_for_gradients(
+                flat_sources)
+            for t in flat_sources:
+                if not backprop_util.IsTrainable(t):
+                    _vlog_untrainable("source", t)
+                if getattr(t, "is_packed", False):
+                    raise ValueError("GradientTape.gradient is not supported on "
+                                     "packed EagerTensors yet.")
         _check_tensors(flat_targets, "target")
         _check_tensors(flat_sources, "sources")
         if output_gradients is not None:
@@ -217,6 +239,11 @@ class GradientTape:
         flat_grad = compute(tape_state, flat_targets, flat_sources,
                             output_gradients, flat_sources_raw,
                             unconnected_gradients)
+        if plain_sources is not None:
+            cls = type(sources)
+            if cls is list:
+                return flat_grad
+            return tuple(flat_grad) if cls is tuple else flat_grad[0]
         flat_sources_raw = nest.map_structure(_handle_or_self, flat_sources_raw)
         flat_grad = composite_tensor_gradient.replace_flat_tensors_for_gradients(
             flat_sources_raw, flat_grad)
@@ -457,6 +484,31 @@ def _use_loop(target, batch=False):
     if batch:
         rows //= max(shape[0], 1)
     return 0 < rows <= _LOOP_MAX_ROWS
+
+
+_ResourceVariable = resource_variable_ops.ResourceVariable
+
+
+def _plain_flat(structure):
+    """``structure`` as a list when it is an eager tensor or ResourceVariable,
+    or a plain list or tuple of them; else None (the general path)."""
+    cls = type(structure)
+    if cls is ops.EagerTensor or cls is _ResourceVariable:
+        return [structure]
+    if cls is list or cls is tuple:
+        for s in structure:
+            c = type(s)
+            if c is not ops.EagerTensor and c is not _ResourceVariable:
+                return None
+        return list(structure)
+    return None
+
+
+def _vlog_untrainable(what, t):
+    logging.vlog(
+        1, f"The dtype of the {what} tensor must be "
+        "floating (e.g. tf.float32) when calling GradientTape.gradient, "
+        "got %r", t.dtype)
 
 
 def _check_tensors(flat, what):

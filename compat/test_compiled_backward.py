@@ -1,0 +1,336 @@
+"""Compiled backward passes (fasttape._compiled) against tf.GradientTape.
+
+Each program runs several steps, with values that change from step to step
+(so a value baked into a compiled graph would show), under tf.GradientTape
+and under fasttape with the cache in ``always`` mode (compiled at first
+use, replayed after) and ``auto`` (compiled at second use). Every step's
+gradients are compared with TF's, and the cache's counters prove the
+compiled path really ran (or, where it must not, that it did not).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import fasttape
+from fasttape import _compiled
+from harness import assert_same
+
+STEPS = 4
+
+
+@pytest.fixture(params=["always", "auto"])
+def mode(request):
+    _compiled.CACHE.clear()
+    previous = _compiled.set_mode(request.param)
+    yield request.param
+    _compiled.set_mode(previous)
+    _compiled.CACHE.clear()
+
+
+def _rng(step):
+    return np.random.default_rng(100 + step)
+
+
+def _f32(rng, *shape):
+    return tf.constant(rng.normal(size=shape).astype("float32"))
+
+
+def _run(program, steps=STEPS):
+    """Per step, TF's result and fasttape's, compared; returns the stats."""
+    _compiled.CACHE.stats.clear()
+    for step in range(steps):
+        expected = program(tf.GradientTape, step)
+        actual = program(fasttape.GradientTape, step)
+        assert_same(expected, actual, path=f"step {step}")
+    return dict(_compiled.CACHE.stats)
+
+
+def _assert_replayed(stats, mode, steps=STEPS, per_step=1):
+    # always: built at step 0, replayed after; auto: eager at 0, built at 1.
+    expected = (steps - 1 if mode == "always" else steps - 2) * per_step
+    assert stats.get("replayed", 0) >= expected, stats
+    assert not stats.get("failed"), stats
+
+
+# -- programs -------------------------------------------------------------------
+
+def chain(Tape, step):
+    rng = _rng(step)
+    x, y = _f32(rng, 2, 2), _f32(rng, 2, 2)
+    with Tape() as t:
+        t.watch(x)
+        for _ in range(20):
+            y = tf.sin(y) * x
+    return t.gradient(y, x)
+
+
+_MLP = {}
+
+
+def mlp(Tape, step):
+    """A training step; the variables differ per implementation (each gets
+    the same values at step 0) and are updated with its own gradients."""
+    params = _MLP.setdefault(Tape, [
+        tf.Variable(np.random.default_rng(i).normal(0, 0.3, s).astype("float32"))
+        for i, s in enumerate([(8, 16), (16,), (16, 4), (4,)])])
+    rng = _rng(step)
+    x = _f32(rng, 5, 8)
+    labels = tf.constant(rng.integers(0, 4, 5))
+    with Tape() as t:
+        h = tf.nn.relu(tf.nn.bias_add(tf.matmul(x, params[0]), params[1]))
+        logits = tf.nn.bias_add(tf.matmul(h, params[2]), params[3])
+        loss = tf.reduce_mean(
+            tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
+    grads = t.gradient(loss, params)
+    for p, g in zip(params, grads):
+        p.assign_sub(0.1 * g)
+    return grads
+
+
+def embedding(Tape, step):
+    rng = np.random.default_rng(7)
+    table = tf.Variable(rng.normal(size=(20, 3)).astype("float32"))
+    ids = tf.constant(_rng(step).integers(0, 20, (6,)))
+    with Tape() as t:
+        loss = tf.reduce_sum(tf.gather(table, ids) ** 2)
+    g = t.gradient(loss, table)
+    assert isinstance(g, tf.IndexedSlices)
+    return g
+
+
+def output_gradients(Tape, step):
+    rng = _rng(step)
+    x, w = _f32(rng, 3), _f32(rng, 3)
+    with Tape() as t:
+        t.watch(x)
+        y = tf.tanh(x * w)
+    return t.gradient(y, x, output_gradients=_f32(rng, 3))
+
+
+def persistent_two_targets(Tape, step):
+    rng = _rng(step)
+    x = _f32(rng, 4)
+    with Tape(persistent=True) as t:
+        t.watch(x)
+        a = tf.exp(x)
+        b = tf.reduce_sum(a * x)
+    return t.gradient(a, x), t.gradient(b, x), t.gradient(b, a)
+
+
+def unconnected_zero(Tape, step):
+    rng = _rng(step)
+    x, z = _f32(rng, 3), _f32(rng, 2)
+    with Tape() as t:
+        t.watch([x, z])
+        y = tf.reduce_sum(tf.square(x))
+    return t.gradient(y, [x, z], unconnected_gradients="zero")
+
+
+def dynamic_axis(Tape, step):
+    """Same shapes every step, a different reduction axis (a tensor the
+    gradient reads): the axis must not be baked into the compiled pass."""
+    rng = _rng(0)
+    x, w = _f32(rng, 3, 3), _f32(rng, 3)
+    with Tape() as t:
+        t.watch(x)
+        s = tf.reduce_sum(x, axis=tf.constant(step % 2))
+        y = tf.reduce_sum(s * w)
+    return t.gradient(y, x)
+
+
+def changing_shapes(Tape, step):
+    rng = _rng(step)
+    x = _f32(rng, 2 + step % 2, 3)
+    with Tape() as t:
+        t.watch(x)
+        y = tf.reduce_mean(tf.sigmoid(x) * x, axis=0)
+    return t.gradient(y, x)
+
+
+def partly_used_outputs(Tape, step):
+    rng = _rng(step)
+    x = _f32(rng, 4, 2)
+    with Tape() as t:
+        t.watch(x)
+        a, _, c, _ = tf.unstack(x)
+        y = a * c
+    return t.gradient(y, x)
+
+
+def conv_pool(Tape, step):
+    rng = _rng(step)
+    x, k, b = _f32(rng, 2, 6, 6, 3), _f32(rng, 3, 3, 3, 4), _f32(rng, 4)
+    with Tape() as t:
+        t.watch([k, b])
+        h = tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, k, 1, "SAME"), b))
+        y = tf.reduce_sum(tf.nn.max_pool2d(h, 2, 2, "VALID"))
+    return t.gradient(y, [k, b])
+
+
+def source_is_target(Tape, step):
+    rng = _rng(step)
+    x = _f32(rng, 3)
+    with Tape() as t:
+        t.watch(x)
+        y = tf.sin(x)
+    return t.gradient([y, x], [x, y])
+
+
+def jacobian(Tape, step):
+    rng = _rng(step)
+    x, w = _f32(rng, 1, 3), _f32(rng, 3, 4)
+    with Tape(persistent=True) as t:
+        t.watch(x)
+        y = tf.tanh(tf.matmul(x, w))
+    return t.jacobian(y, x, experimental_use_pfor=False)
+
+
+COMPILED = [chain, mlp, embedding, output_gradients, unconnected_zero,
+            dynamic_axis, partly_used_outputs, conv_pool, source_is_target]
+
+
+@pytest.mark.parametrize("program", COMPILED, ids=lambda p: p.__name__)
+def test_compiled_matches_tf(mode, program):
+    _MLP.clear()
+    _assert_replayed(_run(program), mode)
+
+
+def test_persistent_tape_several_targets(mode):
+    _assert_replayed(_run(persistent_two_targets), mode, per_step=3)
+
+
+def test_shapes_key_separate_passes(mode):
+    stats = _run(changing_shapes, steps=6)
+    assert stats.get("replayed", 0) >= (4 if mode == "always" else 2), stats
+
+
+def test_jacobian_rows_replay(mode):
+    stats = _run(jacobian, steps=2)
+    # 4 rows per step, one pass each over the same trace.
+    assert stats.get("replayed", 0) >= (7 if mode == "always" else 6), stats
+
+
+def test_non_persistent_tape_consumed_after_replay():
+    _compiled.CACHE.clear()
+    previous = _compiled.set_mode("always")
+    try:
+        chain(fasttape.GradientTape, 0)
+        x = tf.constant([1.0, 2.0])
+        with fasttape.GradientTape() as t:
+            t.watch(x)
+            y = tf.sin(x) * x
+        t.gradient(y, x)
+        with pytest.raises(RuntimeError):
+            t.gradient(y, x)
+    finally:
+        _compiled.set_mode(previous)
+
+
+# -- where the compiled path must not run -------------------------------------------
+
+def custom_gradient(Tape, step):
+    @tf.custom_gradient
+    def f(x):
+        def grad(dy):
+            return dy * float(step + 1)   # per-step state in a closure
+        return tf.identity(x), grad
+
+    x = _f32(_rng(step), 3)
+    with Tape() as t:
+        t.watch(x)
+        y = tf.reduce_sum(f(x) * x)
+    return t.gradient(y, x)
+
+
+def second_order(Tape, step):
+    x = _f32(_rng(step), 3)
+    with Tape() as outer:
+        outer.watch(x)
+        with Tape() as inner:
+            inner.watch(x)
+            y = tf.reduce_sum(tf.sin(x) * x)
+        g = inner.gradient(y, x)
+    return g, outer.gradient(g, x)
+
+
+def test_custom_gradient_not_compiled(mode):
+    stats = _run(custom_gradient)
+    assert stats.get("skipped") == STEPS, stats
+    assert not stats.get("replayed") and not stats.get("built"), stats
+
+
+def test_recorded_backward_not_compiled(mode):
+    # The inner pass is recorded by the outer tape: always eager. The outer
+    # one, recorded by nothing, may be compiled.
+    stats = _run(second_order)
+    assert stats.get("skipped") == STEPS, stats
+    _assert_replayed(stats, mode)
+
+
+def test_not_compiled_while_profiling():
+    _compiled.CACHE.clear()
+    previous = _compiled.set_mode("always")
+    try:
+        with fasttape.profile():
+            stats = _run(chain)
+    finally:
+        _compiled.set_mode(previous)
+    assert stats == {"skipped": STEPS}, stats
+
+
+def test_mode_off():
+    previous = _compiled.set_mode("off")
+    try:
+        stats = _run(chain)
+    finally:
+        _compiled.set_mode(previous)
+    assert stats == {"skipped": STEPS}, stats
+
+
+def test_bad_mode_is_a_value_error():
+    with pytest.raises(ValueError):
+        _compiled.set_mode("sometimes")
+
+
+def test_disagreeing_pass_is_never_used(monkeypatch):
+    """A compiled pass whose result differs from the eager one on the step
+    it is built is thrown away for good; results stay TF's."""
+    _compiled.CACHE.clear()
+    monkeypatch.setattr(_compiled, "_same", lambda a, b: False)
+    previous = _compiled.set_mode("always")
+    try:
+        stats = _run(chain)
+    finally:
+        _compiled.set_mode(previous)
+        _compiled.CACHE.clear()
+    assert stats.get("failed") == 1 and not stats.get("replayed"), stats
+    assert stats.get("skipped") == STEPS - 1, stats
+
+
+def test_same_detects_differences():
+    a = [tf.constant([1.0, 2.0]), None]
+    assert _compiled._same(a, [tf.constant([1.0, 2.0]), None])
+    assert not _compiled._same(a, [tf.constant([1.0, 2.001]), None])
+    assert not _compiled._same(a, [None, None])
+    assert not _compiled._same(a, [tf.constant([1.0, 2.0], tf.float64), None])
+    assert not _compiled._same(
+        a, [tf.IndexedSlices(tf.constant([1.0, 2.0]), tf.constant([0, 1]),
+                             tf.constant([2])), None])
+
+
+def test_cache_is_bounded(monkeypatch):
+    _compiled.CACHE.clear()
+    monkeypatch.setattr(_compiled, "_MAX_ENTRIES", 2)
+    previous = _compiled.set_mode("always")
+    try:
+        for n in range(2, 6):
+            x = tf.ones([n])
+            with fasttape.GradientTape() as t:
+                t.watch(x)
+                y = tf.sin(x)
+            t.gradient(y, x)
+        assert len(_compiled.CACHE.compiled) == 2
+    finally:
+        _compiled.set_mode(previous)
+        _compiled.CACHE.clear()

@@ -1,0 +1,344 @@
+"""Compiled backward passes: a repeated tape shape replays one graph function.
+
+Training loops record the same program step after step. The core's
+``plan`` gives the shape of a backward pass (which ops, how they connect)
+and ``backward_signature`` the rest of what it depends on besides tensor
+values (op types, attrs, dtypes and shapes of the tensors each gradient
+reads). Together they key a cache. The second time a key is seen (``auto``),
+the pass is traced once into a graph function by running the core's own
+backward loop over symbolic stand-ins of the saved tensors, with TF's
+registered gradient functions; from then on the whole backward pass is one
+function call instead of hundreds of eager dispatches.
+
+Nothing silently wrong: a pass is compiled only when every op was run
+eagerly (no custom_gradient or tf.function payloads, whose Python closures
+hold per-step state), the trace captures no eager tensor, and, on the step
+it is built, the compiled result matches the eager one (which is returned
+that step); a key that fails any of these is never compiled again. The
+eager pass is used whenever anything would record the backward pass
+(higher-order gradients), while profiling (per-op-type entries), outside
+eager mode, and on more than one device.
+
+``FASTTAPE_COMPILED_BACKWARD``: ``auto`` (default: compile a key on its
+second use), ``always`` (on its first use), ``off``, or ``verify`` (for
+tests: as ``always``, but a pass that cannot be compiled or disagrees raises
+AssertionError, and the compiled result is returned on the first use too,
+so parity tests compare it with TF's).
+"""
+
+import collections
+import os
+import sys
+import threading
+
+import numpy as np
+
+from tensorflow.python.eager import context
+from tensorflow.python.eager import def_function
+from tensorflow.python.eager import execute
+from tensorflow.python.framework import dtypes
+from tensorflow.python.framework import indexed_slices
+from tensorflow.python.framework import ops
+from tensorflow.python.framework import tensor_spec
+from tensorflow.python.ops import math_ops
+from tensorflow.python.platform import tf_logging as logging
+
+from fasttape._callback import EagerOp, backward_signature
+from fasttape._tf_vspace import TFVSpace
+
+MODES = ("auto", "always", "off", "verify")
+_MAX_ENTRIES = 64        # compiled functions kept (least recently used dropped)
+_MAX_COUNTS = 4096       # keys seen once, remembered
+
+_FAILED = "failed"
+
+
+class _Cache:
+    def __init__(self, mode):
+        self.set_mode(mode)
+        self.lock = threading.Lock()
+        self.compiled = collections.OrderedDict()   # key -> _Compiled or _FAILED
+        self.seen = {}                              # key -> times seen
+        self.stats = collections.Counter()          # replayed / built / ...
+
+    def set_mode(self, mode):
+        if mode not in MODES:
+            raise ValueError(f"compiled backward mode must be one of {MODES}, "
+                             f"got {mode!r}")
+        self.mode = mode
+
+    def clear(self):
+        with self.lock:
+            self.compiled.clear()
+            self.seen.clear()
+            self.stats.clear()
+
+
+CACHE = _Cache(os.environ.get("FASTTAPE_COMPILED_BACKWARD", "auto"))
+
+
+def set_mode(mode):
+    """``auto``, ``always`` or ``off`` (see the module docstring); returns
+    the previous mode."""
+    previous = CACHE.mode
+    CACHE.set_mode(mode)
+    return previous
+
+
+class _BuildVSpace(TFVSpace):
+    """The TF vspace, run while tracing: each real payload is swapped for
+    its symbolic stand-in, so the registered gradient functions build the
+    graph of the pass."""
+
+    def __init__(self, stand_ins):
+        super().__init__()
+        self.use_fast_rules = False
+        self._stand_ins = stand_ins
+
+    def call_backward(self, op_type, payload, unneeded_indices, out_grads):
+        return self._call_backward(op_type, self._stand_ins[id(payload)],
+                                   unneeded_indices, out_grads)
+
+
+class _Compiled:
+    """One traced backward pass: a graph function and how to rebuild its
+    flat outputs into one gradient (or None) per source."""
+
+    def __init__(self, function, kinds):
+        self.function = function   # kept: the context drops its definition with it
+        self.kinds = kinds    # per source: 0 None, 1 tensor, 2/3 IndexedSlices with/without dense_shape
+        self.name = function.name.decode()
+        self.num_outputs = len(function.function_type.flat_outputs)
+        ctx = context.context()
+        attrs = dict(ctx.function_call_options.as_attrs())
+        self.attrs = tuple(x for kv in attrs.items() for x in kv)
+
+    def __call__(self, feeds):
+        if not self.num_outputs:
+            return _unflatten((), self.kinds)
+        outs = execute.execute(self.name, self.num_outputs, feeds, self.attrs,
+                               context.context())
+        return _unflatten(outs, self.kinds)
+
+
+def _flatten(grads):
+    flat, kinds = [], []
+    for g in grads:
+        if g is None:
+            kinds.append(0)
+        elif isinstance(g, indexed_slices.IndexedSlices):
+            flat.extend([g.values, g.indices])
+            if g.dense_shape is None:
+                kinds.append(3)
+            else:
+                flat.append(g.dense_shape)
+                kinds.append(2)
+        else:
+            flat.append(g)
+            kinds.append(1)
+    return flat, tuple(kinds)
+
+
+def _unflatten(outs, kinds):
+    result, i = [], 0
+    for kind in kinds:
+        if kind == 0:
+            result.append(None)
+        elif kind == 1:
+            result.append(outs[i])
+            i += 1
+        elif kind == 2:
+            result.append(indexed_slices.IndexedSlices(outs[i], outs[i + 1],
+                                                       outs[i + 2]))
+            i += 3
+        else:
+            result.append(indexed_slices.IndexedSlices(outs[i], outs[i + 1]))
+            i += 2
+    return result
+
+
+def _spec(t):
+    return tensor_spec.TensorSpec(t._shape_tuple(), t.dtype)  # pylint: disable=protected-access
+
+
+def _build(core, entries, feeds, target_ids, source_ids, sources_that_are_targets,
+           output_gradients, target_meta):
+    """Trace the pass into a graph function; None if it cannot be."""
+    given = [] if output_gradients is None else [
+        g for g in output_gradients if g is not None]
+    specs = [_spec(t) for t in feeds] + [_spec(g) for g in given]
+    kinds_box = []
+
+    def backward(*args):
+        args = iter(args)
+        stand_ins = {}
+        for entry in entries:
+            p = entry.payload
+            saved = tuple([None if x is None else next(args) for x in p.saved])
+            stand_ins[id(p)] = EagerOp(p.attrs, saved, p.num_inputs)
+        ogs = None if output_gradients is None else [
+            None if g is None else next(args) for g in output_gradients]
+        grads = core.compute_gradient(
+            _BuildVSpace(stand_ins), target_ids, source_ids,
+            sources_that_are_targets, ogs, True, True, target_meta)
+        flat, kinds = _flatten(grads)
+        kinds_box.append(kinds)
+        return flat
+
+    fn = def_function.function(backward, input_signature=specs,
+                               autograph=False)
+    concrete = fn.get_concrete_function()
+    if concrete.captured_inputs:
+        return None       # it read an eager tensor by value: not replayable
+    return _Compiled(concrete._inference_function, kinds_box[0])  # pylint: disable=protected-access
+
+
+_TOLERANCE = {dtypes.float16: 1e-2, dtypes.bfloat16: 2e-2,
+              dtypes.float32: 1e-4, dtypes.complex64: 1e-4,
+              dtypes.float64: 1e-9, dtypes.complex128: 1e-9}
+
+
+def _dense(g):
+    if isinstance(g, indexed_slices.IndexedSlices):
+        if g.dense_shape is None:
+            return None
+        return math_ops.unsorted_segment_sum(g.values, g.indices,
+                                             g.dense_shape[0]).numpy()
+    return g.numpy()
+
+
+def _same(eager, compiled):
+    """Do the compiled gradients match the eager ones (kinds, dtypes,
+    shapes, values within the dtype's tolerance)?"""
+    if len(eager) != len(compiled):
+        return False
+    for a, b in zip(eager, compiled):
+        if (a is None) != (b is None):
+            return False
+        if a is None:
+            continue
+        if (isinstance(a, indexed_slices.IndexedSlices) !=
+                isinstance(b, indexed_slices.IndexedSlices)):
+            return False
+        dtype = a.dtype
+        if dtype != b.dtype:
+            return False
+        x, y = _dense(a), _dense(b)
+        if x is None or y is None or x.shape != y.shape:
+            return False
+        tol = _TOLERANCE.get(dtype)
+        if tol is None:
+            if not np.array_equal(x, y):
+                return False
+            continue
+        x = x.astype(np.complex128 if dtype.is_complex else np.float64)
+        y = y.astype(x.dtype)
+        finite = np.isfinite(x)
+        if not (np.array_equal(finite, np.isfinite(y)) and np.array_equal(
+                x[~finite], y[~finite], equal_nan=True)):
+            return False
+        x, y = x[finite], y[finite]
+        scale = max(1.0, float(np.max(np.abs(x)))) if x.size else 1.0
+        if not np.allclose(x, y, rtol=tol, atol=tol * scale):
+            return False
+    return True
+
+
+def _skipped(eager_pass):
+    CACHE.stats["skipped"] += 1
+    return eager_pass()
+
+
+def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
+             output_gradients, retain, target_meta, eager_pass):
+    """The pass through the cache: the gradients, computed by a compiled
+    function when the key allows, else by ``eager_pass()``."""
+    cache = CACHE
+    if (cache.mode == "off" or vspace.profile_stats is not None
+            or sys.getprofile() is not None or vspace._is_recording()  # pylint: disable=protected-access
+            or not context.executing_eagerly()):
+        return _skipped(eager_pass)
+    plan = core.plan(target_ids, source_ids)
+    if plan is None:
+        return _skipped(eager_pass)
+    code, entries = plan
+    if not entries:
+        return _skipped(eager_pass)
+    signed = backward_signature(entries)
+    if signed is None:
+        return _skipped(eager_pass)
+    signature, feeds = signed
+    for meta in target_meta:
+        if type(meta) is not tuple:
+            return _skipped(eager_pass)
+    og_sig = None
+    if output_gradients is not None:
+        og_sig = []
+        for g in output_gradients:
+            if g is None:
+                og_sig.append(None)
+            elif type(g) is not ops.EagerTensor:
+                return _skipped(eager_pass)
+            else:
+                og_sig.append((g._datatype_enum(), g._shape_tuple()))  # pylint: disable=protected-access
+        og_sig = tuple(og_sig)
+    # The device scope places the call (as it places eager gradient ops);
+    # the function's arguments are placed by where its feeds are.
+    key = (code, signature, tuple(target_meta), og_sig,
+           context.context().device_name)
+    try:
+        compiled = cache.compiled.get(key)
+    except TypeError:       # an attr value that cannot be a key
+        return _skipped(eager_pass)
+    if compiled is _FAILED:
+        return _skipped(eager_pass)
+    if compiled is not None:
+        cache.compiled.move_to_end(key)
+        feeds += [g for g in output_gradients or () if g is not None]
+        grads = compiled(feeds)
+        if not (core.persistent or retain):
+            core.release()
+        cache.stats["replayed"] += 1
+        return grads
+    seen = cache.seen.get(key, 0) + 1
+    if cache.mode == "auto" and seen < 2:
+        if len(cache.seen) >= _MAX_COUNTS:
+            cache.seen.clear()
+        cache.seen[key] = seen
+        cache.stats["eager"] += 1
+        return eager_pass()
+    cache.seen.pop(key, None)
+    verify = cache.mode == "verify"
+    # Build while the payloads are alive, then run the eager pass (which
+    # may release them) and check the two agree.
+    why = None
+    try:
+        compiled = _build(core, entries, feeds, target_ids, source_ids,
+                          sources_that_are_targets, output_gradients,
+                          target_meta)
+        if compiled is None:
+            why = "the trace captured an eager tensor"
+    except Exception as e:  # pylint: disable=broad-except
+        why, compiled = f"tracing failed: {e!r}", None
+    grads = eager_pass()
+    replayed = None
+    if compiled is not None:
+        feeds += [g for g in output_gradients or () if g is not None]
+        try:
+            replayed = compiled(feeds)
+            if not _same(grads, replayed):
+                why, compiled = "it disagrees with the eager pass", None
+        except Exception as e:  # pylint: disable=broad-except
+            why, compiled = f"it failed: {e!r}", None
+    if why is not None:
+        logging.vlog(1, "fasttape: backward pass not compiled: %s", why)
+        if verify:
+            raise AssertionError(f"fasttape: backward pass not compiled: {why}")
+    with cache.lock:
+        cache.compiled[key] = _FAILED if compiled is None else compiled
+        while len(cache.compiled) > _MAX_ENTRIES:
+            cache.compiled.popitem(last=False)
+    cache.stats["built" if compiled is not None else "failed"] += 1
+    # verify (tests): hand back the compiled result, so that parity tests
+    # compare it with TF's.
+    return replayed if verify else grads
