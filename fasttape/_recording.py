@@ -112,23 +112,23 @@ def recording_tapes():
 # -- the tape stack -------------------------------------------------------------
 
 def _push(stack, item):
-    global _callback_registered
     st = _state
-    if not st.callback_added:
-        op_callbacks.add_op_callback(_callback.op_callback)
-        st.callback_added = True
-        _callback_registered = True
     install()
-    _ensure_callbacks_armed()
     # As TF: a fresh nesting id at every push (entering, or resuming after
     # stop_recording), so "older" means "pushed earlier".
     item.nesting_id = next(_nesting_ids)
-    stack.append(item)
     global _live_tapes
     with _live_lock:
         _live_tapes += 1
         if _live_tapes == 1:
             _install_fast_path_wrapper()
+        if not st.callback_added:
+            # Only while this thread has a tape or accumulator: ops run with
+            # none pay nothing for fasttape (nor do TF's own tapes).
+            op_callbacks.add_op_callback(_callback.op_callback)
+            st.callback_added = True
+        _ensure_callbacks_armed()
+    stack.append(item)
 
 
 def _pop(stack, item, error):
@@ -143,6 +143,13 @@ def _pop(stack, item, error):
         _live_tapes -= 1
         if _live_tapes == 0:
             _uninstall_fast_path_wrapper()
+        st = _state
+        if st.callback_added and not st.tapes and not st.accumulators:
+            st.callback_added = False
+            # TF's remove switches execute.execute back for all threads when
+            # this one has no callback left: re-armed (by the wrapper) while
+            # another thread still records.
+            op_callbacks.remove_op_callback(_callback.op_callback)
 
 
 def push_tape(tape_state):
@@ -271,15 +278,15 @@ def _wrapped_variables_accessed(variables):
 def _ensure_callbacks_armed():
     """Op callbacks switch ``execute.execute`` for all threads; a thread that
     removes its last callback switches it back for all, and fallback-path ops
-    would then silently go unrecorded here. fasttape's callback is never
-    removed, so callbacks stay armed once it is in."""
+    would then silently go unrecorded on the threads that still record.
+    While any thread has a tape or accumulator, callbacks stay armed."""
     if execute.execute is not execute.execute_with_callbacks:
         execute.execute = execute.execute_with_callbacks
 
 
 def _wrapped_remove_op_callback(op_callback):
     _originals["remove_op_callback"](op_callback)
-    if _callback_registered:
+    if _live_tapes > 0:
         _ensure_callbacks_armed()
 
 
@@ -303,7 +310,6 @@ _HOOKS = (
 _AUTOGRAPH_RULE = autograph_config_lib.DoNotConvert("fasttape")
 
 _installed = False
-_callback_registered = False  # fasttape's op callback is in some thread
 
 
 def install():
@@ -346,13 +352,7 @@ def installed_hooks():
 
 _original_fast_path = pywrap_tfe.TFE_Py_FastPathExecute
 fast_path_wrapper_enabled = True   # tests switch it off to show the trap
-
-
-def _fast_path_reading_variables(*args):
-    st = _state
-    if (st.tapes or st.accumulators) and not _is_stopped():
-        args = _callback.read_variables(args)
-    return _original_fast_path(*args)
+_fast_path_reading_variables = _callback.fast_path_reading_variables
 
 
 def _install_fast_path_wrapper():
