@@ -127,9 +127,10 @@ def unconnected_zero(Tape, step):
     return t.gradient(y, [x, z], unconnected_gradients="zero")
 
 
-def dynamic_axis(Tape, step):
+def changing_axis(Tape, step):
     """Same shapes every step, a different reduction axis (a tensor the
-    gradient reads): the axis must not be baked into the compiled pass."""
+    gradient reads): a configuration input, baked into the compiled pass as
+    TF's eager gradient reads its value, so each value has its own pass."""
     rng = _rng(0)
     x, w = _f32(rng, 3, 3), _f32(rng, 3)
     with Tape() as t:
@@ -186,8 +187,22 @@ def jacobian(Tape, step):
     return t.jacobian(y, x, experimental_use_pfor=False)
 
 
+def gather_axis(Tape, step):
+    """GatherV2's gradient is IndexedSlices only where its axis is known to
+    be 0; with the axis fed as a placeholder it would be dense."""
+    rng = _rng(step)
+    x = _f32(rng, 5, 2)
+    idx = tf.constant(rng.integers(0, 5, 40))   # data: too big to bake, fed
+    with Tape() as t:
+        t.watch(x)
+        y = tf.reduce_sum(tf.gather(x, idx, axis=tf.constant(0)) ** 2)
+    g = t.gradient(y, x)
+    assert isinstance(g, tf.IndexedSlices)
+    return g
+
+
 COMPILED = [chain, mlp, embedding, output_gradients, unconnected_zero,
-            dynamic_axis, partly_used_outputs, conv_pool, source_is_target]
+            partly_used_outputs, conv_pool, source_is_target, gather_axis]
 
 
 @pytest.mark.parametrize("program", COMPILED, ids=lambda p: p.__name__)
@@ -200,8 +215,10 @@ def test_persistent_tape_several_targets(mode):
     _assert_replayed(_run(persistent_two_targets), mode, per_step=3)
 
 
-def test_shapes_key_separate_passes(mode):
-    stats = _run(changing_shapes, steps=6)
+@pytest.mark.parametrize("program", [changing_shapes, changing_axis],
+                         ids=lambda p: p.__name__)
+def test_shapes_and_configs_key_separate_passes(mode, program):
+    stats = _run(program, steps=6)
     assert stats.get("replayed", 0) >= (4 if mode == "always" else 2), stats
 
 

@@ -66,6 +66,26 @@ def test_op_gradient_parity(case):
     _check(case, case.body)
 
 
+@pytest.fixture
+def compiled_verify():
+    """fasttape's compiled backward at first use, checked against its eager
+    pass (a pass that cannot be traced or disagrees raises) and returned,
+    so that the parity check compares the compiled result with TF's."""
+    from fasttape import _compiled
+    previous = _compiled.set_mode("verify")
+    try:
+        yield
+    finally:
+        _compiled.set_mode(previous)
+        _compiled.CACHE.clear()
+
+
+@pytest.mark.parametrize("case", _params(CASES))
+def test_op_gradient_parity_compiled(case, compiled_verify):
+    """As test_op_gradient_parity, with the backward pass compiled."""
+    _check(case, case.body)
+
+
 @pytest.mark.parametrize("case", _primary("variables"))
 def test_op_gradient_parity_variables(case):
     """Every source a tf.Variable, read by the op (often on TF's fast path)."""

@@ -403,20 +403,35 @@ cdef object _hashable(value):
     return value
 
 
-def backward_signature(list entries):
+cdef int _INT32 = 3
+cdef int _INT64 = 9
+MAX_BAKED_ELEMENTS = 32
+# Ops whose gradients call back into Python: kept eager.
+cdef frozenset _NEVER_COMPILED = frozenset({"EagerPyFunc", "PyFunc", "PyFuncStateless"})
+
+
+def backward_signature(list entries, dict config_inputs, config_inputs_of):
     """For the pruned entries of a backward pass (GradientTapeCore.plan):
     ``(signature, feeds)``, or None where the pass cannot be compiled (a
-    payload other than an eagerly run op, or an output whose zeros need a
-    tensor).
+    payload other than an eagerly run op, an output whose zeros need a
+    tensor, a variant tensor, or an op whose gradient calls Python).
 
     signature: a flat tuple of, per entry, its op type, attrs, output metas
     and number of saved slots, then per slot the dtype and shape of the
     saved tensor (None where the gradient reads none): everything but
     tensor values. Flat, to allocate few objects (the garbage collector's
     passes cost more than the loop). feeds: the saved tensors, in order.
+
+    Configuration inputs (config_inputs: op type -> input indices, negative
+    ones counted from the end; config_inputs_of(op_type) fills it): small integer
+    tensors such as an axis, a shape or a permutation. Eager gradient
+    functions read their values (tensor_util.constant_value), so they are
+    baked into the compiled pass as constants (``bake_slot`` says which),
+    and their values are part of the signature instead of a feed.
     """
     cdef list sig = [], feeds = []
     cdef EagerOp p
+    cdef Py_ssize_t k
     gc_was_enabled = _gc.isenabled()
     _gc.disable()
     try:
@@ -434,20 +449,48 @@ def backward_signature(list entries):
                 hash(attrs)
             except TypeError:
                 attrs = _hashable(attrs)
-            sig.append(entry.op_type)
+            op_type = entry.op_type
+            if op_type in _NEVER_COMPILED:
+                return None
+            sig.append(op_type)
             sig.append(attrs)
             sig.append(metas)
             sig.append(len(p.saved))
+            configs = config_inputs.get(op_type)
+            if configs is None:
+                configs = config_inputs_of(op_type)
+            k = 0
             for x in p.saved:
                 if x is None:
                     sig.append(None)
+                    k += 1
                     continue
                 if type(x) is not _EagerTensor:
                     return None
-                sig.append(x._datatype_enum())
+                enum = x._datatype_enum()
+                if enum == _VARIANT:
+                    return None
+                sig.append(enum)
                 sig.append(x._shape_tuple())
-                feeds.append(x)
+                if configs and _bake(configs, k, p.num_inputs, x, enum):
+                    sig.append(x.numpy().tobytes())
+                else:
+                    feeds.append(x)
+                k += 1
         return tuple(sig), feeds
     finally:
         if gc_was_enabled:
             _gc.enable()
+
+
+cdef inline bint _bake(configs, Py_ssize_t k, Py_ssize_t n_in, x,
+                       int enum) except -1:
+    return ((enum == _INT32 or enum == _INT64) and k < n_in
+            and (k in configs or (k - n_in) in configs)
+            and x._num_elements() <= MAX_BAKED_ELEMENTS)
+
+
+def bake_slot(configs, Py_ssize_t k, Py_ssize_t n_in, x):
+    """Is saved slot k (x) of an op with n_in inputs baked into the
+    compiled pass as a constant?"""
+    return bool(configs) and _bake(configs, k, n_in, x, x._datatype_enum())

@@ -36,14 +36,16 @@ import numpy as np
 from tensorflow.python.eager import context
 from tensorflow.python.eager import def_function
 from tensorflow.python.eager import execute
+from tensorflow.python.framework import constant_op
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import indexed_slices
+from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor_spec
 from tensorflow.python.ops import math_ops
 from tensorflow.python.platform import tf_logging as logging
 
-from fasttape._callback import EagerOp, backward_signature
+from fasttape._callback import EagerOp, backward_signature, bake_slot
 from fasttape._tf_vspace import TFVSpace
 
 MODES = ("auto", "always", "off", "verify")
@@ -83,6 +85,48 @@ def set_mode(mode):
     previous = CACHE.mode
     CACHE.set_mode(mode)
     return previous
+
+
+# Names of op inputs that configure an op rather than carry data (an axis, a
+# shape, a permutation...): TF's eager gradient functions read their values.
+CONFIG_INPUT_NAMES = frozenset({
+    "axis", "reduction_indices", "shape", "perm", "begin", "end", "strides",
+    "size", "paddings", "multiples", "dim", "split_dim", "size_splits",
+    "num_segments", "block_shape", "crops", "ksize", "axes", "dims",
+    "output_shape", "input_sizes", "filter_sizes", "orig_input_shape",
+    "s0", "s1", "depth", "k", "num_lower", "num_upper", "shift",
+    "element_shape", "num_elements", "dims_mapping", "new_axis_mask",
+    "concat_dim", "diagonal_index", "padding_value", "num_rows", "num_cols",
+})
+
+CONFIG_INPUTS = {}    # op type -> frozenset of config input indices
+
+
+def config_inputs_of(op_type):
+    """The indices of op_type's configuration inputs (cached in
+    CONFIG_INPUTS): counted from the front for arguments before a list
+    argument (ConcatV2's values), from the back (negative) after it."""
+    found = CONFIG_INPUTS.get(op_type)
+    if found is not None:
+        return found
+    indices = set()
+    try:
+        args = list(op_def_registry.get(op_type).input_arg)
+    except Exception:  # pylint: disable=broad-except
+        args = []
+    is_list = [bool(a.number_attr or a.type_list_attr) for a in args]
+    first_list = is_list.index(True) if any(is_list) else len(args)
+    last_list = len(args) - 1 - is_list[::-1].index(True) if any(is_list) else -1
+    for i, a in enumerate(args):
+        if a.name not in CONFIG_INPUT_NAMES:
+            continue
+        if i < first_list:
+            indices.add(i)
+        elif i > last_list:
+            indices.add(i - len(args))
+    found = frozenset(indices)
+    CONFIG_INPUTS[op_type] = found
+    return found
 
 
 class _BuildVSpace(TFVSpace):
@@ -174,7 +218,12 @@ def _build(core, entries, feeds, target_ids, source_ids, sources_that_are_target
         stand_ins = {}
         for entry in entries:
             p = entry.payload
-            saved = tuple([None if x is None else next(args) for x in p.saved])
+            configs = config_inputs_of(entry.op_type)
+            n_in = p.num_inputs
+            saved = tuple([
+                None if x is None
+                else constant_op.constant(x.numpy()) if bake_slot(configs, k, n_in, x)
+                else next(args) for k, x in enumerate(p.saved)])
             stand_ins[id(p)] = EagerOp(p.attrs, saved, p.num_inputs)
         ogs = None if output_gradients is None else [
             None if g is None else next(args) for g in output_gradients]
@@ -264,7 +313,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     code, entries = plan
     if not entries:
         return _skipped(eager_pass)
-    signed = backward_signature(entries)
+    signed = backward_signature(entries, CONFIG_INPUTS, config_inputs_of)
     if signed is None:
         return _skipped(eager_pass)
     signature, feeds = signed

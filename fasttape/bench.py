@@ -309,6 +309,8 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None):
     mem_tf = held_bytes(tf, record, tf_impl)
     mem_ft = held_bytes(tf, record, ft_impl)
     times = {k: [] for k in ("floor", "rec_tf", "rec_ft", "tf", "ft")}
+    stats = _compiled_stats()
+    replayed_before = stats["replayed"]
     for _ in range(repeats):
         times["floor"].append(_time(forward)[0])
         times["rec_tf"].append(_time(record, tf_impl)[0])
@@ -319,6 +321,7 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None):
         times["ft"].append(_time(_step, record, ft_impl)[0])
         if profiler is not None:
             profiler.disable()
+    replayed = stats["replayed"] - replayed_before
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {
         "workload": workload.name,
@@ -333,12 +336,22 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None):
         "held_bytes_tf": mem_tf,
         "held_bytes_fasttape": mem_ft,
         "repeats": repeats,
+        # How fasttape's backward passes ran in the timed steps: replayed as
+        # one compiled function each, or op by op.
+        "backward": ("compiled" if replayed >= repeats
+                     else "eager" if replayed == 0 else "mixed"),
     }
+
+
+def _compiled_stats():
+    from fasttape import _compiled
+    return _compiled.CACHE.stats
 
 
 def format_table(rows):
     head = (f"{'workload':<11} {'floor':>7} {'tf':>8} {'fasttape':>9} {'ratio':>6}"
-            f" {'rec tf':>7} {'rec ft':>7} {'held tf':>8} {'held ft':>8}  grads")
+            f" {'rec tf':>7} {'rec ft':>7} {'held tf':>8} {'held ft':>8}"
+            f"  {'ft backward':<11}  grads")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
@@ -346,7 +359,7 @@ def format_table(rows):
             f"{r['fasttape_ms']:>9.2f} {r['ratio']:>6.2f} "
             f"{r['record_overhead_tf_ms']:>7.2f} {r['record_overhead_fasttape_ms']:>7.2f} "
             f"{_kib(r['held_bytes_tf']):>8} {_kib(r['held_bytes_fasttape']):>8}  "
-            f"{'equal' if r['grads_equal'] else 'DIFFER'}")
+            f"{r['backward']:<11}  {'equal' if r['grads_equal'] else 'DIFFER'}")
     return "\n".join(lines)
 
 
@@ -381,7 +394,13 @@ def main(argv=None):
     print("\nms per step, medians of alternating runs in one process. ratio ="
           " fasttape / tf (< 1: fasttape faster).\nrec = recording overhead "
           "(forward under the tape minus the floor); held = bytes of forward "
-          "tensors the\ntape keeps alive for the backward pass.")
+          "tensors the\ntape keeps alive for the backward pass. ft backward: "
+          "fasttape's backward passes replayed\nas compiled functions, or "
+          "run op by op (eager).")
+    if profiler is not None:
+        print("(--profile: fasttape's steps ran under cProfile, where backward "
+              "passes run op by op so\nthat each op type shows; their times "
+              "include the profiler's cost.)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
