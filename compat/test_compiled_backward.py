@@ -19,6 +19,13 @@ from harness import assert_same
 STEPS = 4
 
 
+@pytest.fixture(autouse=True)
+def keep_compiled(monkeypatch):
+    """Small test programs may run faster op by op; keep their compiled
+    passes anyway, so that these tests exercise them."""
+    monkeypatch.setattr(_compiled.CACHE, "keep_faster", False)
+
+
 @pytest.fixture(params=["always", "auto"])
 def mode(request):
     _compiled.CACHE.clear()
@@ -351,3 +358,43 @@ def test_cache_is_bounded(monkeypatch):
     finally:
         _compiled.set_mode(previous)
         _compiled.CACHE.clear()
+
+
+def test_slower_pass_stays_eager(monkeypatch):
+    """A compiled pass that is no faster than the eager one is not used."""
+    monkeypatch.setattr(_compiled.CACHE, "keep_faster", True)
+    ticks = iter(range(1000))
+    # Each perf_counter() call advances one second: the eager pass and the
+    # timed compiled call both take 1 s, so the compiled one is no faster.
+    monkeypatch.setattr(_compiled.time, "perf_counter", lambda: next(ticks))
+    _compiled.CACHE.clear()
+    previous = _compiled.set_mode("always")
+    try:
+        stats = _run(chain)
+    finally:
+        _compiled.set_mode(previous)
+        _compiled.CACHE.clear()
+    assert stats.get("slower") == 1 and not stats.get("replayed"), stats
+
+
+def test_executor_falls_back_to_the_default(monkeypatch):
+    """Where TF's single-threaded executor refuses a pass, the default
+    executor runs it."""
+    call = _compiled._Compiled.__call__
+
+    def refusing(self, feeds):
+        if self.executor_type == "SINGLE_THREADED_EXECUTOR":
+            raise tf.errors.UnimplementedError(None, None, "refused")
+        return call(self, feeds)
+
+    monkeypatch.setattr(_compiled._Compiled, "__call__", refusing)
+    _compiled.CACHE.clear()
+    previous = _compiled.set_mode("always")
+    try:
+        stats = _run(chain)
+        executors = [c.executor_type for c in _compiled.CACHE.compiled.values()]
+    finally:
+        _compiled.set_mode(previous)
+        _compiled.CACHE.clear()
+    assert executors == [""], executors
+    _assert_replayed(stats, "always")

@@ -14,7 +14,9 @@ Nothing silently wrong: a pass is compiled only when every op was run
 eagerly (no custom_gradient or tf.function payloads, whose Python closures
 hold per-step state), the trace captures no eager tensor, and, on the step
 it is built, the compiled result matches the eager one (which is returned
-that step); a key that fails any of these is never compiled again. The
+that step); a key that fails any of these is never compiled again. A pass
+whose compiled call is no faster than the eager pass (small passes, where a
+function call costs more than a few fast-path kernels) stays eager too. The
 eager pass is used whenever anything would record the backward pass
 (higher-order gradients), while profiling (per-op-type entries), outside
 eager mode, and on more than one device.
@@ -30,6 +32,7 @@ import collections
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -62,6 +65,7 @@ class _Cache:
         self.compiled = collections.OrderedDict()   # key -> _Compiled or _FAILED
         self.seen = {}                              # key -> times seen
         self.stats = collections.Counter()          # replayed / built / ...
+        self.keep_faster = True   # False (tests): keep compiled passes even if slower
 
     def set_mode(self, mode):
         if mode not in MODES:
@@ -146,15 +150,25 @@ class _BuildVSpace(TFVSpace):
 
 class _Compiled:
     """One traced backward pass: a graph function and how to rebuild its
-    flat outputs into one gradient (or None) per source."""
+    flat outputs into one gradient (or None) per source.
+
+    It runs on TF's single-threaded executor (kernels inline on the calling
+    thread: no hand-off to sleeping inter-op threads, which costs more than
+    the small kernels of a backward pass) unless that executor refuses the
+    graph (asynchronous or control-flow kernels): then on the default one.
+    """
 
     def __init__(self, function, kinds):
         self.function = function   # kept: the context drops its definition with it
         self.kinds = kinds    # per source: 0 None, 1 tensor, 2/3 IndexedSlices with/without dense_shape
         self.name = function.name.decode()
         self.num_outputs = len(function.function_type.flat_outputs)
-        ctx = context.context()
-        attrs = dict(ctx.function_call_options.as_attrs())
+        self.use_executor("SINGLE_THREADED_EXECUTOR")
+
+    def use_executor(self, executor_type):
+        attrs = dict(context.context().function_call_options.as_attrs())
+        attrs["executor_type"] = executor_type
+        self.executor_type = executor_type
         self.attrs = tuple(x for kv in attrs.items() for x in kv)
 
     def __call__(self, feeds):
@@ -163,6 +177,14 @@ class _Compiled:
         outs = execute.execute(self.name, self.num_outputs, feeds, self.attrs,
                                context.context())
         return _unflatten(outs, self.kinds)
+
+    def first_call(self, feeds):
+        """The first call, falling back to the default executor."""
+        try:
+            return self(feeds)
+        except Exception:  # pylint: disable=broad-except
+            self.use_executor("")
+            return self(feeds)
 
 
 def _flatten(grads):
@@ -369,14 +391,24 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             why = "the trace captured an eager tensor"
     except Exception as e:  # pylint: disable=broad-except
         why, compiled = f"tracing failed: {e!r}", None
+    start = time.perf_counter()
     grads = eager_pass()
+    eager_seconds = time.perf_counter() - start
     replayed = None
+    slower = False
     if compiled is not None:
         feeds += [g for g in output_gradients or () if g is not None]
         try:
-            replayed = compiled(feeds)
+            replayed = compiled.first_call(feeds)
             if not _same(grads, replayed):
                 why, compiled = "it disagrees with the eager pass", None
+            elif not verify and cache.keep_faster:
+                # Small passes run faster op by op than through a function
+                # call: keep whichever is faster (the first call above paid
+                # for instantiation, so time a second one).
+                start = time.perf_counter()
+                compiled(feeds)
+                slower = time.perf_counter() - start >= eager_seconds
         except Exception as e:  # pylint: disable=broad-except
             why, compiled = f"it failed: {e!r}", None
     if why is not None:
@@ -384,10 +416,12 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
         if verify:
             raise AssertionError(f"fasttape: backward pass not compiled: {why}")
     with cache.lock:
-        cache.compiled[key] = _FAILED if compiled is None else compiled
+        cache.compiled[key] = (_FAILED if compiled is None or slower
+                               else compiled)
         while len(cache.compiled) > _MAX_ENTRIES:
             cache.compiled.popitem(last=False)
-    cache.stats["built" if compiled is not None else "failed"] += 1
+    cache.stats["slower" if slower else "built" if compiled is not None
+                else "failed"] += 1
     # verify (tests): hand back the compiled result, so that parity tests
     # compare it with TF's.
     return replayed if verify else grads
