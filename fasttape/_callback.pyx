@@ -19,7 +19,12 @@ from tensorflow.python.eager import tape as tf_tape
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops
 
+from cpython.object cimport PyObject
+
 from fasttape._core cimport GradientTapeCore, ForwardAccumulatorCore
+
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(void*)
 from fasttape._saved import saved_indices
 
 cdef object _is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
@@ -264,8 +269,14 @@ cdef int _record(st, op_type, inputs, outputs, int kind, attrs, backward,
     if tapes:
         if kind == EAGER_OP:
             in_mask, out_mask = _masks(op_type, n_in, len(outputs))
-            payload = EagerOp(attrs, _keep(inputs, in_mask, outputs, out_mask),
-                              n_in)
+            saved = _keep(inputs, in_mask, outputs, out_mask)
+            payload = EagerOp(attrs, saved, n_in)
+            # Attrs and tensors only: no reference cycle can pass through
+            # these, so the garbage collector need not track them (nor, the
+            # core then decides, the op's entry): two to three fewer
+            # tracked objects per recorded op.
+            PyObject_GC_UnTrack(<PyObject*>saved)
+            PyObject_GC_UnTrack(<PyObject*>payload)
         elif kind == GRAPH_OP:
             payload = GraphOp(outputs[0].op, n_in)
         else:

@@ -32,6 +32,12 @@ from libcpp.algorithm cimport sort
 
 import numpy as np
 
+from cpython.object cimport PyObject
+
+cdef extern from "Python.h":
+    int PyObject_GC_IsTracked(object)
+    void PyObject_GC_UnTrack(void*)
+
 # Early aggregation thresholds of tape.h: more than this many pending
 # gradients for one tensor, holding more than this many bytes, are summed at
 # once to free memory.
@@ -198,6 +204,12 @@ cdef class GradientTapeCore:
         _fill(entry.output_ids, output_ids)
         entry.output_meta = output_meta
         entry.payload = payload
+        if not PyObject_GC_IsTracked(payload):
+            # A payload the garbage collector does not track declares it
+            # can be in no reference cycle: neither can its entry, so the
+            # collector need not see it (its passes over millions of
+            # recorded objects cost more than recording them).
+            PyObject_GC_UnTrack(<PyObject*>entry)
         cdef int64_t op_id = self.next_op_id
         self.next_op_id += 1
         cdef int64_t tid

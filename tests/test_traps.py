@@ -761,3 +761,55 @@ def test_fallback_path_survives_other_thread_removing_callback(execute_restored)
     gy, gz = _fallback_body(GradientTape, interfere=True)
     close(gy, 2.0)
     close(gz, 5.0)
+
+
+# -- memory: untracked payloads must not leak ------------------------------------------
+
+def test_dropped_tape_frees_saved_tensors_by_refcount():
+    """Eager payloads are untracked by the garbage collector: a dropped
+    tape must free what it saved by reference counting alone."""
+    import gc
+    import weakref
+    x = tf.constant([1.0, 2.0])
+    gc.disable()
+    try:
+        with GradientTape() as t:
+            t.watch(x)
+            y = tf.sin(x * 3.0)      # Sin saves its input x * 3.0
+        inner = weakref.ref(t._tape)
+        core = t._tape.core
+        saved = [weakref.ref(p) for i in range(core.num_ops)
+                 for p in core.op(i).payload.saved
+                 if p is not None and p is not x]
+        del t, y, core
+        assert inner() is None
+        assert saved and all(r() is None for r in saved)
+    finally:
+        gc.enable()
+
+
+def test_tape_in_a_reference_cycle_is_collected():
+    """A custom_gradient closure that refers back to the tape makes a
+    cycle; its entry stays tracked, so the collector frees it."""
+    import gc
+    import weakref
+    x = tf.constant([1.0, 2.0])
+    t = GradientTape()
+
+    def make_f(tape):
+        @tf.custom_gradient
+        def f(v):
+            def grad(dy):
+                assert tape is not None   # the closure holds the tape
+                return dy
+            return tf.identity(v), grad
+        return f
+
+    with t:
+        t.watch(x)
+        y = make_f(t)(x) * x
+    state = weakref.ref(t._tape)
+    del t, y
+    assert state() is not None     # a cycle: reference counting cannot free it
+    gc.collect()
+    assert state() is None
