@@ -8,6 +8,8 @@ gradients are compared with TF's, and the cache's counters prove the
 compiled path really ran (or, where it must not, that it did not).
 """
 
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -26,13 +28,22 @@ def keep_compiled(monkeypatch):
     monkeypatch.setattr(_compiled.CACHE, "keep_faster", False)
 
 
+@contextlib.contextmanager
+def _in_mode(mode):
+    """The cache in ``mode``, empty before and after."""
+    _compiled.CACHE.clear()
+    previous = _compiled.set_mode(mode)
+    try:
+        yield
+    finally:
+        _compiled.set_mode(previous)
+        _compiled.CACHE.clear()
+
+
 @pytest.fixture(params=["always", "auto"])
 def mode(request):
-    _compiled.CACHE.clear()
-    previous = _compiled.set_mode(request.param)
-    yield request.param
-    _compiled.set_mode(previous)
-    _compiled.CACHE.clear()
+    with _in_mode(request.param):
+        yield request.param
 
 
 def _rng(step):
@@ -236,9 +247,7 @@ def test_jacobian_rows_replay(mode):
 
 
 def test_non_persistent_tape_consumed_after_replay():
-    _compiled.CACHE.clear()
-    previous = _compiled.set_mode("always")
-    try:
+    with _in_mode("always"):
         chain(fasttape.GradientTape, 0)
         x = tf.constant([1.0, 2.0])
         with fasttape.GradientTape() as t:
@@ -247,8 +256,6 @@ def test_non_persistent_tape_consumed_after_replay():
         t.gradient(y, x)
         with pytest.raises(RuntimeError):
             t.gradient(y, x)
-    finally:
-        _compiled.set_mode(previous)
 
 
 # -- where the compiled path must not run -------------------------------------------
@@ -293,22 +300,15 @@ def test_recorded_backward_not_compiled(mode):
 
 
 def test_not_compiled_while_profiling():
-    _compiled.CACHE.clear()
-    previous = _compiled.set_mode("always")
-    try:
+    with _in_mode("always"):
         with fasttape.profile():
             stats = _run(chain)
-    finally:
-        _compiled.set_mode(previous)
     assert stats == {"skipped": STEPS}, stats
 
 
 def test_mode_off():
-    previous = _compiled.set_mode("off")
-    try:
+    with _in_mode("off"):
         stats = _run(chain)
-    finally:
-        _compiled.set_mode(previous)
     assert stats == {"skipped": STEPS}, stats
 
 
@@ -320,14 +320,9 @@ def test_bad_mode_is_a_value_error():
 def test_disagreeing_pass_is_never_used(monkeypatch):
     """A compiled pass whose result differs from the eager one on the step
     it is built is thrown away for good; results stay TF's."""
-    _compiled.CACHE.clear()
     monkeypatch.setattr(_compiled, "_same", lambda a, b: False)
-    previous = _compiled.set_mode("always")
-    try:
+    with _in_mode("always"):
         stats = _run(chain)
-    finally:
-        _compiled.set_mode(previous)
-        _compiled.CACHE.clear()
     assert stats.get("failed") == 1 and not stats.get("replayed"), stats
     assert stats.get("skipped") == STEPS - 1, stats
 
@@ -344,10 +339,8 @@ def test_same_detects_differences():
 
 
 def test_cache_is_bounded(monkeypatch):
-    _compiled.CACHE.clear()
     monkeypatch.setattr(_compiled, "_MAX_ENTRIES", 2)
-    previous = _compiled.set_mode("always")
-    try:
+    with _in_mode("always"):
         for n in range(2, 6):
             x = tf.ones([n])
             with fasttape.GradientTape() as t:
@@ -355,9 +348,6 @@ def test_cache_is_bounded(monkeypatch):
                 y = tf.sin(x)
             t.gradient(y, x)
         assert len(_compiled.CACHE.compiled) == 2
-    finally:
-        _compiled.set_mode(previous)
-        _compiled.CACHE.clear()
 
 
 def test_slower_pass_stays_eager(monkeypatch):
@@ -367,13 +357,8 @@ def test_slower_pass_stays_eager(monkeypatch):
     # Each perf_counter() call advances one second: the eager pass and the
     # timed compiled call both take 1 s, so the compiled one is no faster.
     monkeypatch.setattr(_compiled.time, "perf_counter", lambda: next(ticks))
-    _compiled.CACHE.clear()
-    previous = _compiled.set_mode("always")
-    try:
+    with _in_mode("always"):
         stats = _run(chain)
-    finally:
-        _compiled.set_mode(previous)
-        _compiled.CACHE.clear()
     assert stats.get("slower") == 1 and not stats.get("replayed"), stats
 
 
@@ -388,13 +373,8 @@ def test_executor_falls_back_to_the_default(monkeypatch):
         return call(self, feeds)
 
     monkeypatch.setattr(_compiled._Compiled, "__call__", refusing)
-    _compiled.CACHE.clear()
-    previous = _compiled.set_mode("always")
-    try:
+    with _in_mode("always"):
         stats = _run(chain)
         executors = [c.executor_type for c in _compiled.CACHE.compiled.values()]
-    finally:
-        _compiled.set_mode(previous)
-        _compiled.CACHE.clear()
     assert executors == [""], executors
     _assert_replayed(stats, "always")
