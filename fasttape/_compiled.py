@@ -39,6 +39,7 @@ import numpy as np
 from tensorflow.python.eager import context
 from tensorflow.python.eager import def_function
 from tensorflow.python.eager import execute
+from tensorflow.python.framework import config as tf_config
 from tensorflow.python.framework import constant_op
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import indexed_slices
@@ -315,6 +316,9 @@ def _same(eager, compiled):
     return True
 
 
+_determinism = tf_config.is_op_determinism_enabled
+
+
 def _skipped(eager_pass):
     CACHE.stats["skipped"] += 1
     return eager_pass()
@@ -355,8 +359,9 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
         og_sig = tuple(og_sig)
     # The device scope places the call (as it places eager gradient ops);
     # the function's arguments are placed by where its feeds are.
+    # Determinism is read by some gradient functions while they build ops.
     key = (code, signature, tuple(target_meta), og_sig,
-           context.context().device_name)
+           context.context().device_name, _determinism())
     try:
         compiled = cache.compiled.get(key)
     except TypeError:       # an attr value that cannot be a key
