@@ -132,7 +132,8 @@ class State(threading.local):
         self.tapes = []            # recording TapeStates, innermost last
         self.accumulators = []     # recording AccumulatorStates
         self.in_callback = False   # re-entry guard
-        self.callback_added = False
+        self.callback_added = False   # this thread uses fasttape's op callback
+        self.callback_list = None     # ...through this TF callback list
         self.nesting_limit = NO_LIMIT
 
 

@@ -30,6 +30,7 @@ from tensorflow.python import pywrap_tfe
 from tensorflow.python.autograph.core import config as autograph_config
 from tensorflow.python.autograph.core import config_lib as autograph_config_lib
 from tensorflow.python.eager import backprop
+from tensorflow.python.eager import context
 from tensorflow.python.eager import execute
 from tensorflow.python.eager import record
 from tensorflow.python.eager import tape as tf_tape
@@ -125,8 +126,7 @@ def _push(stack, item):
         if not st.callback_added:
             # Only while this thread has a tape or accumulator: ops run with
             # none pay nothing for fasttape (nor do TF's own tapes).
-            op_callbacks.add_op_callback(_callback.op_callback)
-            st.callback_added = True
+            _use_callback(st)
         _ensure_callbacks_armed()
     stack.append(item)
 
@@ -145,11 +145,48 @@ def _pop(stack, item, error):
             _uninstall_fast_path_wrapper()
         st = _state
         if st.callback_added and not st.tapes and not st.accumulators:
-            st.callback_added = False
-            # TF's remove switches execute.execute back for all threads when
-            # this one has no callback left: re-armed (by the wrapper) while
-            # another thread still records.
-            op_callbacks.remove_op_callback(_callback.op_callback)
+            _release_callback(st)
+
+
+# Callback lists in use: id(list) -> [list, threads using fasttape's callback
+# through it]. TF's callback lists are per thread, except that
+# MirroredStrategy's replica threads share their parent's list object: the
+# callback leaves a list only when no thread using it records any more
+# (replica threads run in lock step, so one can finish its tape while
+# another's is still recording).
+_callback_users = {}
+
+
+def _use_callback(st):
+    ops_list = context.context().op_callbacks
+    users = _callback_users.get(id(ops_list))
+    if users is None:
+        users = _callback_users[id(ops_list)] = [ops_list, 0]
+    if users[1] == 0:
+        op_callbacks.add_op_callback(_callback.op_callback)
+    users[1] += 1
+    st.callback_added = True
+    st.callback_list = ops_list
+
+
+def _release_callback(st):
+    ops_list = st.callback_list
+    st.callback_added = False
+    st.callback_list = None
+    users = _callback_users.get(id(ops_list))
+    if users is None:
+        return
+    users[1] -= 1
+    if users[1] > 0:
+        return
+    del _callback_users[id(ops_list)]
+    if context.context().op_callbacks is ops_list:
+        # TF's remove switches execute.execute back for all threads when
+        # this one has no callback left: re-armed (by the wrapper) while
+        # another thread still records.
+        op_callbacks.remove_op_callback(_callback.op_callback)
+    elif _callback.op_callback in ops_list:
+        ops_list.remove(_callback.op_callback)
 
 
 def push_tape(tape_state):

@@ -813,3 +813,28 @@ def test_tape_in_a_reference_cycle_is_collected():
     assert state() is not None     # a cycle: reference counting cannot free it
     gc.collect()
     assert state() is None
+
+
+def test_threads_sharing_a_callback_list_keep_recording():
+    """MirroredStrategy's replica threads share their parent's op-callback
+    list and run in lock step: a thread that finishes its tape must not take
+    the callback away from another thread still recording."""
+    from tensorflow.python.eager import context
+    x = tf.constant([1.0, 2.0])
+    with GradientTape() as t:
+        t.watch(x)
+        shared = context.context().op_callbacks
+        y = x * x
+
+        def replica():
+            context.context()._thread_local_data.op_callbacks = shared
+            with GradientTape() as t2:
+                t2.watch(x)
+                z = x * 3.0
+            close(t2.gradient(z, x), [3.0, 3.0])
+
+        th = threading.Thread(target=replica)
+        th.start()
+        th.join()
+        y = y * x          # recorded only if the callback is still there
+    close(t.gradient(y, x), [3.0, 12.0])
