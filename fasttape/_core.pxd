@@ -36,6 +36,11 @@ cdef class GradientTapeCore:
     cdef int64_t next_op_id             # dense op ids: the next op's id
     cdef int64_t live_ops               # entries of op_tape that are not None
     cdef readonly bint consumed         # a non-persistent tape that has computed once
+    # The pruning plan() last did, reused once by the pass that follows it
+    # (cleared whenever the tape changes).
+    cdef bint pruned_valid
+    cdef vector[int64_t] pruned_targets, pruned_sources, pruned_ops
+    cdef unordered_set[int64_t] pruned_needed
 
     cpdef watch(self, int64_t tensor_id)
     cpdef bint is_watched(self, int64_t tensor_id)

@@ -160,6 +160,7 @@ cdef class GradientTapeCore:
 
     cpdef watch(self, int64_t tensor_id):
         # emplace: watching a recorded tensor keeps its producer.
+        self.pruned_valid = False
         self.tensor_tape.insert((tensor_id, -1))
 
     cpdef bint is_watched(self, int64_t tensor_id):
@@ -198,6 +199,7 @@ cdef class GradientTapeCore:
             raise ValueError(
                 f"record_operation({op_type!r}): {len(output_ids)} output ids "
                 f"but {len(output_meta)} output metadata entries")
+        self.pruned_valid = False
         cdef OpEntry entry = OpEntry.__new__(OpEntry)
         entry.op_type = op_type
         _fill(entry.input_ids, input_ids)
@@ -226,6 +228,7 @@ cdef class GradientTapeCore:
         """The framework dropped its last reference to a tensor: forget the
         ops that no live tensor depends on any more (tape.h's DeleteTrace,
         without recursion)."""
+        self.pruned_valid = False
         cdef vector[int64_t] stack
         cdef int64_t tid, op_id, out_id
         cdef unordered_map[int64_t, int64_t].iterator it
@@ -340,6 +343,7 @@ cdef class GradientTapeCore:
                 "output_ids": out_a}
 
     def _release_all(self):
+        self.pruned_valid = False
         self.op_tape = [None] * self.next_op_id
         self.live_ops = 0
         self.tensor_tape.clear()
@@ -437,6 +441,11 @@ cdef class GradientTapeCore:
         _fill(targets, target_ids)
         _fill(sources, source_ids)
         self._prune(targets, sources, op_list, needed)
+        self.pruned_targets = targets
+        self.pruned_sources = sources
+        self.pruned_ops = op_list
+        self.pruned_needed = needed
+        self.pruned_valid = True
         cdef unordered_map[int64_t, int64_t] number, position
         cdef unordered_map[int64_t, int64_t].iterator it
         cdef int64_t tid, op_id
@@ -478,6 +487,13 @@ cdef class GradientTapeCore:
                      unordered_set[int64_t]& needed) except *:
         """Step 1a-1b: the pruned ops in op-id order (op_list) and the tensors
         whose gradient matters (needed)."""
+        if self.pruned_valid:
+            # plan() just pruned for this pass: take its result, once.
+            self.pruned_valid = False
+            if targets == self.pruned_targets and sources == self.pruned_sources:
+                op_list.swap(self.pruned_ops)
+                needed.swap(self.pruned_needed)
+                return
         cdef int64_t tid, op_id, n_ops = self.next_op_id
         # 1a. Reachable ops (from targets).
         cdef vector[char] reachable = vector[char](n_ops, 0)

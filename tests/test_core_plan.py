@@ -71,3 +71,24 @@ def test_plan_leaves_the_tape_usable():
     g, = gradient(tp, NumpyVSpace(), y, xs)
     x = xs[0].value
     np.testing.assert_allclose(nv.value(g), np.cos(x) * x + np.sin(x))
+
+
+def test_compute_after_plan_reuses_its_pruning():
+    tp, y, xs, _ = _plan(_sin_mul, persistent=True)
+    g1, = gradient(tp, NumpyVSpace(), y, xs)
+    tp.plan([y.id], [xs[0].id])
+    g2, = gradient(tp, NumpyVSpace(), y, xs)
+    np.testing.assert_allclose(nv.value(g2), nv.value(g1))
+
+
+def test_a_change_between_plan_and_compute_is_seen():
+    """The pruning plan() leaves for the next pass must not outlive a change
+    of the tape: watching a tensor after plan() connects it."""
+    x, c = T(np.arange(3.0)), T(np.full(3, 2.0))
+    with tape(persistent=True, watch=[x]) as tp:
+        y = nv.mul(x, c)
+    _, entries = tp.plan([y.id], [c.id])
+    assert entries == []             # c is not tracked: nothing to do
+    tp.watch(c.id)
+    g = gradient(tp, NumpyVSpace(), y, c)
+    np.testing.assert_allclose(nv.value(g), x.value)
