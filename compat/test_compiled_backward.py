@@ -378,3 +378,16 @@ def test_executor_falls_back_to_the_default(monkeypatch):
         executors = [c.executor_type for c in _compiled.CACHE.compiled.values()]
     assert executors == [""], executors
     _assert_replayed(stats, "always")
+
+
+def test_config_input_names_are_op_input_names():
+    """Every name in the list names an input of some registered op (an attr
+    name there would silently bake nothing)."""
+    from tensorflow.core.framework import op_def_pb2
+    from tensorflow.python.client import pywrap_tf_session as c_api
+    ops = op_def_pb2.OpList()
+    ops.ParseFromString(c_api.TF_GetBuffer(c_api.TF_GetAllOpList()))
+    names = {a.name for op in ops.op for a in op.input_arg}
+    assert _compiled.CONFIG_INPUT_NAMES <= names
+    assert _compiled.config_inputs_of("ConcatV2") == frozenset({-1})
+    assert _compiled.config_inputs_of("GatherV2") == frozenset({2})

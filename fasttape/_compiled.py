@@ -85,8 +85,7 @@ CACHE = _Cache(os.environ.get("FASTTAPE_COMPILED_BACKWARD", "auto"))
 
 
 def set_mode(mode):
-    """``auto``, ``always`` or ``off`` (see the module docstring); returns
-    the previous mode."""
+    """One of MODES (see the module docstring); returns the previous mode."""
     previous = CACHE.mode
     CACHE.set_mode(mode)
     return previous
@@ -100,8 +99,7 @@ CONFIG_INPUT_NAMES = frozenset({
     "num_segments", "block_shape", "crops", "ksize", "axes", "dims",
     "output_shape", "input_sizes", "filter_sizes", "orig_input_shape",
     "s0", "s1", "depth", "k", "num_lower", "num_upper", "shift",
-    "element_shape", "num_elements", "dims_mapping", "new_axis_mask",
-    "concat_dim", "diagonal_index", "padding_value", "num_rows", "num_cols",
+    "element_shape", "num_elements", "concat_dim", "num_rows", "num_cols",
 })
 
 CONFIG_INPUTS = {}    # op type -> frozenset of config input indices

@@ -190,33 +190,25 @@ class GradientTape:
             flat_targets = [_handle_or_self(t) for t in plain_targets]
             flat_sources_raw = plain_sources
             flat_sources = [_handle_or_self(t) for t in flat_sources_raw]
-            for t in flat_targets:
-                if not is_trainable(t):
-                    _vlog_untrainable("target", t)
-            for t in flat_sources:
-                if not is_trainable(t):
-                    _vlog_untrainable("source", t)
-                if t.is_packed:
-                    raise ValueError("GradientTape.gradient is not supported on "
-                                     "packed EagerTensors yet.")
+            trainable = is_trainable    # compiled; tensors only
         else:
             plain_sources = None
+            trainable = backprop_util.IsTrainable   # TF's errors for non-tensors
             flat_targets = composite_tensor_gradient.get_flat_tensors_for_gradients(
                 nest.flatten(target))
             flat_targets = nest.map_structure(_handle_or_self, flat_targets)
-            for t in flat_targets:
-                if not backprop_util.IsTrainable(t):
-                    _vlog_untrainable("target", t)
             flat_sources_raw = nest.flatten(sources)
-            flat_sources = [_handle_or_self(t) for t in flat_sources_raw]
             flat_sources = composite_tensor_gradient.get_flat_tensors_for_gradients(
-                flat_sources)
-            for t in flat_sources:
-                if not backprop_util.IsTrainable(t):
-                    _vlog_untrainable("source", t)
-                if getattr(t, "is_packed", False):
-                    raise ValueError("GradientTape.gradient is not supported on "
-                                     "packed EagerTensors yet.")
+                [_handle_or_self(t) for t in flat_sources_raw])
+        for t in flat_targets:
+            if not trainable(t):
+                _vlog_untrainable("target", t)
+        for t in flat_sources:
+            if not trainable(t):
+                _vlog_untrainable("source", t)
+            if getattr(t, "is_packed", False):
+                raise ValueError("GradientTape.gradient is not supported on "
+                                 "packed EagerTensors yet.")
         _check_tensors(flat_targets, "target")
         _check_tensors(flat_sources, "sources")
         if output_gradients is not None:
