@@ -391,3 +391,28 @@ def test_config_input_names_are_op_input_names():
     assert _compiled.CONFIG_INPUT_NAMES <= names
     assert _compiled.config_inputs_of("ConcatV2") == frozenset({-1})
     assert _compiled.config_inputs_of("GatherV2") == frozenset({2})
+
+
+def test_cache_keeps_no_tensor_of_the_steps():
+    """A cached pass holds a graph function only: the tape and the saved
+    tensors of the step it was built on, and of the steps replaying it, are
+    freed."""
+    import gc
+    import weakref
+
+    def step():
+        x = tf.constant([1.0, 2.0])
+        with fasttape.GradientTape() as t:
+            t.watch(x)
+            a = x * 3.0
+            y = tf.sin(a) * x
+        refs = weakref.ref(t._tape), weakref.ref(a)
+        t.gradient(y, x)
+        return refs
+
+    with _in_mode("always"):
+        for _ in range(2):
+            refs = step()
+            gc.collect()
+            assert all(r() is None for r in refs)
+        assert _compiled.CACHE.stats["replayed"] == 1
