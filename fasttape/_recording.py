@@ -6,7 +6,8 @@ All of fasttape's changes to TensorFlow live in this module:
     ``execute.execute`` back for all threads);
   - wrappers of ``record.record_operation*``, ``record.could_possibly_record``,
     ``record.should_record_backprop``, ``gradients_util.
-    PossibleTapeGradientTypes`` and ``tape.variable(s)_accessed`` — each calls
+    PossibleTapeGradientTypes``, ``tape.variable(s)_accessed`` and pfor's
+    ``_create_op`` (it builds ops no callback sees) — each calls
     TF's original first, so TF's own tapes keep working beside fasttape's;
   - while any fasttape tape records, a wrapper of ``pywrap_tfe.
     TFE_Py_FastPathExecute`` that reads Variable arguments in Python first (a
@@ -36,6 +37,7 @@ from tensorflow.python.eager import record
 from tensorflow.python.eager import tape as tf_tape
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.ops import gradients_util
+from tensorflow.python.ops.parallel_for import pfor as pfor_lib
 
 from fasttape import _callback
 from fasttape import _core
@@ -290,6 +292,20 @@ def _wrapped_possible_tape_gradient_types(tensors):
     return gradients_util.POSSIBLE_GRADIENT_TYPES_FIRST_ORDER
 
 
+def _wrapped_pfor_create_op(op_type, inputs, op_dtypes, attrs=None):
+    """pfor builds most of its vectorized ops with ``Graph.create_op``, which
+    runs no op callback (TF's tapes see them through the
+    ``execute.record_gradient`` call that follows): record them here, or a
+    tape around a pfor jacobian inside a tf.function misses them and
+    silently gives None or zeros."""
+    op = _originals["_create_op"](op_type, inputs, op_dtypes, attrs)
+    st = _state
+    if (st.tapes or st.accumulators) and op.outputs:
+        _callback.op_callback(op.type, tuple(op.inputs), None,
+                              tuple(op.outputs), op.name, op.graph)
+    return op
+
+
 def _watch_accessed(variables):
     tapes = _state.tapes
     if not tapes or _is_stopped():
@@ -340,6 +356,7 @@ _HOOKS = (
     (tf_tape, "variable_accessed", _wrapped_variable_accessed),
     (tf_tape, "variables_accessed", _wrapped_variables_accessed),
     (op_callbacks, "remove_op_callback", _wrapped_remove_op_callback),
+    (pfor_lib, "_create_op", _wrapped_pfor_create_op),
 )
 
 # AutoGraph must not try to convert fasttape's own (partly compiled) code
