@@ -100,3 +100,53 @@ def test_outer_tape_sees_jacobian_issue_case():
 
     out = harness.assert_parity(case, allow_tf_error=False)
     assert np.any(out.numpy() != 0)
+
+
+# -- issue 9 fault 9: recompute_grad, stop_recording, a new Variable a step ----
+
+def _recompute_steps(Tape, steps=4):
+    @tf.recompute_grad
+    @tf.function
+    def outer(x):
+        @tf.function
+        def middle(y):
+            @tf.function
+            def inner(z):
+                return z * 1.5 + tf.sin(z)
+            i = tf.constant(0.0)
+            y, i = tf.while_loop(lambda y, i: i < 3.0,
+                                 lambda y, i: (inner(y), i + 1.0), [y, i])
+            return y
+        return middle(x)
+
+    out = []
+    for step in range(steps):
+        x = tf.Variable(0.3 + step, name="x")   # the last step's one dies
+        with Tape() as t:
+            y = outer(x)
+        out.append((y, t.gradient(y, x)))
+    return out
+
+
+def test_recompute_grad_nested_functions_new_variable_each_step():
+    """TF's testRecomputeGradWithNestedFunctionAndWhileLoop, with a gradient:
+    fasttape failed on step 2 (its could_possibly_record ignored
+    stop_recording, so the function call touched the deleted Variable of
+    step 1)."""
+    out = harness.assert_parity(_recompute_steps, allow_tf_error=False)
+
+    def g(z):
+        return z * 1.5 + np.sin(z)
+
+    for step, (_, grad) in enumerate(out):
+        [oracle] = fd.central_difference(lambda x: g(g(g(x))), [0.3 + step])
+        np.testing.assert_allclose(grad.numpy(), oracle, rtol=1e-4)
+
+
+def test_could_possibly_record_honours_stop_recording():
+    from tensorflow.python.eager import record
+    for Tape in harness.IMPLEMENTATIONS.values():
+        with Tape():
+            assert record.could_possibly_record()
+            with record.stop_recording():
+                assert not record.could_possibly_record(), Tape

@@ -254,8 +254,12 @@ def _wrapped_record_operation_forwardprop_only(
 
 
 def _wrapped_could_possibly_record():
+    # As TF's (TFE_Py_TapeSetIsEmpty): nothing records under
+    # record.stop_recording(). Saying True there made a ConcreteFunction
+    # call mark its graph's variables accessed, and a function traced with
+    # a since-deleted Variable then failed (recompute_grad's forward).
     st = _state
-    return (bool(st.tapes) or bool(st.accumulators)
+    return (((bool(st.tapes) or bool(st.accumulators)) and not _is_stopped())
             or _originals["could_possibly_record"]())
 
 
