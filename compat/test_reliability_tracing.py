@@ -150,3 +150,84 @@ def test_could_possibly_record_honours_stop_recording():
             assert record.could_possibly_record()
             with record.stop_recording():
                 assert not record.could_possibly_record(), Tape
+
+
+# -- issue 9 faults 13 and 14: jacobian's exception types and messages --------
+
+_BAD_SOURCES = {
+    "none_in_list": lambda x: [x, None],
+    "object_in_list": lambda x: [x, object()],
+    "string_in_list": lambda x: [x, "abc"],
+    "none": lambda x: None,
+    "object": lambda x: object(),
+    "string": lambda x: "abc",
+}
+
+
+def _assert_same_error(case, message):
+    """TF and fasttape raise the same type, and both say ``message``."""
+    tf_out = harness.assert_parity(case)
+    ft_out = harness.run_case(case, "fasttape")
+    assert isinstance(tf_out, Raised), tf_out
+    assert message in str(tf_out.exc), tf_out
+    assert message in str(ft_out.exc), ft_out
+
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("pfor", [True, False], ids=["pfor", "loop"])
+@pytest.mark.parametrize("source", sorted(_BAD_SOURCES))
+@pytest.mark.parametrize("method", ["jacobian", "batch_jacobian"])
+def test_jacobian_non_tensor_source_error(method, source, pfor, in_function):
+    """jacobian: TF's TypeError from IsTrainable (fasttape's eager row loop
+    raised AttributeError); batch_jacobian: AttributeError on .shape."""
+    def case(Tape):
+        def body(x):
+            with Tape(persistent=True) as t:
+                t.watch(x)
+                y = x * x
+            return getattr(t, method)(y, _BAD_SOURCES[source](x),
+                                      experimental_use_pfor=pfor)
+        return (_fresh(body) if in_function else body)(tf.ones([2, 2]))
+
+    message = ("to a TensorFlow DType" if method == "jacobian"
+               else "has no attribute 'shape'")
+    if method == "batch_jacobian" and source.endswith("in_list"):
+        if not in_function:
+            # fasttape's eager batch_jacobian takes a nest of sources (an
+            # extension; TF's has no .shape on a list): a non-tensor in it
+            # is then the TypeError that jacobian and gradient raise.
+            tf_out = harness.run_case(case, "tf")
+            ft_out = harness.run_case(case, "fasttape")
+            assert isinstance(tf_out.exc, AttributeError), tf_out
+            assert "'list' object has no attribute 'shape'" in str(tf_out.exc)
+            assert isinstance(ft_out.exc, TypeError), ft_out
+            assert "to a TensorFlow DType" in str(ft_out.exc)
+            return
+        message = "'list' object has no attribute 'shape'"
+    _assert_same_error(case, message)
+
+
+_BATCH_SHAPES = {   # (target, source): TF's message
+    "rank1_target": ([2], [2, 3], "must have rank at least 2"),
+    "rank1_both": ([3], [3], "must have rank at least 2"),
+    "rank1_source": ([2, 2], [2], "must have rank at least 2"),
+    "rank1_target_scalar_batch": ([1], [1, 1], "must have rank at least 2"),
+    "batch_mismatch": ([3, 2], [2, 2], "Need first dimension"),
+}
+
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("pfor", [True, False], ids=["pfor", "loop"])
+@pytest.mark.parametrize("shapes", sorted(_BATCH_SHAPES))
+def test_batch_jacobian_bad_rank_error(shapes, pfor, in_function):
+    target_shape, source_shape, message = _BATCH_SHAPES[shapes]
+
+    def case(Tape):
+        def body(x):
+            with Tape(persistent=True) as t:
+                t.watch(x)
+                y = tf.ones(target_shape) * tf.reduce_sum(x)
+            return t.batch_jacobian(y, x, experimental_use_pfor=pfor)
+        return (_fresh(body) if in_function else body)(tf.ones(source_shape))
+
+    _assert_same_error(case, message)

@@ -12,6 +12,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.eager import tape as tf_tape
 from tensorflow.python.framework import composite_tensor_gradient
 from tensorflow.python.framework import ops
+from tensorflow.python.framework import tensor_shape
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import array_ops_stack
 from tensorflow.python.ops import check_ops
@@ -252,6 +253,11 @@ class GradientTape:
         flat_raw = list(flat_sources)
         flat = composite_tensor_gradient.get_flat_tensors_for_gradients(
             [_handle_or_self(t) for t in flat_raw])
+        for t in flat:
+            # As TF's gradient() in its loop_fn: TypeError for a source
+            # that is not a tensor (None, object(), a string).
+            if not backprop_util.IsTrainable(t):
+                _vlog_untrainable("source", t)
         _check_tensors([target] + flat, "sources")
         shape = target.shape
         if batch:
@@ -364,14 +370,18 @@ class GradientTape:
             raise RuntimeError("A non-persistent GradientTape can only be used to"
                                "compute one set of gradients (or jacobians)")
         target_shape = target.shape
-        if _use_loop(target, batch=True) and not nest.is_nested(source):
-            source_shape = source.shape
-            if not (target_shape.rank >= 2 and source_shape.rank is not None
-                    and source_shape.rank >= 2
-                    and target_shape[0] == source_shape[0]):
+        loop = _use_loop(target, batch=True)
+        nested = nest.is_nested(source)
+        if not (loop and nested):   # TF's check, its errors and messages
+            dim = (tensor_shape.Dimension(None) if target_shape.rank is None
+                   else target_shape.dims[0])
+            if not (target_shape.with_rank_at_least(2) and
+                    source.shape.with_rank_at_least(2) and
+                    dim.is_compatible_with(source.shape[0])):
                 raise ValueError(
                     "Need first dimension of target shape (%s) and "
                     "source shape (%s) to match." % (target.shape, source.shape))
+        if loop and not nested:
             if not experimental_use_pfor and not self._persistent:
                 raise RuntimeError(
                     "GradientTape must be created with persistent=True"
@@ -381,24 +391,14 @@ class GradientTape:
                                          unconnected_gradients, batch=True)
             if rows is None:
                 return array_ops.zeros(
-                    target_shape.concatenate(source_shape[1:]), target.dtype)
+                    target_shape.concatenate(source.shape[1:]), target.dtype)
             return rows
-        if _use_loop(target, batch=True):
+        if loop:
             # fasttape extension: a nest of sources (TF takes one tensor).
             flat = nest.flatten(source)
             rows = self._gradient_rows(target, flat, unconnected_gradients,
                                        batch=True)
             return nest.pack_sequence_as(source, rows)
-        if target_shape.rank is None:
-            dim = None
-        else:
-            dim = target_shape.dims[0]
-        if not (target_shape.with_rank_at_least(2) and
-                source.shape.with_rank_at_least(2) and
-                (dim is None or dim.is_compatible_with(source.shape[0]))):
-            raise ValueError(
-                "Need first dimension of target shape (%s) and "
-                "source shape (%s) to match." % (target.shape, source.shape))
         if target_shape.is_fully_defined():
             batch_size = int(target_shape[0])
             target_row_size = target_shape.num_elements() // batch_size
