@@ -231,3 +231,63 @@ def test_batch_jacobian_bad_rank_error(shapes, pfor, in_function):
         return (_fresh(body) if in_function else body)(tf.ones(source_shape))
 
     _assert_same_error(case, message)
+
+
+# -- issue 9 fault 15: a backward function returning the wrong count ----------
+
+def _record_operation_case(n_returned, in_function):
+    from tensorflow.python.eager import record
+
+    def case(Tape):
+        def body(x, z):
+            with Tape() as t:
+                t.watch([x, z])
+                out = tf.identity(x * z)
+                record.record_operation(
+                    "WrongCount", [out], [x, z],
+                    lambda dy: [dy * 2.0] * n_returned)
+            return t.gradient(out, [x, z])
+        fn = _fresh(body) if in_function else body
+        # Three calls: fasttape's compiled backward takes over after the
+        # first passes of a repeated step.
+        return [fn(tf.constant(2.), tf.constant(3.)) for _ in range(3)][-1]
+    return case
+
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("n_returned", [0, 1, 3])
+def test_record_operation_wrong_gradient_count(n_returned, in_function):
+    """TF's tape raises InternalError "returned too few gradients" (also for
+    too many); fasttape raised ValueError."""
+    _assert_same_error(_record_operation_case(n_returned, in_function),
+                       "'WrongCount' returned too few gradients. Expected 2 "
+                       f"but received {n_returned}")
+    assert isinstance(harness.run_case(_record_operation_case(
+        n_returned, in_function), "fasttape").exc, tf.errors.InternalError)
+
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
+def test_custom_gradient_too_few_gradients(in_function):
+    """tf.custom_gradient: its own ValueError eagerly; in a tf.function the
+    tape's InternalError (TF's custom_gradient checks only eagerly)."""
+    def case(Tape):
+        @tf.custom_gradient
+        def f(a, b):
+            return a * b, lambda dy: [dy]
+
+        def body(a, b):
+            with Tape() as t:
+                t.watch([a, b])
+                y = f(a, b)
+            return t.gradient(y, [a, b])
+        return (_fresh(body) if in_function else body)(tf.constant(2.),
+                                                       tf.constant(3.))
+
+    _assert_same_error(case, "too few gradients" if in_function
+                       else "expected to return 2 gradients")
+
+
+def test_record_operation_right_count_still_works():
+    out = harness.assert_parity(_record_operation_case(2, False),
+                                allow_tf_error=False)
+    np.testing.assert_allclose([g.numpy() for g in out], [2.0, 2.0])

@@ -22,6 +22,7 @@ import time
 from tensorflow.python.eager import backprop
 from tensorflow.python.eager import context
 from tensorflow.python.framework import dtypes
+from tensorflow.python.framework import errors_impl
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor as tensor_lib
@@ -222,9 +223,12 @@ class TFVSpace(VSpace):
             if len(grads) > n and all(g is None for g in grads[n:]):
                 grads = grads[:n]
             else:
-                raise ValueError(
-                    f"The gradient function of {op_type!r} returned "
-                    f"{len(grads)} gradients for {n} inputs")
+                # TF's tape (tape.h), its type and words (also when there
+                # are too many).
+                raise errors_impl.InternalError(
+                    None, None,
+                    f"Recorded operation {op_type!r} returned too few "
+                    f"gradients. Expected {n} but received {len(grads)}")
         return grads
 
     def forwardprop_aid(self, meta):
