@@ -291,3 +291,52 @@ def test_record_operation_right_count_still_works():
     out = harness.assert_parity(_record_operation_case(2, False),
                                 allow_tf_error=False)
     np.testing.assert_allclose([g.numpy() for g in out], [2.0, 2.0])
+
+
+# -- issue 9 fault 16: gradient() again after a gradient function raised ------
+
+def test_second_gradient_after_grad_fn_raised_differs_on_purpose():
+    """A deliberate difference (README): TF's second gradient() on a
+    non-persistent tape whose first pass raised is an InternalError about an
+    invalid tape state; fasttape's is the RuntimeError every reuse of a
+    consumed tape gives. Both raise the grad_fn's error the first time. Fails
+    the day TF's behaviour changes."""
+    def case(Tape):
+        @tf.custom_gradient
+        def f(a):
+            def grad(dy):
+                raise KeyError("grad_fn failed")
+            return a * 2.0, grad
+
+        x = tf.constant(1.0)
+        with Tape() as t:
+            t.watch(x)
+            y = f(x)
+        raised = []
+        for _ in range(2):
+            try:
+                t.gradient(y, x)
+                raised.append(None)
+            except Exception as exc:  # noqa: BLE001 - recorded and compared
+                raised.append(exc)
+        return raised
+
+    tf_first, tf_second = case(tf.GradientTape)
+    ft_first, ft_second = case(fasttape.GradientTape)
+    assert isinstance(tf_first, KeyError) and isinstance(ft_first, KeyError)
+    assert isinstance(tf_second, tf.errors.InternalError), tf_second
+    assert "Internal state of the gradient tape is invalid" in str(tf_second)
+    assert type(ft_second) is RuntimeError, ft_second
+    assert "non-persistent GradientTape can only be used to compute one" in str(
+        ft_second)
+    # The same RuntimeError, in both, after a first pass that succeeded.
+    assert harness.assert_parity(_reuse_after_success).__class__ is Raised
+
+
+def _reuse_after_success(Tape):
+    x = tf.constant(1.0)
+    with Tape() as t:
+        t.watch(x)
+        y = x * x
+    t.gradient(y, x)
+    return t.gradient(y, x)
