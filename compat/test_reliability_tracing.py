@@ -340,3 +340,50 @@ def _reuse_after_success(Tape):
         y = x * x
     t.gradient(y, x)
     return t.gradient(y, x)
+
+
+# -- issue 14 item 3: jacobian without pfor, a source dtype not the target's ---
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("sources", ["float32", "float32_and_int32"])
+def test_jacobian_loop_source_dtype_differs_tf_wrong(sources, in_function):
+    """TF's jacobian(experimental_use_pfor=False) declares the target's
+    dtype for every source's rows: its TensorArray raises
+    InvalidArgumentError for a float32 source of a float64 target (or an
+    int32 source beside it). fasttape gives the float64 finite differences'
+    values (and None for the int source), eager and in a tf.function."""
+    x0 = np.array([0.5, 1.5])
+    n0 = np.array([2, 3])
+
+    def case(_, Tape):
+        def body(x, n):
+            with Tape(persistent=True) as t:
+                t.watch(x)
+                t.watch(n)
+                y = tf.sin(tf.cast(x, tf.float64)) * tf.cast(n, tf.float64)
+            src = [x, n] if sources != "float32" else [x]
+            return t.jacobian(y, src, experimental_use_pfor=False)
+        return (_fresh(body) if in_function else body)(
+            tf.constant(x0, tf.float32), tf.constant(n0, tf.int32))
+
+    [jac] = fd.central_difference(lambda x: np.sin(x) * n0, [x0])
+    oracle = [jac] if sources == "float32" else [jac, None]
+    fd.tf_wrong_here(case, oracle, tf_raises=tf.errors.InvalidArgumentError)
+
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
+def test_batch_jacobian_loop_source_dtype_differs_tf_wrong(in_function):
+    """The same in batch_jacobian(experimental_use_pfor=False)."""
+    x0 = np.array([[0.5, 1.5], [-0.25, 2.0]])
+
+    def case(_, Tape):
+        def body(x):
+            with Tape(persistent=True) as t:
+                t.watch(x)
+                y = tf.sin(tf.cast(x, tf.float64)) * 3.0
+            return t.batch_jacobian(y, x, experimental_use_pfor=False)
+        return (_fresh(body) if in_function else body)(
+            tf.constant(x0, tf.float32))
+
+    oracle = np.stack([np.diag(3 * np.cos(row)) for row in x0])
+    fd.tf_wrong_here(case, oracle, tf_raises=tf.errors.InvalidArgumentError)

@@ -346,8 +346,11 @@ class GradientTape:
                     "GradientTape must be created with persistent=True"
                     " to compute the jacobian with eager execution enabled and "
                     "with  experimental_use_pfor set to False.")
+            # Each row's gradient has its source's dtype (TF declares the
+            # target's, and its TensorArray then fails for a float32 source
+            # of a float64 target, or an int source).
             output = pfor_ops.for_loop(
-                loop_fn, [target.dtype] * len(flat_sources), target_size,
+                loop_fn, [_source_dtype(s) for s in flat_sources], target_size,
                 parallel_iterations=parallel_iterations)
 
         for i, out in enumerate(output):
@@ -440,7 +443,8 @@ class GradientTape:
                     "GradientTape must be created with persistent=True"
                     " to compute the batch_jacobian with eager execution "
                     "enabled and  with experimental_use_pfor set to False.")
-            output = pfor_ops.for_loop(loop_fn, target.dtype, target_row_size,
+            output = pfor_ops.for_loop(loop_fn, _source_dtype(source),
+                                       target_row_size,
                                        parallel_iterations=parallel_iterations)
         new_shape = array_ops.concat([target_shape, source_shape[1:]], axis=0)
         if output is None:
@@ -461,6 +465,15 @@ def _pfor(loop_fn, n, parallel_iterations, what):
 
 
 _LOOP_MAX_ROWS = 1024
+
+
+def _source_dtype(source):
+    """The dtype of a gradient with respect to ``source``."""
+    dtype = getattr(source, "dtype", None)
+    if dtype is None:   # TF's error for a non-tensor source
+        backprop_util.IsTrainable(source)
+    return default_gradient.get_zeros_dtype(source) if dtype == "resource" \
+        else dtype.base_dtype
 
 
 def _use_loop(target, batch=False):
