@@ -387,3 +387,55 @@ def test_batch_jacobian_loop_source_dtype_differs_tf_wrong(in_function):
 
     oracle = np.stack([np.diag(3 * np.cos(row)) for row in x0])
     fd.tf_wrong_here(case, oracle, tf_raises=tf.errors.InvalidArgumentError)
+
+
+# -- issue 14 item 5: more or fewer output_gradients than targets -------------
+
+def _two_targets(Tape, seeds):
+    x = tf.constant([1., 2.])
+    with Tape() as t:
+        t.watch(x)
+        a, b = x * x, x * 3.0
+    return t.gradient([a, b], x, output_gradients=seeds)
+
+
+def test_more_output_gradients_than_targets_differs_on_purpose():
+    """A deliberate difference (README): TF uses the first seeds and
+    silently ignores the rest; fasttape raises ValueError (a misaligned
+    seed list is a bug worth hearing about). Fails the day TF changes."""
+    seeds = [tf.ones([2]), tf.fill([2], 2.0), tf.fill([2], 5.0)]
+    tf_out = harness.run_case(lambda T: _two_targets(T, seeds), "tf")
+    np.testing.assert_allclose(tf_out.numpy(), [2 + 6, 4 + 6])
+    ft_out = harness.run_case(lambda T: _two_targets(T, seeds), "fasttape")
+    assert type(ft_out.exc) is ValueError, ft_out
+    assert "Number of output gradients (3) does not match number of " \
+        "targets (2)" in str(ft_out.exc)
+
+
+_FEWER_SEEDS_UNDER_TF = textwrap.dedent("""
+    import tensorflow as tf
+    x = tf.constant([1., 2.])
+    with tf.GradientTape() as t:
+        t.watch(x)
+        a, b = x * x, x * 3.0
+    try:
+        print("RESULT", t.gradient([a, b], x, output_gradients=[tf.ones([2])]))
+    except Exception as exc:
+        print("RAISED", type(exc).__name__, exc)
+""")
+
+
+def test_fewer_output_gradients_than_targets_differs_on_purpose():
+    """TF 2.21 crashes the process (a segmentation fault in its C++ tape,
+    run here in a subprocess); fasttape raises ValueError. Fails the day
+    TF no longer crashes."""
+    ft_out = harness.run_case(lambda T: _two_targets(T, [tf.ones([2])]),
+                              "fasttape")
+    assert type(ft_out.exc) is ValueError, ft_out
+    assert "Number of output gradients (1) does not match number of " \
+        "targets (2)" in str(ft_out.exc)
+    proc = subprocess.run([sys.executable, "-c", _FEWER_SEEDS_UNDER_TF],
+                          capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode < 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert "RESULT" not in proc.stdout and "RAISED" not in proc.stdout
