@@ -439,3 +439,28 @@ def test_fewer_output_gradients_than_targets_differs_on_purpose():
                           check=False)
     assert proc.returncode < 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert "RESULT" not in proc.stdout and "RAISED" not in proc.stdout
+
+
+# -- issue 14 item 7: a missing second-order gradient under a pfor jacobian ----
+
+@pytest.mark.parametrize("in_function", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("pfor", [True, False], ids=["pfor", "loop"])
+@pytest.mark.parametrize("method", ["jacobian", "batch_jacobian"])
+def test_missing_second_order_gradient_error(method, pfor, in_function):
+    """SoftsignGrad has no gradient. TF's eager pfor jacobian traces a
+    tf.function, whose AutoGraph turns the LookupError into a StagingError;
+    fasttape's eager row loop raised the bare LookupError. Without pfor both
+    raise LookupError."""
+    def case(Tape):
+        def body(x):
+            with Tape(persistent=True) as t2:
+                t2.watch(x)
+                with Tape() as t1:
+                    t1.watch(x)
+                    y = tf.reduce_sum(tf.math.softsign(x))
+                g = t1.gradient(y, x)
+            return getattr(t2, method)(g, x, experimental_use_pfor=pfor)
+        return (_fresh(body) if in_function else body)(
+            tf.reshape(tf.linspace(0.1, 1., 4), [2, 2]))
+
+    _assert_same_error(case, "gradient registry has no entry for: SoftsignGrad")

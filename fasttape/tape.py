@@ -11,6 +11,10 @@ from tensorflow.python.eager import backprop_util
 from tensorflow.python.eager import context
 from tensorflow.python.eager import tape as tf_tape
 from tensorflow.python.framework import composite_tensor_gradient
+from tensorflow.python.autograph.impl import api as autograph_api
+from tensorflow.python.autograph.pyct import error_utils
+from tensorflow.python.autograph.pyct import errors as pyct_errors
+from tensorflow.python.framework import errors_impl
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor_shape
 from tensorflow.python.ops import array_ops
@@ -316,8 +320,9 @@ class GradientTape:
                     "GradientTape must be created with persistent=True"
                     " to compute the jacobian with eager execution enabled and "
                     "with  experimental_use_pfor set to False.")
-            rows = self._gradient_rows(target, flat_sources,
-                                       unconnected_gradients, batch=False)
+            with _errors_as_traced(experimental_use_pfor):
+                rows = self._gradient_rows(target, flat_sources,
+                                           unconnected_gradients, batch=False)
             output = [None if r is None else array_ops.reshape(
                 r, target.shape.concatenate(s.shape))
                       for r, s in zip(rows, flat_sources)]
@@ -390,8 +395,9 @@ class GradientTape:
                     "GradientTape must be created with persistent=True"
                     " to compute the batch_jacobian with eager execution "
                     "enabled and  with experimental_use_pfor set to False.")
-            [rows] = self._gradient_rows(target, [source],
-                                         unconnected_gradients, batch=True)
+            with _errors_as_traced(experimental_use_pfor):
+                [rows] = self._gradient_rows(target, [source],
+                                             unconnected_gradients, batch=True)
             if rows is None:
                 return array_ops.zeros(
                     target_shape.concatenate(source.shape[1:]), target.dtype)
@@ -399,8 +405,9 @@ class GradientTape:
         if loop:
             # fasttape extension: a nest of sources (TF takes one tensor).
             flat = nest.flatten(source)
-            rows = self._gradient_rows(target, flat, unconnected_gradients,
-                                       batch=True)
+            with _errors_as_traced(experimental_use_pfor):
+                rows = self._gradient_rows(target, flat, unconnected_gradients,
+                                           batch=True)
             return nest.pack_sequence_as(source, rows)
         if target_shape.is_fully_defined():
             batch_size = int(target_shape[0])
@@ -465,6 +472,31 @@ def _pfor(loop_fn, n, parallel_iterations, what):
 
 
 _LOOP_MAX_ROWS = 1024
+
+# Exception types that AutoGraph re-raises as themselves from a traced
+# function (api._ErrorMetadata.create_exception); it turns any other into a
+# StagingError.
+_TRACE_KEEPS = (error_utils.KNOWN_STRING_CONSTRUCTOR_ERRORS + (
+    KeyError, errors_impl.OpError, pyct_errors.PyCTError,
+    autograph_api.StagingError, errors_impl.InaccessibleTensorError,
+    errors_impl.OperatorNotAllowedInGraphError))
+
+
+@tf_contextlib.contextmanager
+def _errors_as_traced(pfor):
+    """Eager jacobians with pfor run in TF inside a traced tf.function;
+    fasttape's row loop does not trace. Raise what the trace would: e.g.
+    the LookupError of a missing second-order gradient is TF's StagingError
+    there (without pfor TF raises the LookupError, as fasttape does)."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - re-raised, maybe retyped
+        kind = type(err)
+        if (not pfor or isinstance(err, _TRACE_KEEPS)
+                or kind.__init__ is Exception.__init__):
+            raise
+        raise autograph_api.StagingError(
+            f"in user code:\n\n\n    {kind.__name__}: {err}\n") from err
 
 
 def _source_dtype(source):
