@@ -464,3 +464,33 @@ def test_missing_second_order_gradient_error(method, pfor, in_function):
             tf.reshape(tf.linspace(0.1, 1., 4), [2, 2]))
 
     _assert_same_error(case, "gradient registry has no entry for: SoftsignGrad")
+
+
+class _PlainError(Exception):
+    pass
+
+
+@pytest.mark.parametrize("pfor", [True, False], ids=["pfor", "loop"])
+@pytest.mark.parametrize("error", [ZeroDivisionError, IndexError, ValueError,
+                                   _PlainError, tf.errors.InvalidArgumentError])
+def test_grad_fn_error_type_under_eager_jacobian(error, pfor):
+    """AutoGraph keeps some exception types (ValueError, OpErrors, plain
+    Exception subclasses) and turns the others into StagingError: the same
+    types from fasttape's untraced eager row loop."""
+    def case(Tape):
+        @tf.custom_gradient
+        def f(a):
+            def grad(dy):
+                if error is tf.errors.InvalidArgumentError:
+                    raise error(None, None, "grad_fn failed")
+                raise error("grad_fn failed")
+            return a * 2.0, grad
+
+        x = tf.constant([1.0, 2.0])
+        with Tape(persistent=True) as t:
+            t.watch(x)
+            y = f(x)
+        return t.jacobian(y, x, experimental_use_pfor=pfor)
+
+    _assert_same_error(case, "while vectorizing the jacobian" if (
+        pfor and error is ValueError) else "grad_fn failed")

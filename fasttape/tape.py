@@ -320,7 +320,7 @@ class GradientTape:
                     "GradientTape must be created with persistent=True"
                     " to compute the jacobian with eager execution enabled and "
                     "with  experimental_use_pfor set to False.")
-            with _errors_as_traced(experimental_use_pfor):
+            with _errors_as_traced(experimental_use_pfor, "jacobian"):
                 rows = self._gradient_rows(target, flat_sources,
                                            unconnected_gradients, batch=False)
             output = [None if r is None else array_ops.reshape(
@@ -395,7 +395,7 @@ class GradientTape:
                     "GradientTape must be created with persistent=True"
                     " to compute the batch_jacobian with eager execution "
                     "enabled and  with experimental_use_pfor set to False.")
-            with _errors_as_traced(experimental_use_pfor):
+            with _errors_as_traced(experimental_use_pfor, "batch_jacobian"):
                 [rows] = self._gradient_rows(target, [source],
                                              unconnected_gradients, batch=True)
             if rows is None:
@@ -405,7 +405,7 @@ class GradientTape:
         if loop:
             # fasttape extension: a nest of sources (TF takes one tensor).
             flat = nest.flatten(source)
-            with _errors_as_traced(experimental_use_pfor):
+            with _errors_as_traced(experimental_use_pfor, "batch_jacobian"):
                 rows = self._gradient_rows(target, flat, unconnected_gradients,
                                            batch=True)
             return nest.pack_sequence_as(source, rows)
@@ -461,14 +461,18 @@ class GradientTape:
         return array_ops.reshape(output, new_shape)
 
 
+def _vectorizing_error(what):
+    return ValueError(
+        f"Encountered an exception while vectorizing the {what} "
+        "computation. Vectorization can be disabled by setting "
+        "experimental_use_pfor to False.")
+
+
 def _pfor(loop_fn, n, parallel_iterations, what):
     try:
         return pfor_ops.pfor(loop_fn, n, parallel_iterations=parallel_iterations)
     except ValueError as err:
-        raise ValueError(
-            f"Encountered an exception while vectorizing the {what} "
-            "computation. Vectorization can be disabled by setting "
-            "experimental_use_pfor to False.") from err
+        raise _vectorizing_error(what) from err
 
 
 _LOOP_MAX_ROWS = 1024
@@ -483,16 +487,21 @@ _TRACE_KEEPS = (error_utils.KNOWN_STRING_CONSTRUCTOR_ERRORS + (
 
 
 @tf_contextlib.contextmanager
-def _errors_as_traced(pfor):
+def _errors_as_traced(pfor, what):
     """Eager jacobians with pfor run in TF inside a traced tf.function;
     fasttape's row loop does not trace. Raise what the trace would: e.g.
     the LookupError of a missing second-order gradient is TF's StagingError
-    there (without pfor TF raises the LookupError, as fasttape does)."""
+    there (without pfor TF raises the LookupError, as fasttape does), and a
+    ValueError is pfor's "while vectorizing" one (_pfor)."""
     try:
         yield
     except Exception as err:  # noqa: BLE001 - re-raised, maybe retyped
         kind = type(err)
-        if (not pfor or isinstance(err, _TRACE_KEEPS)
+        if not pfor:
+            raise
+        if isinstance(err, ValueError):
+            raise _vectorizing_error(what) from err
+        if (isinstance(err, _TRACE_KEEPS)
                 or kind.__init__ is Exception.__init__):
             raise
         raise autograph_api.StagingError(
