@@ -423,6 +423,23 @@ def test_batch_jacobian_loop_source_dtype_differs_tf_wrong(in_function):
     fd.tf_wrong_here(case, oracle, tf_raises=tf.errors.InvalidArgumentError)
 
 
+
+@pytest.mark.parametrize("pfor", [True, False], ids=["pfor", "loop"])
+def test_jacobian_variable_and_handle_sources_in_function(pfor):
+    """Row dtypes from a Variable and from its resource handle (the dtype in
+    its handle data): the same values as TF."""
+    def case(Tape):
+        v = tf.Variable([1., 2.])
+
+        @tf.function
+        def f():
+            with Tape(persistent=True) as t:
+                y = v * v * 3.
+            return t.jacobian(y, [v, v.handle], experimental_use_pfor=pfor)
+        return f()
+
+    harness.assert_parity(case, allow_tf_error=False)
+
 # -- issue 14 item 5: more or fewer output_gradients than targets -------------
 
 def _two_targets(Tape, seeds):

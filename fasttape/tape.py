@@ -14,6 +14,7 @@ from tensorflow.python.framework import composite_tensor_gradient
 from tensorflow.python.autograph.impl import api as autograph_api
 from tensorflow.python.autograph.pyct import error_utils
 from tensorflow.python.autograph.pyct import errors as pyct_errors
+from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import errors_impl
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor_shape
@@ -355,8 +356,8 @@ class GradientTape:
             # target's, and its TensorArray then fails for a float32 source
             # of a float64 target, or an int source).
             output = pfor_ops.for_loop(
-                loop_fn, [_source_dtype(s) for s in flat_sources], target_size,
-                parallel_iterations=parallel_iterations)
+                loop_fn, [_source_dtype(s, target.dtype) for s in flat_sources],
+                target_size, parallel_iterations=parallel_iterations)
 
         for i, out in enumerate(output):
             if out is not None:
@@ -450,9 +451,9 @@ class GradientTape:
                     "GradientTape must be created with persistent=True"
                     " to compute the batch_jacobian with eager execution "
                     "enabled and  with experimental_use_pfor set to False.")
-            output = pfor_ops.for_loop(loop_fn, _source_dtype(source),
-                                       target_row_size,
-                                       parallel_iterations=parallel_iterations)
+            output = pfor_ops.for_loop(
+                loop_fn, _source_dtype(source, target.dtype), target_row_size,
+                parallel_iterations=parallel_iterations)
         new_shape = array_ops.concat([target_shape, source_shape[1:]], axis=0)
         if output is None:
             return array_ops.zeros(new_shape, target.dtype)
@@ -508,13 +509,18 @@ def _errors_as_traced(pfor, what):
             f"in user code:\n\n\n    {kind.__name__}: {err}\n") from err
 
 
-def _source_dtype(source):
-    """The dtype of a gradient with respect to ``source``."""
+def _source_dtype(source, target_dtype):
+    """The dtype of a gradient with respect to ``source`` (TF's choice, the
+    target's, where a resource handle carries no dtype)."""
     dtype = getattr(source, "dtype", None)
     if dtype is None:   # TF's error for a non-tensor source
         backprop_util.IsTrainable(source)
-    return default_gradient.get_zeros_dtype(source) if dtype == "resource" \
-        else dtype.base_dtype
+    if dtype == dtypes.resource:
+        try:
+            return dtypes.as_dtype(default_gradient.get_zeros_dtype(source))
+        except ValueError:
+            return target_dtype
+    return dtype.base_dtype
 
 
 def _use_loop(target, batch=False):
