@@ -103,6 +103,25 @@ def test_outer_tape_sees_jacobian_issue_case():
 
 
 
+def test_outer_tape_sees_tiled_pfor_jacobian():
+    """pfor with parallel_iterations tiles its loop (a while_loop of pfors):
+    those ops too are seen by the outer tape."""
+    def case(Tape):
+        @tf.function
+        def f(x):
+            with Tape() as g:
+                g.watch(x)
+                with Tape(persistent=True) as gg:
+                    gg.watch(x)
+                    y = tf.sin(x) * x
+                j = gg.jacobian(y, x, parallel_iterations=2)
+                s = tf.reduce_sum(j * tf.reshape(tf.range(25.), [5, 5]))
+            return g.gradient(s, x)
+        return f(tf.constant([0.1, 0.5, 1.0, 1.5, 2.0]))
+
+    out = harness.assert_parity(case, allow_tf_error=False)
+    assert out is not None
+
 @pytest.mark.parametrize("in_function", [True, False], ids=["function", "eager"])
 @pytest.mark.parametrize("pfor", [True, False], ids=["pfor", "loop"])
 @pytest.mark.parametrize("method", ["jacobian", "batch_jacobian"])
