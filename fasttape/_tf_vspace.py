@@ -129,7 +129,10 @@ class TFVSpace(VSpace):
                 return None
             if t.dtype == _RESOURCE:
                 if value == 0:
-                    return default_gradient.zeros_like(t)
+                    # As TF's PyTapeTensor::ZerosLike: gradient functions of
+                    # ops that return resources accept None (a handle
+                    # without handle data has no zeros to make).
+                    return None
                 return default_gradient.ones_like(t)
             return (array_ops.zeros_like(t) if value == 0
                     else array_ops.ones_like(t))
