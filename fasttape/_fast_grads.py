@@ -57,6 +57,12 @@ def _const(value, dtype):
     return c
 
 
+def clear_caches():
+    """Drop the cached constants (eager tensors) and reduction axes."""
+    _const_cache.clear()
+    _grad_axes_cache.clear()
+
+
 def _attr(op, name):
     attrs = op.attrs
     for i in range(0, len(attrs), 2):
