@@ -18,6 +18,7 @@ from tensorflow.python.framework import test_util
 import fasttape
 from fasttape import _compiled
 from fasttape import _fast_grads
+from fasttape import _recording
 from harness import Raised, assert_same, run_case
 from test_fast_grads import CASES, _op_type
 
@@ -334,7 +335,8 @@ def test_many_large_targets_keep_no_more_than_tf(mode, offset):
 
 
 def test_small_ones_and_zeros_still_cached_and_cleared():
-    vspace = fasttape._recording.VSPACE  # pylint: disable=protected-access
+    _recording.install()    # as the first tape does
+    vspace = _recording.VSPACE
     meta = ((3, 2), tf.float32.as_datatype_enum)
     assert vspace.ones_like(meta) is vspace.ones_like(meta)
     assert vspace.zeros_like(meta) is vspace.zeros_like(meta)
@@ -351,7 +353,7 @@ def test_small_ones_and_zeros_still_cached_and_cleared():
 
 
 def test_ones_cache_is_bounded_in_entries():
-    vspace = fasttape._recording.VSPACE  # pylint: disable=protected-access
+    vspace = _recording.VSPACE
     fasttape.clear_caches()
     for i in range(300):
         vspace.ones_like(((i + 1,), tf.float32.as_datatype_enum))
@@ -370,8 +372,30 @@ def test_clear_caches_empties_every_fasttape_cache():
         fasttape.clear_caches()
         assert not _compiled.CACHE.compiled
         assert not _fast_grads._const_cache  # pylint: disable=protected-access
-        assert not fasttape._recording.VSPACE._ones_cache._data  # pylint: disable=protected-access
+        assert not _recording.VSPACE._ones_cache._data  # pylint: disable=protected-access
     assert "clear_caches" in fasttape.__all__
+
+
+def test_context_clear_caches_empties_fasttape_through_its_hook(monkeypatch):
+    """context._clear_caches() empties fasttape's caches through the
+    _recording hook (without it, the compiled passes would stay)."""
+    with _compiled_mode("always"):
+        def fill():
+            x = tf.constant([1., 2.])
+            with fasttape.GradientTape() as t:
+                t.watch(x)
+                y = tf.sin(x) * x
+            t.gradient(y, x)
+            assert _compiled.CACHE.compiled
+        fill()
+        assert context.Context._clear_caches is _recording._wrapped_clear_caches  # pylint: disable=protected-access
+        with monkeypatch.context() as mp:
+            mp.setattr(context.Context, "_clear_caches",
+                       _recording._originals["_clear_caches"])  # pylint: disable=protected-access
+            context.context()._clear_caches()  # pylint: disable=protected-access
+            assert _compiled.CACHE.compiled
+        context.context()._clear_caches()  # pylint: disable=protected-access
+        assert not _compiled.CACHE.compiled
 
 
 # -- fault 6: TF's leak decorators ----------------------------------------------------------
