@@ -471,6 +471,9 @@ class LeakDecorators(tf.test.TestCase):  # noqa: D101
 
     def tearDown(self):
         self._mode.__exit__(None, None, None)
+        # assert_no_garbage_created leaves the collector off when it fails.
+        gc.set_debug(0)
+        gc.enable()
         super().tearDown()
 
 
