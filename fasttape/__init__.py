@@ -19,6 +19,7 @@ _LAZY = {
     "profile": ("fasttape.profiler", "profile"),
     "hvp": ("fasttape.functional", "hvp"),
     "hessian": ("fasttape.functional", "hessian"),
+    "clear_caches": ("fasttape._recording", "clear_caches"),
 }
 
 __all__ = sorted(_LAZY)

@@ -227,7 +227,7 @@ def _spec(t):
 
 
 def _build(core, entries, feeds, target_ids, source_ids, sources_that_are_targets,
-           output_gradients, target_meta):
+           output_gradients, target_meta, all_watched):
     """Trace the pass into a graph function; None if it cannot be."""
     given = [] if output_gradients is None else [
         g for g in output_gradients if g is not None]
@@ -250,7 +250,8 @@ def _build(core, entries, feeds, target_ids, source_ids, sources_that_are_target
             None if g is None else next(args) for g in output_gradients]
         grads = core.compute_gradient(
             _BuildVSpace(stand_ins), target_ids, source_ids,
-            sources_that_are_targets, ogs, True, True, target_meta)
+            sources_that_are_targets, ogs, True, True, target_meta,
+            all_watched)
         flat, kinds = _flatten(grads)
         kinds_box.append(kinds)
         return flat
@@ -323,7 +324,8 @@ def _skipped(eager_pass):
 
 
 def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
-             output_gradients, retain, target_meta, eager_pass):
+             output_gradients, retain, target_meta, eager_pass,
+             all_watched=False):
     """The pass through the cache: the gradients, computed by a compiled
     function when the key allows, else by ``eager_pass()``."""
     cache = CACHE
@@ -331,7 +333,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             or sys.getprofile() is not None or vspace._is_recording()  # pylint: disable=protected-access
             or not context.executing_eagerly()):
         return _skipped(eager_pass)
-    plan = core.plan(target_ids, source_ids)
+    plan = core.plan(target_ids, source_ids, all_watched)
     if plan is None:
         return _skipped(eager_pass)
     code, entries = plan
@@ -353,12 +355,19 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             elif type(g) is not ops.EagerTensor:
                 return _skipped(eager_pass)
             else:
-                og_sig.append((g._datatype_enum(), g._shape_tuple()))  # pylint: disable=protected-access
+                sig = (g._shape_tuple(), g._datatype_enum())  # pylint: disable=protected-access
+                if sig != target_meta[len(og_sig)]:
+                    # A seed that does not fit its target: TF's graph-mode
+                    # gradients (static shapes) treat it unlike the eager
+                    # ones, so such a pass stays eager (and fails, or not,
+                    # as TF's eager pass does).
+                    return _skipped(eager_pass)
+                og_sig.append(sig)
         og_sig = tuple(og_sig)
     # The device scope places the call (as it places eager gradient ops);
     # the function's arguments are placed by where its feeds are.
     # Determinism is read by some gradient functions while they build ops.
-    key = (code, signature, tuple(target_meta), og_sig,
+    key = (code, signature, tuple(target_meta), og_sig, all_watched,
            context.context().device_name, _determinism())
     try:
         compiled = cache.compiled.get(key)
@@ -389,7 +398,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     try:
         compiled = _build(core, entries, feeds, target_ids, source_ids,
                           sources_that_are_targets, output_gradients,
-                          target_meta)
+                          target_meta, all_watched)
         if compiled is None:
             why = "the trace captured an eager tensor"
     except Exception as e:  # pylint: disable=broad-except

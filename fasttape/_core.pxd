@@ -38,7 +38,7 @@ cdef class GradientTapeCore:
     cdef readonly bint consumed         # a non-persistent tape that has computed once
     # The pruning plan() last did, reused once by the pass that follows it
     # (cleared whenever the tape changes).
-    cdef bint pruned_valid
+    cdef bint pruned_valid, pruned_all_watched
     cdef vector[int64_t] pruned_targets, pruned_sources, pruned_ops
     cdef unordered_set[int64_t] pruned_needed
 
@@ -50,11 +50,11 @@ cdef class GradientTapeCore:
     cpdef delete_trace(self, int64_t tensor_id)
     cdef void _prune(self, vector[int64_t]& targets, vector[int64_t]& sources,
                      vector[int64_t]& op_list,
-                     unordered_set[int64_t]& needed) except *
+                     unordered_set[int64_t]& needed, bint all_watched) except *
     cdef list _compute(self, VSpace vspace, vector[int64_t]& targets,
                        vector[int64_t]& sources, dict sources_that_are_targets,
                        output_gradients, bint build_default_zeros, bint keep,
-                       target_meta)
+                       target_meta, bint all_watched)
 
 
 cdef class ForwardAccumulatorCore:

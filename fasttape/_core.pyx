@@ -378,7 +378,7 @@ cdef class GradientTapeCore:
     def compute_gradient(self, VSpace vspace, target_ids, source_ids,
                          sources_that_are_targets=None, output_gradients=None,
                          bint build_default_zeros=True, bint retain=False,
-                         target_meta=None):
+                         target_meta=None, bint all_watched=False):
         """Gradients of the targets w.r.t. each source: a list, None where a
         source is not connected.
 
@@ -390,6 +390,10 @@ cdef class GradientTapeCore:
         target_meta: None, or per target the meta for its ones, used where
         the recorded output_meta entry is None (the framework may skip
         recording metadata that only a target would need).
+        all_watched: run every op between the targets and any watched
+        tensor, as TF's tape does, not only those that lead to a source
+        (so that what TF's gradient functions would raise, on a bad
+        output gradient say, is raised; the results are the same).
         """
         if self.consumed:
             raise RuntimeError(
@@ -409,7 +413,7 @@ cdef class GradientTapeCore:
             return self._compute(vspace, targets, sources,
                                  sources_that_are_targets or {},
                                  output_gradients, build_default_zeros, keep,
-                                 target_meta)
+                                 target_meta, all_watched)
         finally:
             if not keep:
                 self._release_all()
@@ -420,7 +424,7 @@ cdef class GradientTapeCore:
             self.consumed = True
             self._release_all()
 
-    def plan(self, target_ids, source_ids):
+    def plan(self, target_ids, source_ids, bint all_watched=False):
         """What compute_gradient(targets, sources) would run, for callers that
         cache a compiled backward pass: ``(code, entries)``, or None on a
         consumed tape.
@@ -440,7 +444,8 @@ cdef class GradientTapeCore:
         cdef unordered_set[int64_t] needed
         _fill(targets, target_ids)
         _fill(sources, source_ids)
-        self._prune(targets, sources, op_list, needed)
+        self._prune(targets, sources, op_list, needed, all_watched)
+        self.pruned_all_watched = all_watched
         self.pruned_targets = targets
         self.pruned_sources = sources
         self.pruned_ops = op_list
@@ -484,13 +489,14 @@ cdef class GradientTapeCore:
 
     cdef void _prune(self, vector[int64_t]& targets, vector[int64_t]& sources,
                      vector[int64_t]& op_list,
-                     unordered_set[int64_t]& needed) except *:
+                     unordered_set[int64_t]& needed, bint all_watched) except *:
         """Step 1a-1b: the pruned ops in op-id order (op_list) and the tensors
         whose gradient matters (needed)."""
         if self.pruned_valid:
             # plan() just pruned for this pass: take its result, once.
             self.pruned_valid = False
-            if targets == self.pruned_targets and sources == self.pruned_sources:
+            if (targets == self.pruned_targets and sources == self.pruned_sources
+                    and all_watched == self.pruned_all_watched):
                 op_list.swap(self.pruned_ops)
                 needed.swap(self.pruned_needed)
                 return
@@ -536,6 +542,13 @@ cdef class GradientTapeCore:
             if self.tensor_tape.count(tid) and needed.count(tid) == 0:
                 needed.insert(tid)
                 tensor_stack.push_back(tid)
+        if all_watched:
+            it = self.tensor_tape.begin()
+            while it != self.tensor_tape.end():
+                if deref(it).second == -1 and needed.count(deref(it).first) == 0:
+                    needed.insert(deref(it).first)
+                    tensor_stack.push_back(deref(it).first)
+                inc(it)
         while not tensor_stack.empty():
             tid = tensor_stack.back()
             tensor_stack.pop_back()
@@ -560,7 +573,7 @@ cdef class GradientTapeCore:
     cdef list _compute(self, VSpace vspace, vector[int64_t]& targets,
                        vector[int64_t]& sources, dict sources_that_are_targets,
                        output_gradients, bint build_default_zeros, bint keep,
-                       target_meta):
+                       target_meta, bint all_watched):
         cdef unordered_set[int64_t] sources_set
         cdef int64_t tid, op_id, producer, n_ops = self.next_op_id
         cdef size_t i
@@ -570,7 +583,7 @@ cdef class GradientTapeCore:
             sources_set.insert(tid)
         cdef vector[int64_t] op_list
         cdef unordered_set[int64_t] needed  # tensors whose gradient matters
-        self._prune(targets, sources, op_list, needed)
+        self._prune(targets, sources, op_list, needed, all_watched)
         cdef dict ops = {}          # op id -> OpEntry, the pruned ops
         for op_id in op_list:
             ops[op_id] = self.op_tape[op_id]

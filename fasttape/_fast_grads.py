@@ -57,6 +57,12 @@ def _const(value, dtype):
     return c
 
 
+def clear_caches():
+    """Drop the cached constants (eager tensors) and reduction axes."""
+    _const_cache.clear()
+    _grad_axes_cache.clear()
+
+
 def _attr(op, name):
     attrs = op.attrs
     for i in range(0, len(attrs), 2):
@@ -83,27 +89,46 @@ def _add_n(op, g, skip):
 
 # -- elementwise binary, with broadcasting ---------------------------------------
 
-def _reduce_to(g, shape):
-    """Sum a broadcast gradient back to ``shape`` (TF's _ReduceGradientArg,
-    with the reduction axes found from the static shapes instead of a
-    BroadcastGradientArgs kernel)."""
-    gs = _shape(g)
-    if gs == shape:
-        return g
-    rank = len(gs)
-    lead = rank - len(shape)
-    axes = tuple(i for i in range(rank)
-                 if i < lead or (shape[i - lead] == 1 and gs[i] != 1))
+_grad_axes_cache = {}
+
+
+def _grad_axes(sx, sy):
+    """The reduction axes of each input's gradient for a broadcasting binary
+    op with input shapes ``sx`` and ``sy``: TF's BroadcastGradientArgs
+    kernel, run once per pair of shapes (cached as tuples, no tensor). As
+    TF's gradients, they come from the inputs' shapes only, never from the
+    incoming gradient's: a gradient that does not fit fails in Sum or
+    Reshape as it does in TF."""
+    key = (sx, sy)
+    axes = _grad_axes_cache.get(key)
+    if axes is None:
+        rx, ry = _ex("BroadcastGradientArgs", _const(sx, _INT32),
+                     _const(sy, _INT32))
+        axes = (tuple(int(a) for a in rx._numpy()),  # pylint: disable=protected-access
+                tuple(int(a) for a in ry._numpy()))  # pylint: disable=protected-access
+        if len(_grad_axes_cache) > 4096:
+            _grad_axes_cache.clear()
+        _grad_axes_cache[key] = axes
+    return axes
+
+
+def _reduce_to(g, shape, axes):
+    """Sum a broadcast gradient back to ``shape`` (TF's _ReduceGradientArg:
+    Sum over ``axes`` keeping dims, then Reshape; the ops that would not
+    change the tensor are left out)."""
     if axes:
         g = _ex("Sum", g, _const(axes, _INT32), "keep_dims", True)
-    return _ex("Reshape", g, _const(shape, _INT32))
+    if _shape(g) != shape:
+        g = _ex("Reshape", g, _const(shape, _INT32))
+    return g
 
 
 def _binary_shapes(op):
     x, y = op.inputs
     if x is None or y is None:
         raise _NotApplicable
-    return x, y, _shape(x), _shape(y)
+    sx, sy = _shape(x), _shape(y)
+    return x, y, sx, sy, _grad_axes(sx, sy)
 
 
 class _NotApplicable(Exception):
@@ -112,33 +137,33 @@ class _NotApplicable(Exception):
 
 @fast_rule("Add", "AddV2")
 def _add(op, g, skip):
-    x, y, sx, sy = _binary_shapes(op)
-    return [None if 0 in skip else _reduce_to(g[0], sx),
-            None if 1 in skip else _reduce_to(g[0], sy)]
+    x, y, sx, sy, (ax, ay) = _binary_shapes(op)
+    return [None if 0 in skip else _reduce_to(g[0], sx, ax),
+            None if 1 in skip else _reduce_to(g[0], sy, ay)]
 
 
 @fast_rule("Sub")
 def _sub(op, g, skip):
-    x, y, sx, sy = _binary_shapes(op)
-    return [None if 0 in skip else _reduce_to(g[0], sx),
-            None if 1 in skip else _reduce_to(_ex("Neg", g[0]), sy)]
+    x, y, sx, sy, (ax, ay) = _binary_shapes(op)
+    return [None if 0 in skip else _reduce_to(g[0], sx, ax),
+            None if 1 in skip else _reduce_to(_ex("Neg", g[0]), sy, ay)]
 
 
 @fast_rule("Mul")
 def _mul(op, g, skip):
-    x, y, sx, sy = _binary_shapes(op)
-    return [None if 0 in skip else _reduce_to(_ex("Mul", g[0], y), sx),
-            None if 1 in skip else _reduce_to(_ex("Mul", x, g[0]), sy)]
+    x, y, sx, sy, (ax, ay) = _binary_shapes(op)
+    return [None if 0 in skip else _reduce_to(_ex("Mul", g[0], y), sx, ax),
+            None if 1 in skip else _reduce_to(_ex("Mul", x, g[0]), sy, ay)]
 
 
 @fast_rule("RealDiv")
 def _real_div(op, g, skip):
-    x, y, sx, sy = _binary_shapes(op)
-    gx = None if 0 in skip else _reduce_to(_ex("RealDiv", g[0], y), sx)
+    x, y, sx, sy, (ax, ay) = _binary_shapes(op)
+    gx = None if 0 in skip else _reduce_to(_ex("RealDiv", g[0], y), sx, ax)
     gy = None
     if 1 not in skip:
         ratio = _ex("RealDiv", _ex("RealDiv", _ex("Neg", x), y), y)
-        gy = _reduce_to(_ex("Mul", g[0], ratio), sy)
+        gy = _reduce_to(_ex("Mul", g[0], ratio), sy, ay)
     return [gx, gy]
 
 

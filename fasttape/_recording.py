@@ -13,6 +13,8 @@ All of fasttape's changes to TensorFlow live in this module:
     TFE_Py_FastPathExecute`` that reads Variable arguments in Python first (a
     Variable passed straight into a fast-path op is read inside C++, where
     no hook sees it, and its gradient would silently be None);
+  - a wrapper of ``context.Context._clear_caches`` that also empties
+    fasttape's caches (``clear_caches``), as TF's leak checkers expect;
   - the drop-in swap of TF's classes (``swap_classes``/``restore_classes``).
 ``install()`` puts the hooks in, ``uninstall()`` takes every one out.
 
@@ -40,7 +42,9 @@ from tensorflow.python.ops import gradients_util
 from tensorflow.python.ops.parallel_for import pfor as pfor_lib
 
 from fasttape import _callback
+from fasttape import _compiled
 from fasttape import _core
+from fasttape import _fast_grads
 from fasttape._tf_vspace import TFVSpace
 
 
@@ -347,6 +351,22 @@ def _wrapped_remove_op_callback(op_callback):
         _ensure_callbacks_armed()
 
 
+def clear_caches():
+    """Empty every fasttape cache that holds tensors or traced functions:
+    the ones of the vspace, the fast rules' constants and the
+    compiled-backward passes (and what they remember about keys seen).
+    ``context.context()._clear_caches()`` calls it too (while fasttape is
+    installed), as TF's own zeros cache is emptied there."""
+    VSPACE.clear_caches()
+    _fast_grads.clear_caches()
+    _compiled.CACHE.clear()
+
+
+def _wrapped_clear_caches(self):
+    _originals["_clear_caches"](self)
+    clear_caches()
+
+
 _HOOKS = (
     (record, "record_operation", _wrapped_record_operation),
     (record, "record_operation_backprop_only",
@@ -361,6 +381,7 @@ _HOOKS = (
     (tf_tape, "variables_accessed", _wrapped_variables_accessed),
     (op_callbacks, "remove_op_callback", _wrapped_remove_op_callback),
     (pfor_lib, "_create_op", _wrapped_pfor_create_op),
+    (context.Context, "_clear_caches", _wrapped_clear_caches),
 )
 
 # AutoGraph must not try to convert fasttape's own (partly compiled) code

@@ -55,6 +55,8 @@ _STRING = dtypes.string
 # -- the vspace ---------------------------------------------------------------
 
 _MockOp = backprop._MockOp  # pylint: disable=protected-access
+_tf_zeros = backprop._zeros  # pylint: disable=protected-access
+_fast_fill = backprop._fast_fill  # pylint: disable=protected-access
 
 
 _named = {}
@@ -87,7 +89,7 @@ class TFVSpace(VSpace):
 
     def __init__(self, is_recording=_never_recording):
         super().__init__(NONE_OK_INDICES)
-        self._fill_cache = {}
+        self._ones_cache = context._EagerTensorCache()  # pylint: disable=protected-access
         self._is_recording = is_recording
         self.use_fast_rules = True
         self.profile_stats = None  # op_type -> [count, seconds], see profiler
@@ -130,7 +132,10 @@ class TFVSpace(VSpace):
                 return None
             if t.dtype == _RESOURCE:
                 if value == 0:
-                    return default_gradient.zeros_like(t)
+                    # As TF's PyTapeTensor::ZerosLike: gradient functions of
+                    # ops that return resources accept None (a handle
+                    # without handle data has no zeros to make).
+                    return None
                 return default_gradient.ones_like(t)
             return (array_ops.zeros_like(t) if value == 0
                     else array_ops.ones_like(t))
@@ -140,23 +145,33 @@ class TFVSpace(VSpace):
         dtype = dtypes.as_dtype(dtype)
         if dtype == _STRING or (dtype == _RESOURCE and value == 0):
             return None
+        if value == 0 and cache:
+            # TF's own zeros (backprop._zeros): cached in the context's
+            # zeros cache (at most 256 entries of up to 10,000 elements),
+            # which context._clear_caches() empties.
+            return _tf_zeros(shape, dtype)
         if dtype.is_bool:
             value = bool(value)
         if not context.executing_eagerly():
             # Backprop traced inside a graph (jacobian's pfor, tf.function).
             return array_ops.fill(shape, array_ops.constant(value, dtype))
-        key = (shape, dtype, context.context().device_name, value)
-        cached = self._fill_cache.get(key) if cache else None
-        if cached is not None:
-            return cached
-        result = array_ops.fill(
-            array_ops.constant(shape, dtypes.int32),
-            array_ops.constant(value, dtype))
-        if cache:
-            if len(self._fill_cache) > 512:
-                self._fill_cache.clear()
-            self._fill_cache[key] = result
-        return result
+        if not cache:
+            return _fast_fill(value, shape, dtype)
+        # Ones (the initial gradient of every target): TF makes them afresh
+        # each time; fasttape keeps them within the bounds of TF's zeros
+        # cache (an _EagerTensorCache: 256 entries, 10,000 elements each),
+        # emptied by context._clear_caches() and fasttape.clear_caches().
+        key = (shape, dtype, context.context().device_name)
+        ones = self._ones_cache
+        cached = ones.get(key)
+        if cached is None:
+            cached = _fast_fill(value, shape, dtype)
+            ones.put(key, cached)
+        return cached
+
+    def clear_caches(self):
+        """Drop every cached tensor (the ones)."""
+        self._ones_cache.flush()
 
     def ones_like(self, meta):
         return self._fill(meta, 1)

@@ -49,8 +49,15 @@ def _unconnected(value):
 
 
 def compute(tape_state, flat_targets, flat_sources, output_gradients,
-            flat_sources_raw, unconnected_gradients, retain=False):
-    """Run the core's backward pass for flat lists of tensors."""
+            flat_sources_raw, unconnected_gradients, retain=False,
+            all_watched=False):
+    """Run the core's backward pass for flat lists of tensors.
+
+    all_watched: run the backward function of every op between the targets
+    and any watched tensor, as TF's tape does, not only of those that lead
+    to a source. Given for output_gradients from the user: TF's gradient
+    functions then check them (a seed of the wrong dtype or shape fails
+    there even when no source is connected)."""
     unconnected_gradients = _unconnected(unconnected_gradients)
     target_ids = [t._id for t in flat_targets]  # pylint: disable=protected-access
     source_ids = [t._id for t in flat_sources]  # pylint: disable=protected-access
@@ -64,11 +71,11 @@ def compute(tape_state, flat_targets, flat_sources, output_gradients,
     def eager_pass():
         return core.compute_gradient(
             vspace, target_ids, source_ids, sources_that_are_targets,
-            output_gradients, True, retain, target_meta)
+            output_gradients, True, retain, target_meta, all_watched)
 
     grads = _compiled.gradient(core, vspace, target_ids, source_ids,
                                sources_that_are_targets, output_gradients,
-                               retain, target_meta, eager_pass)
+                               retain, target_meta, eager_pass, all_watched)
     if unconnected_gradients == UnconnectedGradients.ZERO:
         grads = [default_gradient.zeros_like(flat_sources_raw[i])
                  if g is None else g for i, g in enumerate(grads)]
@@ -234,9 +241,11 @@ class GradientTape:
             # Consumed even if the backward pass raises, as in TF.
             self._watched_variables = tape_state.watched_variables()
             self._tape = None
-        flat_grad = compute(tape_state, flat_targets, flat_sources,
-                            output_gradients, flat_sources_raw,
-                            unconnected_gradients)
+        flat_grad = compute(
+            tape_state, flat_targets, flat_sources, output_gradients,
+            flat_sources_raw, unconnected_gradients,
+            all_watched=output_gradients is not None and any(
+                g is not None for g in output_gradients))
         if plain_sources is not None:
             cls = type(sources)
             if cls is list:
