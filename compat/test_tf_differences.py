@@ -207,3 +207,31 @@ def test_custom_gradient_with_a_tape_inside_its_grad_fn():
     oracle = [fd.jvp_oracle(lambda v: v ** 3, [x0], [t0])]
     tf_result, _ = fd.tf_wrong_here(case, oracle)
     assert tf_result == [None]
+
+
+def test_reverse_over_forward_of_a_while_loop_inside_tf_function():
+    """Tape and accumulator both inside a tf.function, a while_loop between
+    them: TF's gradient of the JVP is None."""
+    def np_f(x):
+        y = x
+        for _ in range(3):
+            y = np.sin(y) * x
+        return y
+    oracle = fd.vjp_oracle(
+        lambda x: fd.jvp_oracle(np_f, [x], [np.ones(())], eps=1e-5),
+        [np.array(2.0)], eps=1e-4)
+
+    def case(FA, GT):
+        @tf.function
+        def f(x):
+            with GT() as tape:
+                tape.watch(x)
+                with FA(x, tf.ones_like(x)) as acc:
+                    _, y = tf.while_loop(
+                        lambda i, y: i < 3,
+                        lambda i, y: (i + 1, tf.sin(y) * x), [0, x])
+                jv = acc.jvp(y)
+            return [tape.gradient(jv, x)]
+        return f(tf.constant(2.0, tf.float64))
+    tf_result, _ = fd.tf_wrong_here(case, oracle)
+    assert tf_result == [None]
