@@ -10,12 +10,14 @@ one module that patches TF.
 """
 
 import gc as _gc
+import itertools
 import threading
 
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.eager import context
 from tensorflow.python.eager import tape as tf_tape
+from tensorflow.python.framework import errors_impl
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops
 
@@ -38,6 +40,9 @@ cdef frozenset _TRAINABLE = frozenset({19, 14, 1, 2, 8, 18, 20})
 cdef int _RESOURCE = 20
 cdef int _VARIANT = 21
 NO_LIMIT = 1 << 62
+# Tapes and accumulators are numbered in the order they are pushed (see
+# _recording._push).
+nesting_ids = itertools.count()
 
 EAGER_OP = 0
 GRAPH_OP = 1
@@ -134,7 +139,13 @@ class State(threading.local):
         self.in_callback = False   # re-entry guard
         self.callback_added = False   # this thread uses fasttape's op callback
         self.callback_list = None     # ...through this TF callback list
+        # While an accumulator computes a JVP: only tapes older than it
+        # (nesting id < nesting_limit), accumulators not younger (<=), and
+        # whatever is pushed during the computation (nesting id >
+        # nesting_floor, e.g. the GradientTape inside TF's own
+        # _FusedBatchNormGradGrad once patch() is on) see the ops it runs.
         self.nesting_limit = NO_LIMIT
+        self.nesting_floor = NO_LIMIT
 
 
 state = State()
@@ -233,7 +244,8 @@ cdef int _record(st, op_type, inputs, outputs, int kind, attrs, backward,
     if to_tapes:
         for tp in <list>st.tapes:
             ts = <TapeState>tp
-            if ts.nesting_id < limit and ts.core.should_record(ids, None):
+            if (ts.nesting_id < limit or ts.nesting_id > st.nesting_floor) \
+                    and ts.core.should_record(ids, None):
                 if tapes is None:
                     tapes = [ts]
                 else:
@@ -243,7 +255,8 @@ cdef int _record(st, op_type, inputs, outputs, int kind, attrs, backward,
             [is_trainable(t) for t in outputs]):
         # (TF's accumulators skip ops with no differentiable output.)
         for a in acc_list:
-            if a.nesting_id <= limit and (<ForwardAccumulatorCore>a.core).should_record(ids, None):
+            if (a.nesting_id <= limit or a.nesting_id > st.nesting_floor) \
+                    and (<ForwardAccumulatorCore>a.core).should_record(ids, None):
                 if accs is None:
                     accs = [a]
                 else:
@@ -298,20 +311,47 @@ cdef int _record(st, op_type, inputs, outputs, int kind, attrs, backward,
         # inner tape and by older tapes/accumulators), so lift that here.
         ctx = context.context()
         tf_guard = ctx.invoking_op_callbacks
+        floor = st.nesting_floor
         for acc in accs:
-            # The JVP's own ops are seen by older tapes/accumulators only.
+            # The JVP's own ops are seen by older tapes/accumulators, and by
+            # those pushed while it runs (the ids drawn after this one).
             st.nesting_limit = acc.nesting_id
+            st.nesting_floor = next(nesting_ids)
             st.in_callback = False
             ctx.invoking_op_callbacks = False
             try:
                 if acc.core.accumulate(op_type, ids, in_meta, out_ids, meta,
                                        payload, trainable):
                     acc.track(outputs)
+            except _InvalidArgumentError as exc:
+                _tangent_shape_error(acc, op_type, inputs, exc)
+                raise
             finally:
                 st.nesting_limit = limit
+                st.nesting_floor = floor
                 st.in_callback = guard
                 ctx.invoking_op_callbacks = tf_guard
     return 0
+
+
+cdef object _InvalidArgumentError = errors_impl.InvalidArgumentError
+
+
+cdef _tangent_shape_error(acc, op_type, inputs, exc):
+    """TF computes each eager op's JVP in a traced function, where a tangent
+    whose shape does not fit its primal's fails shape inference: ValueError,
+    when the op runs. fasttape's rules run eagerly (InvalidArgumentError):
+    raise what TF raises."""
+    core = acc.core
+    if core.use_batch:
+        return
+    for t in inputs:
+        tangent = core.fetch_jvp(t._id)
+        if tangent is not None and not t.shape.is_compatible_with(tangent.shape):
+            raise ValueError(
+                f"Tangent of shape {tangent.shape} does not fit its primal "
+                f"of shape {t.shape} in the JVP of {op_type!r}: "
+                f"{exc.message}") from exc
 
 
 def op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):

@@ -100,6 +100,12 @@ cdef class VSpace:
         its value does not matter, it must only be watchable."""
         return self.ones_like(meta)
 
+    def transposable(self, grad):
+        """A gradient the forward fallback transposes, as a plain tensor
+        whose id the inner tape knows (e.g. sparse gradients made dense).
+        Runs while the inner tape records, so its ops are transposed too."""
+        return grad
+
     def unbatch(self, tangent):
         """Split a batched tangent along its first axis (a list)."""
         raise NotImplementedError
@@ -933,6 +939,8 @@ cdef class ForwardAccumulatorCore:
         top[0] = tape
         try:
             grads = vspace.call_backward(op_type, payload, [], list(aids))
+            grads = [None if g is None else vspace.transposable(g)
+                     for g in grads]
         finally:
             top[0] = None
         cdef list targets = [], used = []

@@ -24,7 +24,6 @@ registered by the thread it runs on.
 """
 
 import functools
-import itertools
 import weakref
 import threading as _threading
 import sys
@@ -60,7 +59,7 @@ VSPACE = TFVSpace(_anything_recording)
 # computes a JVP, only older tapes and accumulators see the ops it runs (TF's
 # rule: that is how nested accumulators and tapes give higher orders without
 # a younger one recording its elder's bookkeeping).
-_nesting_ids = itertools.count()
+_nesting_ids = _callback.nesting_ids
 
 _is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 
@@ -278,8 +277,8 @@ def _watching(tensors, accumulators=False):
     flat = [t for t in flat if hasattr(t, "_id")]
     ids = [t._id for t in flat]  # pylint: disable=protected-access
     trainable = [is_trainable(t) for t in flat]
-    limit = st.nesting_limit
-    return [x for x in items if x.nesting_id <= limit
+    limit, floor = st.nesting_limit, st.nesting_floor
+    return [x for x in items if (x.nesting_id <= limit or x.nesting_id > floor)
             and x.core.should_record(ids, trainable)]
 
 
@@ -289,13 +288,21 @@ def _wrapped_should_record_backprop(tensors):
 
 
 def _wrapped_possible_tape_gradient_types(tensors):
+    """As TF's TFE_Py_TapeSetPossibleGradientTypes, over TF's tapes and
+    accumulators and fasttape's together: 0 when none watches ``tensors``,
+    1 for exactly one (a non-persistent tape or an accumulator), else 2.
+    (Answering 2 for a lone accumulator made cond_v2/while_v2 wrap the op in
+    a "cflow_gradient_wrapper" function that TF itself never builds there,
+    whose gradient cond_v2 then cannot resolve.)"""
     theirs = _originals["PossibleTapeGradientTypes"](tensors)
-    watching = _watching(tensors)
-    if _watching(tensors, accumulators=True):
-        return gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER
-    if not watching:
+    if theirs == gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER:
         return theirs
-    if theirs or len(watching) > 1 or watching[0].persistent:
+    tapes = _watching(tensors)
+    accumulators = _watching(tensors, accumulators=True)
+    if not tapes and not accumulators:
+        return theirs
+    if (theirs or len(tapes) + len(accumulators) > 1
+            or any(tp.persistent for tp in tapes)):
         return gradients_util.POSSIBLE_GRADIENT_TYPES_HIGHER_ORDER
     return gradients_util.POSSIBLE_GRADIENT_TYPES_FIRST_ORDER
 

@@ -290,6 +290,13 @@ class TFVSpace(VSpace):
                 else array_ops_stack.stack([r[k] for r in rows])
                 for k in range(len(rows[0]))]
 
+    def transposable(self, grad):
+        # IndexedSlices (a gather's gradient) carry no id of their own: made
+        # dense under the inner tape, as TF's function JVPs do.
+        if isinstance(grad, indexed_slices.IndexedSlices):
+            return ops.convert_to_tensor(grad)
+        return grad
+
     def unbatch(self, tangent):
         return array_ops_stack.unstack(tangent)
 

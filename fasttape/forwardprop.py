@@ -16,6 +16,28 @@ _DUPLICATE = ("Tensor {} was specified as a primal multiple times. This may "
               "corresponding tangents.")
 
 
+def _broadcast_to_primal(tangent, primal):
+    """A tangent whose shape broadcasts to its primal's (a scalar for a
+    vector) stands for the same tangent at every element, as TF's
+    elementwise JVPs treat it (``jvp(x * x) == 2 * x`` for a scalar tangent
+    of 1): it is broadcast once here, so that every op's JVP sees it whole
+    (TF's non-elementwise JVPs raise on it, or silently keep its shape).
+    Any other shape is kept as given: TF does not check it when watching,
+    and an op that cannot use it raises ValueError when it runs."""
+    shape = primal.shape
+    if shape.is_compatible_with(tangent.shape):
+        return tangent
+    try:
+        both = array_ops.broadcast_static_shape(shape, tangent.shape)
+    except ValueError:
+        return tangent
+    if both.rank != shape.rank or not both.is_compatible_with(shape):
+        return tangent
+    target = (shape.as_list() if shape.is_fully_defined()
+              else array_ops.shape(primal))
+    return array_ops.broadcast_to(tangent, target)
+
+
 class ForwardAccumulator:
     """Computes Jacobian-vector products ("JVP"s) using forward-mode autodiff.
 
@@ -25,6 +47,7 @@ class ForwardAccumulator:
     def __init__(self, primals, tangents):
         self._accumulator = _recording.AccumulatorState(use_batch=False)
         self._recording = False
+        self._given = {}
         primal_ids = set()
         for primal in nest.flatten(primals):
             if id(primal) in primal_ids:
@@ -61,14 +84,15 @@ class ForwardAccumulator:
                     logging.WARN, "The dtype of the watched primal must be "
                     "floating (e.g. tf.float32), got %r", 5, primal.dtype)
             tangent = ops.convert_to_tensor(tangent, dtype=primal.dtype)
-            if not self._accumulator.core.use_batch and not (
-                    primal.shape.is_compatible_with(tangent.shape)):
-                raise ValueError(
-                    "Tangent {} was expected to be of shape {} but is instead "
-                    "of shape {}".format(tangent, primal.shape, tangent.shape))
+            given = tangent
+            if not core.use_batch:
+                tangent = _broadcast_to_primal(tangent, primal)
             if hasattr(primal, "handle"):
                 primal = ops.convert_to_tensor(primal.handle)
             core.watch(primal._id, tangent)  # pylint: disable=protected-access
+            if tangent is not given:
+                # jvp(primal) gives back the tangent as given, as TF's does.
+                self._given[primal._id] = (tangent, given)  # pylint: disable=protected-access
 
         nest.map_structure(_watch, primals, tangents)
 
@@ -85,6 +109,9 @@ class ForwardAccumulator:
             else:
                 unwrapped = tensor
             result = core.fetch_jvp(unwrapped._id)  # pylint: disable=protected-access
+            given = self._given.get(unwrapped._id)  # pylint: disable=protected-access
+            if given is not None and result is given[0]:
+                result = given[1]
             if result is None and unconnected_gradients == UnconnectedGradients.ZERO:
                 result = array_ops.zeros_like(tensor)
             return result
@@ -97,6 +124,7 @@ class ForwardAccumulator:
         forward pass pushes every column of a Jacobian at once."""
         acc = super().__new__(cls)
         acc._recording = False
+        acc._given = {}
         acc._accumulator = _recording.AccumulatorState(use_batch=True)
         primal_ids = set()
         for primal, tangent in zip(nest.flatten(primals), nest.flatten(tangents)):

@@ -1,0 +1,237 @@
+"""Where TF is wrong and fasttape right (issue 14, items 1, 2 and 4, and one
+found on the way): each case is judged by float64 central differences
+(``fd.tf_wrong_here``): fasttape must match them, and TF's wrong behaviour is
+asserted too, so that a test fails the day TF is fixed and the README's
+"Where fasttape differs from TF" needs updating.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import fd
+
+# -- item 1: reverse-over-forward through a tf.function --------------------------
+#
+# A tape around an accumulator around a tf.function call, gradient of the JVP:
+# TF's function call records a backward function whose own gradient drops the
+# second-order terms (zeros), or fails to build (a Variable argument). Eager
+# TF (the same body without tf.function) and fasttape agree with finite
+# differences.
+
+_T1 = np.array([-0.028, 2.113])
+
+
+def _reverse_over_forward_oracle(np_f, x0, t0):
+    """d/dx of the directional derivative of sum(2 f(x)) along t0."""
+    def jvp(x):
+        return fd.jvp_oracle(lambda v: np.sum(2. * np_f(v)), [x], [t0], eps=1e-5)
+    return fd.vjp_oracle(jvp, [x0], eps=1e-4)
+
+
+def _reverse_over_forward_case(f, x0, t0, dtype):
+    def case(FA, GT):
+        x = tf.constant(x0, dtype)
+        fn = tf.function(f)
+        with GT() as tape:
+            tape.watch(x)
+            with FA([x], [tf.constant(t0, dtype)]) as acc:
+                y = tf.reduce_sum(tf.cast(fn(x) * 2., tf.float64))
+            jv = acc.jvp(y)
+        return [tape.gradient(jv, x)]
+    return case
+
+
+def _log_softmax(v):
+    return v - np.log(np.sum(np.exp(v)))
+
+
+_RO_F = {
+    # The issue's example (float32 through a cast to float64); TF: zeros.
+    "log_softmax": (lambda x: tf.nn.log_softmax(x, axis=0), _log_softmax,
+                    [0.906, 1.22], _T1, tf.float32),
+    "stack": (lambda x: tf.stack([x * x, tf.sin(x)], axis=1),
+              lambda x: np.stack([x * x, np.sin(x)], axis=1),
+              [0.906, 1.22], _T1, tf.float64),
+    "maximum": (lambda x: tf.maximum(x * x, 1.1), lambda x: np.maximum(x * x, 1.1),
+                [0.906, 1.22], _T1, tf.float64),
+    "slogdet": (lambda x: tf.linalg.slogdet(x)[1],
+                lambda x: np.linalg.slogdet(x)[1],
+                [[1.3, 0.2], [0.4, 0.9]], [[0.3, -0.5], [0.7, 0.1]], tf.float64),
+    "gather": (lambda x: tf.gather(x, [1, 0, 1]) ** 3,
+               lambda x: x[[1, 0, 1]] ** 3, [0.906, 1.22], _T1, tf.float64),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_RO_F))
+def test_reverse_over_forward_through_tf_function(name):
+    f, np_f, x0, t0, dtype = _RO_F[name]
+    x0, t0 = np.asarray(x0, np.float64), np.asarray(t0, np.float64)
+    oracle = _reverse_over_forward_oracle(np_f, x0, t0)
+    tf_result, _ = fd.tf_wrong_here(
+        _reverse_over_forward_case(f, x0, t0, dtype), oracle)
+    # What TF gives instead: zeros (the gather: None).
+    leaf = tf_result[0]
+    assert leaf is None or not np.any(tf.convert_to_tensor(leaf).numpy()), tf_result
+
+
+def test_reverse_over_forward_through_tf_function_body_eagerly_agrees():
+    """The same log_softmax case with the body run eagerly: TF is right there
+    (so the fault is TF's function gradient, not the case)."""
+    f, np_f, x0, t0, dtype = _RO_F["log_softmax"]
+    oracle = _reverse_over_forward_oracle(np_f, np.asarray(x0), t0)
+
+    def case(FA, GT):
+        x = tf.constant(x0, dtype)
+        with GT() as tape:
+            tape.watch(x)
+            with FA([x], [tf.constant(t0, dtype)]) as acc:
+                y = tf.reduce_sum(tf.cast(f(x) * 2., tf.float64))
+            jv = acc.jvp(y)
+        return [tape.gradient(jv, x)]
+    for impl in ("tf", "fasttape"):
+        assert fd.matches(fd.run(case, impl), oracle, 1e-4, 1e-5), impl
+
+
+def test_reverse_over_forward_through_tf_function_with_a_variable_argument():
+    """TF raises ValueError ("variable without handle data")."""
+    v0, t0 = np.array([0.906, 1.22]), _T1
+
+    def np_f(v):
+        return _log_softmax(v * v)
+    oracle = _reverse_over_forward_oracle(np_f, v0, t0)
+
+    def case(FA, GT):
+        v = tf.Variable(v0)
+
+        @tf.function
+        def f(v):
+            return tf.nn.log_softmax(v * v, axis=0)
+        with GT() as tape:
+            with FA([v], [tf.constant(t0)]) as acc:
+                y = tf.reduce_sum(f(v) * 2.)
+            jv = acc.jvp(y)
+        return [tape.gradient(jv, v)]
+    fd.tf_wrong_here(case, oracle, tf_raises=ValueError)
+
+
+# -- item 2: ForwardAccumulator, a Variable passed into a tf.function -----------
+
+def test_accumulator_with_a_variable_passed_into_a_tf_function():
+    """TF raises ValueError ("variable without handle data")."""
+    def case(FA, GT):
+        w = tf.Variable(1.119, dtype=tf.float64)
+
+        @tf.function
+        def f(w):
+            return tf.reshape(w, [1, 1]) * w
+        with FA(w, tf.constant(-0.878, tf.float64)) as acc:
+            y = f(w)
+        return [acc.jvp(y)]
+    oracle = [fd.jvp_oracle(lambda w: np.reshape(w * w, [1, 1]),
+                            [np.array(1.119)], [np.array(-0.878)])]
+    fd.tf_wrong_here(case, oracle, tf_raises=ValueError)
+
+
+def test_accumulator_with_a_variable_passed_into_a_tf_function_issue_form():
+    def case(FA, GT):
+        w = tf.Variable(1.119, dtype=tf.float64)
+
+        @tf.function
+        def f(w):
+            return tf.reshape(w, [1, 1])
+        with FA(w, tf.constant(-0.878, tf.float64)) as acc:
+            y = f(w)
+        return [acc.jvp(y)]
+    fd.tf_wrong_here(case, [np.array([[-0.878]])], tf_raises=ValueError)
+
+
+# -- item 4: forward-over-reverse through softmax_cross_entropy_with_logits -------
+#
+# Labels that depend on x: TF's JVP of the loss's gradient misses the
+# second-order term through the labels (its reverse-over-reverse agrees with
+# its own JVP, so both are wrong the same way).
+
+def _xent_np(x):
+    v = x[np.newaxis]
+    log_p = v - np.log(np.sum(np.exp(v), axis=-1, keepdims=True))
+    labels = np.exp(log_p)
+    return np.sum(-labels * log_p)
+
+
+def test_forward_over_reverse_softmax_cross_entropy_labels_depend_on_x():
+    x0 = np.array([[0.5, -0.3, 1.1]])
+    t0 = np.array([[1.32, -0.599, 0.592]])
+
+    def case(FA, GT):
+        x = tf.constant(x0)
+        with FA(x, tf.constant(t0)) as acc:
+            with GT() as tape:
+                tape.watch(x)
+                v = x[tf.newaxis]
+                loss = tf.reduce_sum(tf.nn.softmax_cross_entropy_with_logits(
+                    labels=tf.nn.softmax(v), logits=v))
+            g = tape.gradient(loss, x)
+        return [acc.jvp(g)]
+
+    def grad_np(x):
+        return fd.vjp_oracle(_xent_np, [x], eps=1e-5)[0]
+    oracle = [fd.jvp_oracle(grad_np, [x0], [t0], eps=1e-4)]
+    fd.tf_wrong_here(case, oracle)
+
+
+# -- found on the way: a custom_gradient whose grad_fn runs its own tape ---------
+
+def test_custom_gradient_with_a_tape_inside_its_grad_fn():
+    """An accumulator through a custom_gradient whose forward it cannot see
+    (stop_gradient) transposes the grad_fn; a grad_fn that computes its
+    gradient with a GradientTape of its own (as TF's _FusedBatchNormGradGrad
+    does) gives TF's accumulator None."""
+    x0, t0 = np.array([1.0, 2.0, -0.5]), np.array([0.3, -1.1, 0.8])
+
+    def case(FA, GT):
+        x = tf.constant(x0)
+
+        @tf.custom_gradient
+        def cube(v):
+            def grad(dy):
+                with GT() as inner:
+                    inner.watch(v)
+                    w = v * v * v
+                return inner.gradient(w, v, output_gradients=dy)
+            return tf.stop_gradient(v * v * v), grad
+
+        with FA(x, tf.constant(t0)) as acc:
+            y = cube(x)
+        return [acc.jvp(y)]
+    oracle = [fd.jvp_oracle(lambda v: v ** 3, [x0], [t0])]
+    tf_result, _ = fd.tf_wrong_here(case, oracle)
+    assert tf_result == [None]
+
+
+def test_reverse_over_forward_of_a_while_loop_inside_tf_function():
+    """Tape and accumulator both inside a tf.function, a while_loop between
+    them: TF's gradient of the JVP is None."""
+    def np_f(x):
+        y = x
+        for _ in range(3):
+            y = np.sin(y) * x
+        return y
+    oracle = fd.vjp_oracle(
+        lambda x: fd.jvp_oracle(np_f, [x], [np.ones(())], eps=1e-5),
+        [np.array(2.0)], eps=1e-4)
+
+    def case(FA, GT):
+        @tf.function
+        def f(x):
+            with GT() as tape:
+                tape.watch(x)
+                with FA(x, tf.ones_like(x)) as acc:
+                    _, y = tf.while_loop(
+                        lambda i, y: i < 3,
+                        lambda i, y: (i + 1, tf.sin(y) * x), [0, x])
+                jv = acc.jvp(y)
+            return [tape.gradient(jv, x)]
+        return f(tf.constant(2.0, tf.float64))
+    tf_result, _ = fd.tf_wrong_here(case, oracle)
+    assert tf_result == [None]
