@@ -282,9 +282,13 @@ cdef int _record(st, op_type, inputs, outputs, int kind, attrs, backward,
             payload = GraphOp(outputs[0].op, n_in)
         else:
             payload = PyBackward(backward, n_in, forward)
+        # Eager outputs: each tape forgets the op once they all die unread
+        # (TF's EagerTensor dealloc calls DeleteTrace). Graph tensors live
+        # as long as their graph, as in TF.
+        objs = outputs if type(outputs[0]) is _EagerTensor else None
         for tp in tapes:
             (<TapeState>tp).core.record_operation(
-                op_type, ids, out_ids, meta, payload, trainable)
+                op_type, ids, out_ids, meta, payload, trainable, objs)
     if accs:
         if kind == EAGER_OP:
             payload = EagerOp(attrs, tuple(inputs) + tuple(outputs), n_in)
