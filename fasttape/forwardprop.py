@@ -69,6 +69,9 @@ class ForwardAccumulator:
             if hasattr(primal, "handle"):
                 primal = ops.convert_to_tensor(primal.handle)
             core.watch(primal._id, tangent)  # pylint: disable=protected-access
+            # As TF's TFE_Py_ForwardAccumulatorWatch: the tangent goes when
+            # the primal dies.
+            self._accumulator.track((primal,))
 
         nest.map_structure(_watch, primals, tangents)
 
