@@ -55,8 +55,7 @@ cdef class GradientTapeCore:
     # core method); the queue is drained into delete_trace where the core
     # is between operations and no backward pass runs.
     cdef PyObject* death_watch    # owned _DeathWatch, or NULL (raw: kept through tp_clear)
-    cdef unordered_map[int64_t, PyObject*] death_refs     # tensor id -> owned weakref
-    cdef unordered_map[intptr_t, int64_t] ref_ids         # weakref address -> tensor id
+    cdef unordered_map[intptr_t, int64_t] ref_ids         # owned weakref (address) -> tensor id
     cdef vector[PyObject*] dead_refs                      # fired, not yet drained
     cdef int busy                                         # >0: in a pass or a drain
 

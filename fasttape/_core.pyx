@@ -34,11 +34,13 @@ import numpy as np
 
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF, Py_XDECREF
-from cpython.weakref cimport PyWeakref_NewRef
 
 cdef extern from "Python.h":
     int PyObject_GC_IsTracked(object)
     void PyObject_GC_UnTrack(void*)
+    void PyErr_Clear()
+    # A new reference, or NULL with an exception set.
+    PyObject* _new_weakref "PyWeakref_NewRef"(PyObject* ob, PyObject* callback)
 
 # Early aggregation thresholds of tape.h: more than this many pending
 # gradients for one tensor, holding more than this many bytes, are summed at
@@ -269,6 +271,8 @@ cdef class GradientTapeCore:
         cdef int64_t op_id = self.next_op_id
         self.next_op_id += 1
         cdef int64_t tid
+        if outputs is not None:
+            self._watch_deaths(entry, outputs)
         for tid in entry.input_ids:
             inc(self.tensor_usage[tid])
         for tid in entry.output_ids:
@@ -276,42 +280,41 @@ cdef class GradientTapeCore:
             self.tensor_usage[tid] = 1
         self.op_tape.append(entry)
         self.live_ops += 1
-        if outputs is not None:
-            self._watch_deaths(entry, outputs)
         return op_id
 
     # -- trace deletion on tensor death --------------------------------------
 
     cdef int _watch_deaths(self, OpEntry entry, outputs) except -1:
+        """A weakref (callback: the tape's _DeathWatch) on each output not
+        yet watched. Called before the outputs' producers are set: an id
+        this tape already records as an op output has its weakref (an id
+        recorded again, as custom_gradient does, must not die twice)."""
         cdef _DeathWatch dw
         if self.death_watch == NULL:
             dw = _DeathWatch.__new__(_DeathWatch)
             dw.core = <PyObject*>self
             Py_INCREF(dw)
             self.death_watch = <PyObject*>dw
-        callback = <object>self.death_watch
-        cdef size_t k = 0, n = entry.output_ids.size()
+        if type(outputs) is not tuple and type(outputs) is not list:
+            outputs = tuple(outputs)
+        cdef Py_ssize_t k, n = entry.output_ids.size()
+        if len(outputs) != n:
+            return 0
         cdef int64_t tid
         cdef PyObject* p
-        if len(outputs) != <Py_ssize_t>n:
-            return 0
-        for obj in outputs:
+        cdef unordered_map[int64_t, int64_t].iterator it
+        for k in range(n):
             tid = entry.output_ids[k]
-            k += 1
-            # One weakref per tensor (an id recorded again, as
-            # custom_gradient does, must not die twice).
-            if self.death_refs.find(tid) != self.death_refs.end():
+            it = self.tensor_tape.find(tid)
+            if it != self.tensor_tape.end() and deref(it).second != -1:
                 continue
-            try:
-                wr = PyWeakref_NewRef(obj, callback)
-            except TypeError:
-                continue  # no weakref: tracked until the tape ends
-            p = <PyObject*>wr
-            Py_INCREF(wr)
-            # (It stays tracked by the garbage collector, although it can be
-            # in no cycle: the collector moves the weakrefs of a dying
-            # cycle's objects through its own lists.)
-            self.death_refs[tid] = p
+            p = _new_weakref(<PyObject*>outputs[k], self.death_watch)
+            if p == NULL:
+                PyErr_Clear()   # takes no weakref: tracked until the tape ends
+                continue
+            # (The weakref stays tracked by the garbage collector although
+            # it can be in no cycle: the collector moves the weakrefs of a
+            # dying cycle's objects through its own lists.)
             self.ref_ids[<intptr_t>p] = tid
         return 0
 
@@ -341,7 +344,6 @@ cdef class GradientTapeCore:
                         continue
                     tid = deref(it).second
                     self.ref_ids.erase(it)
-                    self.death_refs.erase(tid)
                     Py_XDECREF(p)
                     self._delete_trace(tid)
         finally:
@@ -350,12 +352,11 @@ cdef class GradientTapeCore:
 
     cdef void _drop_death_refs(self):
         """Forget every weakref (their tensors' deaths no longer matter)."""
-        cdef unordered_map[int64_t, PyObject*] refs
-        refs.swap(self.death_refs)
-        self.ref_ids.clear()
+        cdef unordered_map[intptr_t, int64_t] refs
+        refs.swap(self.ref_ids)
         self.dead_refs.clear()
         for kv in refs:
-            Py_XDECREF(kv.second)
+            Py_XDECREF(<PyObject*>kv.first)
 
     def collect_deaths(self):
         """Apply the pending tensor deaths now (they are otherwise applied
@@ -367,7 +368,7 @@ cdef class GradientTapeCore:
     @property
     def num_watched_outputs(self):
         """Recorded outputs the tape holds a death weakref on."""
-        return self.death_refs.size()
+        return self.ref_ids.size()
 
     cpdef delete_trace(self, int64_t tensor_id):
         """The framework dropped its last reference to a tensor: forget the
