@@ -229,7 +229,9 @@ cdef class GradientTapeCore:
         delete_trace with its id (tape.h's DeleteTrace, which TF calls when
         an EagerTensor is deallocated): an op whose outputs all died and
         that no recorded op reads is forgotten, with what it saved.
-        Objects that take no weakref are kept track of until the tape ends."""
+        Objects that take no weakref, and None entries (the framework knows
+        the output cannot die first: its op's payload holds it), are kept
+        track of until the tape ends."""
         cdef int64_t op_id
         if self.consumed:
             raise RuntimeError(
@@ -304,11 +306,14 @@ cdef class GradientTapeCore:
         cdef PyObject* p
         cdef unordered_map[int64_t, int64_t].iterator it
         for k in range(n):
+            obj = outputs[k]
+            if obj is None:
+                continue
             tid = entry.output_ids[k]
             it = self.tensor_tape.find(tid)
             if it != self.tensor_tape.end() and deref(it).second != -1:
                 continue
-            p = _new_weakref(<PyObject*>outputs[k], self.death_watch)
+            p = _new_weakref(<PyObject*>obj, self.death_watch)
             if p == NULL:
                 PyErr_Clear()   # takes no weakref: tracked until the tape ends
                 continue
