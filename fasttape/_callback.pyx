@@ -188,12 +188,18 @@ cdef dict _saved_masks = {}
 
 
 cdef tuple _masks(op_type, Py_ssize_t n_in, Py_ssize_t n_out):
-    """Per input and output: does the op's gradient read it? (cached)"""
+    """Per input and output: does the op's gradient read it? And: may the
+    op's entry ever be forgotten when its outputs die? Not when its
+    gradient reads one of them: the payload then keeps that output (so the
+    entry) alive until the tape ends, as TF's backward function does.
+    (cached)"""
     key = (op_type, n_in, n_out)
     masks = _saved_masks.get(key)
     if masks is None:
         saved_in, saved_out = saved_indices(op_type)
-        masks = (_mask(saved_in, n_in), _mask(saved_out, n_out))
+        out_mask = _mask(saved_out, n_out)
+        masks = (_mask(saved_in, n_in), out_mask,
+                 out_mask is not None and True not in out_mask)
         _saved_masks[key] = masks
     return masks
 
@@ -280,9 +286,10 @@ cdef int _record(st, op_type, inputs, outputs, int kind, attrs, backward,
                        else tuple([output_meta(t) for t in outputs]))
     cdef Py_ssize_t n_in = len(inputs)
     payload = None
+    mortal = True
     if tapes:
         if kind == EAGER_OP:
-            in_mask, out_mask = _masks(op_type, n_in, len(outputs))
+            in_mask, out_mask, mortal = _masks(op_type, n_in, len(outputs))
             saved = _keep(inputs, in_mask, outputs, out_mask)
             payload = EagerOp(attrs, saved, n_in)
             # Attrs and tensors only: no reference cycle can pass through
@@ -295,9 +302,14 @@ cdef int _record(st, op_type, inputs, outputs, int kind, attrs, backward,
             payload = GraphOp(outputs[0].op, n_in)
         else:
             payload = PyBackward(backward, n_in, forward)
+        # Eager outputs: each tape forgets the op once they all die unread
+        # (TF's EagerTensor dealloc calls DeleteTrace). Graph tensors live
+        # as long as their graph, as in TF.
+        objs = (outputs if (kind != EAGER_OP or mortal)
+                and type(outputs[0]) is _EagerTensor else None)
         for tp in tapes:
             (<TapeState>tp).core.record_operation(
-                op_type, ids, out_ids, meta, payload, trainable)
+                op_type, ids, out_ids, meta, payload, trainable, objs)
     if accs:
         if kind == EAGER_OP:
             payload = EagerOp(attrs, tuple(inputs) + tuple(outputs), n_in)

@@ -10,7 +10,8 @@ Terms, as in TensorFlow's tape.h:
 C++ containers hold integers only; Python objects live in Python containers.
 """
 
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, intptr_t
+from cpython.object cimport PyObject
 from libcpp.vector cimport vector
 from libcpp.unordered_map cimport unordered_map
 from libcpp.unordered_set cimport unordered_set
@@ -28,6 +29,13 @@ cdef class OpEntry:
     cdef public object payload          # opaque backward payload; dropped once used (non-persistent)
 
 
+cdef class _DeathWatch:
+    # The weakref callback of a tape's recorded outputs. Points at its tape
+    # without owning it (the tape owns the weakrefs, which own this), and is
+    # cut loose when the tape goes.
+    cdef PyObject* core
+
+
 cdef class GradientTapeCore:
     cdef readonly bint persistent       # keep payloads after compute_gradient
     cdef unordered_map[int64_t, int64_t] tensor_tape  # tensor id -> producing op id (-1: watched)
@@ -41,13 +49,29 @@ cdef class GradientTapeCore:
     cdef bint pruned_valid, pruned_all_watched
     cdef vector[int64_t] pruned_targets, pruned_sources, pruned_ops
     cdef unordered_set[int64_t] pruned_needed
+    # Trace deletion (tape.h's DeleteTrace on tensor death): per recorded
+    # output object, a weakref whose callback only queues it (callbacks fire
+    # on any thread, inside the garbage collector, or in the middle of a
+    # core method); the queue is drained into delete_trace where the core
+    # is between operations and no backward pass runs.
+    cdef PyObject* death_watch    # owned _DeathWatch, or NULL (raw: kept through tp_clear)
+    cdef unordered_map[intptr_t, int64_t] ref_ids         # owned weakref (address) -> tensor id
+    cdef vector[PyObject*] dead_refs                      # fired, not yet drained
+    cdef int busy                                         # >0: in a pass or a drain
 
     cpdef watch(self, int64_t tensor_id)
     cpdef bint is_watched(self, int64_t tensor_id)
     cpdef bint should_record(self, input_ids, trainable=*)
     cpdef int64_t record_operation(self, op_type, input_ids, output_ids,
-                                   tuple output_meta, payload, trainable=*) except -2
+                                   tuple output_meta, payload, trainable=*,
+                                   outputs=*) except -2
     cpdef delete_trace(self, int64_t tensor_id)
+    cdef int _delete_trace(self, int64_t tensor_id) except -1
+    cdef int64_t _append(self, op_type, input_ids, output_ids,
+                         tuple output_meta, payload, outputs) except -2
+    cdef int _watch_deaths(self, OpEntry entry, outputs) except -1
+    cdef int _drain_deaths(self) except -1
+    cdef void _drop_death_refs(self)
     cdef void _prune(self, vector[int64_t]& targets, vector[int64_t]& sources,
                      vector[int64_t]& op_list,
                      unordered_set[int64_t]& needed, bint all_watched) except *

@@ -23,7 +23,7 @@ that float summation order is the same run to run.
 
 cimport cython
 from cython.operator cimport dereference as deref, preincrement as inc
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, intptr_t
 from libcpp cimport bool as cbool
 from libcpp.vector cimport vector
 from libcpp.unordered_map cimport unordered_map
@@ -33,10 +33,14 @@ from libcpp.algorithm cimport sort
 import numpy as np
 
 from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF, Py_XDECREF
 
 cdef extern from "Python.h":
     int PyObject_GC_IsTracked(object)
     void PyObject_GC_UnTrack(void*)
+    void PyErr_Clear()
+    # A new reference, or NULL with an exception set.
+    PyObject* _new_weakref "PyWeakref_NewRef"(PyObject* ob, PyObject* callback)
 
 # Early aggregation thresholds of tape.h: more than this many pending
 # gradients for one tensor, holding more than this many bytes, are summed at
@@ -147,6 +151,25 @@ cdef inline int64_t _number(unordered_map[int64_t, int64_t]& number,
     return n
 
 
+@cython.final
+cdef class _DeathWatch:
+    """The callback of the weakrefs a tape holds on its recorded outputs:
+    queues the dead one on the tape (see GradientTapeCore._drain_deaths).
+    Holds no Python reference, so it can be in no reference cycle."""
+
+    def __call__(self, wr):
+        if self.core == NULL:
+            return
+        cdef GradientTapeCore core = <GradientTapeCore>self.core
+        core.dead_refs.push_back(<PyObject*>wr)
+        if core.busy == 0:
+            # The tape is between operations: forget now, as TF does in the
+            # tensor's dealloc. Otherwise the operation under way drains
+            # the queue when it ends (a backward pass: at the next record,
+            # gradient or inspection).
+            core._drain_deaths()
+
+
 cdef class GradientTapeCore:
     """A reverse-mode tape: what was computed from what, and how to go back.
 
@@ -161,6 +184,17 @@ cdef class GradientTapeCore:
         self.next_op_id = 0
         self.live_ops = 0
         self.consumed = False
+        self.death_watch = NULL
+        self.busy = 0
+
+    def __dealloc__(self):
+        # Cut the callback loose first: the weakrefs dropped below (and the
+        # tensors freed after) must not reach a tape that is going.
+        if self.death_watch != NULL:
+            (<_DeathWatch>self.death_watch).core = NULL
+        self._drop_death_refs()
+        Py_XDECREF(self.death_watch)
+        self.death_watch = NULL
 
     # -- recording ---------------------------------------------------------
 
@@ -191,10 +225,20 @@ cdef class GradientTapeCore:
 
     cpdef int64_t record_operation(self, op_type, input_ids, output_ids,
                                    tuple output_meta, payload,
-                                   trainable=None) except -2:
+                                   trainable=None, outputs=None) except -2:
         """Record one op; returns its op id, or -1 if nothing it reads is
         tracked. A later op that outputs the same id replaces the producer
-        (last writer wins, as custom_gradient needs)."""
+        (last writer wins, as custom_gradient needs).
+
+        outputs: None, or the output objects (one per output id). When
+        given, the tape holds a weakref on each and, once one dies, calls
+        delete_trace with its id (tape.h's DeleteTrace, which TF calls when
+        an EagerTensor is deallocated): an op whose outputs all died and
+        that no recorded op reads is forgotten, with what it saved.
+        Objects that take no weakref, and None entries (the framework knows
+        the output cannot die first: its op's payload holds it), are kept
+        track of until the tape ends."""
+        cdef int64_t op_id
         if self.consumed:
             raise RuntimeError(
                 "This non-persistent tape has already computed its gradients; "
@@ -205,6 +249,20 @@ cdef class GradientTapeCore:
             raise ValueError(
                 f"record_operation({op_type!r}): {len(output_ids)} output ids "
                 f"but {len(output_meta)} output metadata entries")
+        # Busy: a tensor death (a weakref callback, run by the garbage
+        # collector on an allocation below) is queued, not applied mid-way.
+        self.busy += 1
+        try:
+            op_id = self._append(op_type, input_ids, output_ids, output_meta,
+                                 payload, outputs)
+        finally:
+            self.busy -= 1
+        if not self.dead_refs.empty() and self.busy == 0:
+            self._drain_deaths()
+        return op_id
+
+    cdef int64_t _append(self, op_type, input_ids, output_ids,
+                         tuple output_meta, payload, outputs) except -2:
         self.pruned_valid = False
         cdef OpEntry entry = OpEntry.__new__(OpEntry)
         entry.op_type = op_type
@@ -221,6 +279,8 @@ cdef class GradientTapeCore:
         cdef int64_t op_id = self.next_op_id
         self.next_op_id += 1
         cdef int64_t tid
+        if outputs is not None:
+            self._watch_deaths(entry, outputs)
         for tid in entry.input_ids:
             inc(self.tensor_usage[tid])
         for tid in entry.output_ids:
@@ -230,11 +290,112 @@ cdef class GradientTapeCore:
         self.live_ops += 1
         return op_id
 
+    # -- trace deletion on tensor death --------------------------------------
+
+    cdef int _watch_deaths(self, OpEntry entry, outputs) except -1:
+        """A weakref (callback: the tape's _DeathWatch) on each output not
+        yet watched. Called before the outputs' producers are set: an id
+        this tape already records as an op output has its weakref (an id
+        recorded again, as custom_gradient does, must not die twice)."""
+        cdef _DeathWatch dw
+        if self.death_watch == NULL:
+            dw = _DeathWatch.__new__(_DeathWatch)
+            dw.core = <PyObject*>self
+            Py_INCREF(dw)
+            self.death_watch = <PyObject*>dw
+        if type(outputs) is not tuple and type(outputs) is not list:
+            outputs = tuple(outputs)
+        cdef Py_ssize_t k, n = entry.output_ids.size()
+        if len(outputs) != n:
+            return 0
+        cdef int64_t tid
+        cdef PyObject* p
+        cdef unordered_map[int64_t, int64_t].iterator it
+        for k in range(n):
+            obj = outputs[k]
+            if obj is None:
+                continue
+            tid = entry.output_ids[k]
+            it = self.tensor_tape.find(tid)
+            if it != self.tensor_tape.end() and deref(it).second != -1:
+                continue
+            p = _new_weakref(<PyObject*>obj, self.death_watch)
+            if p == NULL:
+                PyErr_Clear()   # takes no weakref: tracked until the tape ends
+                continue
+            # (The weakref stays tracked by the garbage collector although
+            # it can be in no cycle: the collector moves the weakrefs of a
+            # dying cycle's objects through its own lists.)
+            self.ref_ids[<intptr_t>p] = tid
+        return 0
+
+    cdef int _drain_deaths(self) except -1:
+        """delete_trace for every watched output that died since the last
+        drain. Weakref callbacks only queue (they run on any thread, inside
+        the garbage collector, or while this core is mid-operation); the
+        queue is drained here, never during a backward pass. Freeing an op
+        can free saved tensors and queue more deaths: drained until empty."""
+        cdef vector[PyObject*] batch
+        cdef PyObject* p
+        cdef unordered_map[intptr_t, int64_t].iterator it
+        cdef int64_t tid
+        if self.op_tape is None:
+            # Cleared by the garbage collector (the tape is in a dead
+            # cycle): nothing left to forget.
+            self._drop_death_refs()
+            return 0
+        self.busy += 1
+        try:
+            while not self.dead_refs.empty():
+                batch.clear()
+                batch.swap(self.dead_refs)
+                for p in batch:
+                    it = self.ref_ids.find(<intptr_t>p)
+                    if it == self.ref_ids.end():
+                        continue
+                    tid = deref(it).second
+                    self.ref_ids.erase(it)
+                    Py_XDECREF(p)
+                    self._delete_trace(tid)
+        finally:
+            self.busy -= 1
+        return 0
+
+    cdef void _drop_death_refs(self):
+        """Forget every weakref (their tensors' deaths no longer matter)."""
+        cdef unordered_map[intptr_t, int64_t] refs
+        refs.swap(self.ref_ids)
+        self.dead_refs.clear()
+        for kv in refs:
+            Py_XDECREF(<PyObject*>kv.first)
+
+    def collect_deaths(self):
+        """Apply the pending tensor deaths now (they are otherwise applied
+        at the next record, gradient or inspection); a no-op during a
+        backward pass."""
+        if not self.dead_refs.empty() and self.busy == 0:
+            self._drain_deaths()
+
+    @property
+    def num_watched_outputs(self):
+        """Recorded outputs the tape holds a death weakref on."""
+        return self.ref_ids.size()
+
     cpdef delete_trace(self, int64_t tensor_id):
         """The framework dropped its last reference to a tensor: forget the
         ops that no live tensor depends on any more (tape.h's DeleteTrace,
         without recursion)."""
-        self.pruned_valid = False
+        self.busy += 1
+        try:
+            self._delete_trace(tensor_id)
+        finally:
+            self.busy -= 1
+        if not self.dead_refs.empty() and self.busy == 0:
+            self._drain_deaths()
+
+    cdef int _delete_trace(self, int64_t tensor_id) except -1:
+        if self.op_tape is None:
+            return 0  # cleared by the garbage collector
         cdef vector[int64_t] stack
         cdef int64_t tid, op_id, out_id
         cdef unordered_map[int64_t, int64_t].iterator it
@@ -259,6 +420,7 @@ cdef class GradientTapeCore:
             op_id = deref(it).second
             if op_id == -1:
                 continue  # watched tensors stay watched
+            self.pruned_valid = False
             self.tensor_tape.erase(it)
             entry = self.op_tape[op_id]
             if entry is None:
@@ -272,24 +434,29 @@ cdef class GradientTapeCore:
                 continue
             for out_id in entry.input_ids:
                 stack.push_back(out_id)
-            self.op_tape[op_id] = None
             self.live_ops -= 1
+            # May free saved tensors: their deaths are queued (busy).
+            self.op_tape[op_id] = None
+        return 0
 
     # -- inspection --------------------------------------------------------
 
     @property
     def num_ops(self):
         """Ops currently held (recorded and not released)."""
+        self.collect_deaths()
         return self.live_ops
 
     def op(self, int64_t op_id):
         """The OpEntry of an op id, or None once released."""
         if op_id < 0 or op_id >= self.next_op_id:
             raise IndexError(op_id)
+        self.collect_deaths()
         return self.op_tape[op_id]
 
     def producer(self, int64_t tensor_id):
         """Op id that produced a tensor, -1 if only watched, None if unknown."""
+        self.collect_deaths()
         it = self.tensor_tape.find(tensor_id)
         if it == self.tensor_tape.end():
             return None
@@ -302,6 +469,15 @@ cdef class GradientTapeCore:
         op_ids[k], op_type_index[k] (into op_types), input_offsets[k]..
         input_offsets[k+1] slice input_ids, likewise for outputs.
         """
+        self.collect_deaths()
+        self.busy += 1  # no op may go between the count and the copy
+        try:
+            return self._export_trace()
+        finally:
+            self.busy -= 1
+            self.collect_deaths()
+
+    def _export_trace(self):
         cdef Py_ssize_t n = self.live_ops, k = 0, n_in = 0, n_out = 0
         cdef OpEntry entry
         for entry in self.op_tape:
@@ -350,6 +526,8 @@ cdef class GradientTapeCore:
 
     def _release_all(self):
         self.pruned_valid = False
+        # The weakrefs first: the tensors freed below need no delete_trace.
+        self._drop_death_refs()
         self.op_tape = [None] * self.next_op_id
         self.live_ops = 0
         self.tensor_tape.clear()
@@ -413,16 +591,24 @@ cdef class GradientTapeCore:
                 f"{len(output_gradients)} output gradients for "
                 f"{targets.size()} targets")
         cdef bint keep = self.persistent or retain
+        # Deaths so far are applied before the pass; those during it (payloads
+        # released, tensors freed by the backward functions) wait for the
+        # next drain: the pass must see the tape it started with.
+        self.collect_deaths()
         if not keep:
             self.consumed = True
+        self.busy += 1
         try:
             return self._compute(vspace, targets, sources,
                                  sources_that_are_targets or {},
                                  output_gradients, build_default_zeros, keep,
                                  target_meta, all_watched)
         finally:
+            self.busy -= 1
             if not keep:
                 self._release_all()
+            elif not self.dead_refs.empty() and self.busy == 0:
+                self._drain_deaths()
 
     def release(self):
         """End a non-persistent tape kept alive by ``retain=True`` passes."""
@@ -446,6 +632,15 @@ cdef class GradientTapeCore:
         """
         if self.consumed:
             return None
+        self.collect_deaths()
+        self.busy += 1  # no op may go while the pruned entries are read
+        try:
+            return self._plan(target_ids, source_ids)
+        finally:
+            self.busy -= 1
+            self.collect_deaths()
+
+    def _plan(self, target_ids, source_ids):
         cdef vector[int64_t] targets, sources, op_list, code, order
         cdef unordered_set[int64_t] needed
         _fill(targets, target_ids)

@@ -93,6 +93,9 @@ class ForwardAccumulator:
             if tangent is not given:
                 # jvp(primal) gives back the tangent as given, as TF's does.
                 self._given[primal._id] = (tangent, given)  # pylint: disable=protected-access
+            # As TF's TFE_Py_ForwardAccumulatorWatch: the tangent goes when
+            # the primal dies.
+            self._accumulator.track((primal,))
 
         nest.map_structure(_watch, primals, tangents)
 

@@ -1,0 +1,198 @@
+"""Trace deletion on tensor death in the core: record_operation(...,
+outputs=...) holds a weakref on each output and runs delete_trace when one
+dies (tape.h's DeleteTrace, which TF calls from EagerTensor's dealloc), at
+once when the tape is idle, after the operation under way otherwise (never
+inside a backward pass)."""
+
+import gc
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+import numpy_vspace as nv
+from numpy_vspace import T, Payload
+from fasttape._core import GradientTapeCore
+
+
+def rec(tp, op_type, fn, *inputs, give_outputs=True):
+    """Run fn (unrecorded: no numpy_vspace tape is active) and record it on
+    tp with a payload that saves the inputs only, as TF's Sin/Mul do."""
+    out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    tp.record_operation(op_type, [x.id for x in inputs], [o.id for o in outs],
+                        tuple(o.meta for o in outs),
+                        Payload(op_type, inputs, (), None), None,
+                        outs if give_outputs else None)
+    return out
+
+
+def grad(tp, vs, y, x):
+    return tp.compute_gradient(vs, [y.id], [x.id])[0]
+
+
+def test_a_dying_chain_frees_its_ops_and_saved_tensors(vs):
+    x = T(0.6)
+    tp = GradientTapeCore(True)
+    tp.watch(x.id)
+    y = rec(tp, "sin", nv.sin, x)
+    z = rec(tp, "mul", nv.mul, y, y)
+    y_ref = weakref.ref(y)
+    del y                       # still saved by z's op
+    assert tp.num_ops == 2 and y_ref() is not None
+    del z                       # z's op goes, y with it, then y's op
+    assert tp.num_ops == 0 and y_ref() is None
+    assert tp.num_watched_outputs == 0
+    assert tp.is_watched(x.id)  # watched tensors stay
+    w = rec(tp, "sin", nv.sin, x)
+    np.testing.assert_allclose(grad(tp, vs, w, x).value, np.cos(0.6))
+
+
+def test_a_live_target_keeps_its_history(vs):
+    x = T(0.3)
+    tp = GradientTapeCore(False)
+    tp.watch(x.id)
+    a = rec(tp, "sin", nv.sin, x)
+    b = rec(tp, "mul", nv.mul, a, x)
+    del a                        # read by b's op: kept
+    for _ in range(10):
+        rec(tp, "sin", nv.sin, b)   # results die at once
+    assert tp.num_ops == 2
+    np.testing.assert_allclose(grad(tp, vs, b, x).value,
+                               np.cos(0.3) * 0.3 + np.sin(0.3))
+
+
+def test_multi_output_op_goes_with_its_last_output(vs):
+    x = T(0.6)
+    tp = GradientTapeCore(True)
+    tp.watch(x.id)
+    s, c = rec(tp, "sincos", nv.sincos, x)
+    del s
+    assert tp.num_ops == 1
+    y = rec(tp, "mul", nv.mul, c, c)
+    np.testing.assert_allclose(grad(tp, vs, y, x).value,
+                               -2 * np.cos(0.6) * np.sin(0.6))
+    del c, y
+    assert tp.num_ops == 0
+
+
+def test_an_id_recorded_twice_dies_once(vs):
+    """custom_gradient re-records the same outputs: one weakref per id, so
+    the usage count is decremented once on death."""
+    x = T(0.6)
+    tp = GradientTapeCore(True)
+    tp.watch(x.id)
+    y = rec(tp, "sin", nv.sin, x)
+    tp.record_operation("sin", [x.id], [y.id], (y.meta,),
+                        Payload("sin", (x,), (), None), None, (y,))
+    z = rec(tp, "mul", nv.mul, y, x)
+    assert tp.num_watched_outputs == 2
+    del y                       # z's op still reads it: nothing goes
+    assert tp.num_ops == 3 and tp.producer(z.id) == 2
+    np.testing.assert_allclose(grad(tp, vs, z, x).value,
+                               np.cos(0.6) * 0.6 + np.sin(0.6))
+
+
+def test_without_output_objects_nothing_is_deleted(vs):
+    x = T(0.6)
+    tp = GradientTapeCore(True)
+    tp.watch(x.id)
+    for _ in range(5):
+        rec(tp, "sin", nv.sin, x, give_outputs=False)
+    assert tp.num_ops == 5 and tp.num_watched_outputs == 0
+
+
+def test_objects_without_weakrefs_are_kept():
+    tp = GradientTapeCore(True)
+    tp.watch(1)
+    tp.record_operation("op", [1], [2], (None,), object(), None, (2.5,))
+    assert tp.num_ops == 1 and tp.num_watched_outputs == 0
+
+
+def test_a_death_during_the_backward_pass_waits_for_its_end(vs):
+    x = T(0.4)
+    tp = GradientTapeCore(True)
+    tp.watch(x.id)
+    held = [rec(tp, "sin", nv.sin, x) for _ in range(5)]
+    y = rec(tp, "mul", nv.mul, x, x)
+    seen = []
+
+    def on_backward(op_type, payload, unneeded, out_grads):
+        held.clear()             # five recorded tensors die mid-pass
+        gc.collect()
+        seen.append(tp.num_ops)  # inspection defers too while busy
+
+    vs.on_backward = on_backward
+    g = grad(tp, vs, y, x)
+    np.testing.assert_allclose(g.value, 0.8)
+    assert seen == [6]
+    assert tp.num_ops == 1       # applied when the pass ended
+    vs.on_backward = None
+    np.testing.assert_allclose(grad(tp, vs, y, x).value, 0.8)
+
+
+def test_non_persistent_pass_releases_everything(vs):
+    x = T(0.4)
+    tp = GradientTapeCore(False)
+    tp.watch(x.id)
+    keep = [rec(tp, "sin", nv.sin, x) for _ in range(3)]
+    y = rec(tp, "mul", nv.mul, x, x)
+    np.testing.assert_allclose(grad(tp, vs, y, x).value, 0.8)
+    assert tp.num_ops == 0 and tp.num_watched_outputs == 0
+    del keep, y                  # the tape has no weakref left: no effect
+
+
+def test_tensors_outliving_their_tape_do_not_reach_it():
+    x = T(0.4)
+    tp = GradientTapeCore(True)
+    tp.watch(x.id)
+    ys = [rec(tp, "sin", nv.sin, x) for _ in range(20)]
+    del tp
+    gc.collect()
+    del ys                       # no callback into a freed tape
+    gc.collect()
+
+
+def test_a_tape_in_a_dead_cycle_is_collected_while_its_tensors_die():
+    class Box:
+        pass
+
+    x = T(0.4)
+    tp = GradientTapeCore(True)
+    tp.watch(x.id)
+    box = Box()
+    box.tape = tp                # payload -> box -> tape -> payload
+    y = nv.sin(x)
+    tp.record_operation("sin", [x.id], [y.id], (y.meta,), box, None, (y,))
+    box.y = y                    # the cycle also holds the output
+    ref = weakref.ref(box)
+    del tp, box, y
+    gc.collect()
+    assert ref() is None
+
+
+def test_deaths_on_another_thread(vs):
+    x = T(0.4)
+    tp = GradientTapeCore(True)
+    tp.watch(x.id)
+    batch = [rec(tp, "sin", nv.sin, x) for _ in range(50)]
+    th = threading.Thread(target=batch.clear)
+    th.start()
+    th.join()
+    y = rec(tp, "mul", nv.mul, x, x)
+    assert tp.num_ops == 1
+    np.testing.assert_allclose(grad(tp, vs, y, x).value, 0.8)
+
+
+def test_plan_and_export_see_a_stable_tape(vs):
+    x = T(0.4)
+    tp = GradientTapeCore(True)
+    tp.watch(x.id)
+    a = rec(tp, "sin", nv.sin, x)
+    y = rec(tp, "mul", nv.mul, a, x)
+    dead = rec(tp, "sin", nv.sin, x)
+    del dead
+    code, entries = tp.plan([y.id], [x.id])
+    assert [e.op_type for e in entries] == ["sin", "mul"]
+    assert tp.export_trace()["op_types"] == ["sin", "mul"]
