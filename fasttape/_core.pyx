@@ -635,12 +635,12 @@ cdef class GradientTapeCore:
         self.collect_deaths()
         self.busy += 1  # no op may go while the pruned entries are read
         try:
-            return self._plan(target_ids, source_ids)
+            return self._plan(target_ids, source_ids, all_watched)
         finally:
             self.busy -= 1
             self.collect_deaths()
 
-    def _plan(self, target_ids, source_ids):
+    def _plan(self, target_ids, source_ids, bint all_watched):
         cdef vector[int64_t] targets, sources, op_list, code, order
         cdef unordered_set[int64_t] needed
         _fill(targets, target_ids)
