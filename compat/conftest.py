@@ -1,5 +1,21 @@
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(__file__))
+
+from harness import fresh_tf_jvp_trace_state  # noqa: E402
+
+
+@pytest.fixture
+def fresh_tf_jvp_traces(monkeypatch):
+    """TF's JVPs depend on history: after ``_TRACE_COUNT_LIMIT`` (32) traces
+    of an op in a process TF traces its JVPs with relaxed shapes, and the
+    exact-shape config then finds those relaxed traces in the cache both
+    share; there a scalar tangent no longer broadcasts (``InvalidArgumentError``
+    from a Reshape instead of a JVP, or instead of the ``ValueError`` a
+    wrong-shaped tangent gives). The reference here is TF in a fresh process,
+    whatever ran before in this one; the relaxed TF is tested on its own."""
+    fresh_tf_jvp_trace_state(monkeypatch, {})

@@ -13,6 +13,9 @@ import contextlib
 import numpy as np
 import tensorflow as tf
 from absl import logging as absl_logging
+from tensorflow.core.function.polymorphism import function_cache
+from tensorflow.python.eager import forwardprop as tf_forwardprop
+from tensorflow.python.eager.polymorphic_function import tracing_compilation
 from tensorflow.python.platform import tf_logging
 
 import fasttape
@@ -154,3 +157,22 @@ def captured_log_first_n(*logging_modules):
     finally:
         for m, fn in saved:
             m.log_first_n = fn
+
+
+class SaturatedTraceCount(dict):
+    """TF's per-op JVP trace counter, past its limit for every op."""
+
+    def get(self, key, default=None):
+        return tf_forwardprop._TRACE_COUNT_LIMIT
+
+
+def fresh_tf_jvp_trace_state(monkeypatch, trace_count):
+    """TF's JVP traces start anew: an empty function cache (shared, as in TF,
+    by the exact- and relaxed-shape configs) and ``trace_count``."""
+    cache = function_cache.FunctionCache()
+    for config in ("_jvp_exact_config", "_jvp_relaxed_config"):
+        old = getattr(tf_forwardprop, config)
+        monkeypatch.setattr(tf_forwardprop, config, tracing_compilation.TracingOptions(
+            tf_forwardprop._jvp_helper_wrapper, name=old.name,
+            reduce_retracing=old.reduce_retracing, function_cache=cache))
+    monkeypatch.setattr(tf_forwardprop, "_TRACE_COUNT", trace_count)

@@ -22,6 +22,9 @@ import fasttape.forwardprop as ft_forwardprop
 import harness
 from harness import Raised
 
+# TF's forward mode as in a fresh process (see conftest's fixture).
+pytestmark = pytest.mark.usefixtures("fresh_tf_jvp_traces")
+
 # Known fasttape bugs (strict: each marker fails as soon as its bug is fixed).
 
 

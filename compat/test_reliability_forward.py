@@ -23,9 +23,13 @@ from tensorflow.python.ops import gradients_util
 
 import fasttape
 import fd
+from harness import SaturatedTraceCount, fresh_tf_jvp_trace_state
 from test_forwardprop import attempt, const, fwd_error, fwd_parity
 
 _TF_CLASSES = (tf.autodiff.ForwardAccumulator, tf.GradientTape)
+
+
+pytestmark = pytest.mark.usefixtures("fresh_tf_jvp_traces")
 
 
 # -- fault 3: forward-over-backward through FusedBatchNorm, patch() on ---------
@@ -243,6 +247,31 @@ def test_scalar_tangent_broadcasts_like_tf(op):
             y = fn(x)
         return acc.jvp(x), acc.jvp(y)
     fwd_parity(case)
+
+
+@pytest.mark.parametrize("op", ["mul_self", "exp_times_x"])
+def test_scalar_tangent_after_tf_relaxes_its_jvp_shapes(op, monkeypatch):
+    """Once an op's JVP has been traced 32 times in a process, TF retraces it
+    with relaxed shapes and a scalar tangent raises InvalidArgumentError
+    where a fresh process broadcasts it; fasttape's answer does not depend
+    on history (judged by finite differences)."""
+    fresh_tf_jvp_trace_state(monkeypatch, SaturatedTraceCount())
+    fn, np_fn = {"mul_self": (lambda x: x * x, lambda x: x * x),
+                 "exp_times_x": (lambda x: tf.exp(x) * x,
+                                 lambda x: np.exp(x) * x)}[op]
+
+    def case(FA, GT):
+        # One broadcasting Mul traced first (as any model's bias or scale
+        # would): TF's relaxed trace then serves the scalar tangent's call.
+        w = tf.ones([2, 3], tf.float64)
+        with FA(w, tf.ones([2, 3], tf.float64)):
+            w * tf.ones([3], tf.float64)
+        x = tf.constant(_X12)
+        with FA(x, tf.constant(0.7, tf.float64)) as acc:
+            y = fn(x)
+        return acc.jvp(y)
+    oracle = fd.jvp_oracle(np_fn, [_X12], [np.full(3, 0.7)])
+    fd.tf_wrong_here(case, [oracle], tf_raises=tf.errors.InvalidArgumentError)
 
 
 def test_scalar_tangent_for_a_variable():
