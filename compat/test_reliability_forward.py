@@ -23,7 +23,7 @@ from tensorflow.python.ops import gradients_util
 
 import fasttape
 import fd
-from harness import SaturatedTraceCount, fresh_tf_jvp_trace_state
+from harness import Raised, SaturatedTraceCount, fresh_tf_jvp_trace_state
 from test_forwardprop import attempt, const, fwd_error, fwd_parity
 
 _TF_CLASSES = (tf.autodiff.ForwardAccumulator, tf.GradientTape)
@@ -188,6 +188,44 @@ def test_accumulator_inside_tf_function_around_cond_on_a_vector():
             return acc.jvp(y)
         return f(const(4, seed=8), const(4, seed=9))
     fwd_parity(case)
+
+
+def _cond_under_two_watchers(FA, GT, watchers):
+    @tf.function
+    def f(x):
+        if watchers == "two_accumulators":
+            with FA(x, tf.ones(2)) as a1, FA(x, tf.ones(2)) as a2:
+                y = tf.cond(x[0] > 0, lambda: x * x, lambda: x)
+            return a1.jvp(y), a2.jvp(y)
+        with GT() as tape:
+            tape.watch(x)
+            with FA(x, tf.ones(2)) as acc:
+                y = tf.cond(x[0] > 0, lambda: x * x, lambda: x)
+            jvp = acc.jvp(y)
+        return jvp, tape.gradient(jvp, x)
+    return f(tf.constant([1., 2.]))
+
+
+def test_tape_and_accumulator_inside_tf_function_around_cond():
+    """TF's cond_v2 cannot build this (an assertion in its gradient-input
+    resolution); fasttape fails the same way."""
+    fwd_error(lambda FA, GT: _cond_under_two_watchers(FA, GT, "tape_and_accumulator"),
+              AssertionError)
+
+
+def test_two_accumulators_inside_tf_function_around_cond():
+    """Both fail, with different types: TF's autograph reports an IndexError
+    from cond_v2 as StagingError; fasttape's cond_v2 call trips the
+    AssertionError the tape-and-accumulator case gives in TF. A known
+    difference in the exception type of a case TF cannot run either."""
+    tf_result = fd.run(lambda FA, GT: _cond_under_two_watchers(
+        FA, GT, "two_accumulators"), "tf")
+    ft_result = fd.run(lambda FA, GT: _cond_under_two_watchers(
+        FA, GT, "two_accumulators"), "fasttape")
+    assert isinstance(tf_result, Raised) and type(tf_result.exc).__name__ == (
+        "StagingError"), tf_result
+    assert isinstance(ft_result, Raised) and isinstance(
+        ft_result.exc, AssertionError), ft_result
 
 
 def test_accumulator_inside_tf_function_around_while_loop():
