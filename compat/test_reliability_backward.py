@@ -290,6 +290,53 @@ def test_seeded_pass_over_watched_variables_keeps_its_values():
             _parity(case)
 
 
+# -- a source never watched but read by a recorded op (found by compat/test_fuzz.py) ---
+# tape.h wants the gradient of every op input that is tracked or is a source, so
+# TF computes an unwatched source's gradient (a seed that does not fit raises)
+# and then returns None for it.
+
+def _unwatched_source_case(targets, sources, seed=None, scalar=False):
+    def case(Tape):
+        x = tf.constant(0.5 if scalar else [0.5, -1.0])
+        c = tf.constant(2.0)
+        with Tape() as t:
+            t.watch(x)
+            y = c + x if scalar else c * x
+        picks = {"x": x, "c": c, "y": y}
+        return t.gradient([picks[k] for k in targets],
+                          [picks[k] for k in sources], output_gradients=seed)
+    return case
+
+
+UNWATCHED_SOURCE_CASES = {
+    # the fuzzer's find: TF InvalidArgumentError, fasttape gave [ones, None]
+    "wrong-seed": _unwatched_source_case(["y"], ["x", "c"], [tf.ones([1, 2])]),
+    "wrong-seed-only-unwatched": _unwatched_source_case(
+        ["y"], ["c"], [tf.ones([1, 2])]),
+    "wrong-seed-scalar": _unwatched_source_case(
+        ["y"], ["x", "c"], [tf.ones([4])], scalar=True),
+    "right-seed": _unwatched_source_case(["y"], ["x", "c"], [tf.ones([2])]),
+    "no-seed": _unwatched_source_case(["y"], ["x", "c"]),
+    # an unwatched source that is also a target, read by a recorded op:
+    # TF gives None (fasttape gave its ones)
+    "target-and-read": _unwatched_source_case(["y", "c"], ["c"]),
+    "target-not-read": _unwatched_source_case(["x", "c"], ["c"]),
+}
+
+
+@pytest.mark.parametrize("mode", ["off", "always"])
+@pytest.mark.parametrize("name", sorted(UNWATCHED_SOURCE_CASES))
+def test_unwatched_source_read_by_a_recorded_op(name, mode):
+    case = UNWATCHED_SOURCE_CASES[name]
+    expected = run_case(case, "tf")
+    assert isinstance(expected, Raised) == name.startswith("wrong-seed")
+    if name == "target-and-read":
+        assert expected == [None]
+    with _compiled_mode(mode):
+        _parity(case)
+        _parity(case)
+
+
 # -- fault 5: ones/zeros caches bounded as TF's ------------------------------------------
 
 def _eager_bytes():

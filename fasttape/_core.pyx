@@ -739,8 +739,13 @@ cdef class GradientTapeCore:
                 readers[tid].push_back(op_id)
         cdef vector[char] useful = vector[char](n_ops, 0)
         cdef unordered_map[int64_t, vector[int64_t]].iterator rit
+        # Every source, tracked or not: as in tape.h, the gradient of an op's
+        # input is wanted if the input is tracked or is a source, so a source
+        # that was never watched but is read by a recorded op still has its
+        # gradient computed (and a bad output gradient raises as in TF); it
+        # is dropped at the end (step 5 returns None for it).
         for tid in sources:
-            if self.tensor_tape.count(tid) and needed.count(tid) == 0:
+            if needed.count(tid) == 0:
                 needed.insert(tid)
                 tensor_stack.push_back(tid)
         if all_watched:

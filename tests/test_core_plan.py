@@ -83,12 +83,16 @@ def test_compute_after_plan_reuses_its_pruning():
 
 def test_a_change_between_plan_and_compute_is_seen():
     """The pruning plan() leaves for the next pass must not outlive a change
-    of the tape: watching a tensor after plan() connects it."""
+    of the tape: watching a tensor after plan() makes its gradient wanted."""
     x, c = T(np.arange(3.0)), T(np.full(3, 2.0))
     with tape(persistent=True, watch=[x]) as tp:
         y = nv.mul(x, c)
-    _, entries = tp.plan([y.id], [c.id])
-    assert entries == []             # c is not tracked: nothing to do
-    tp.watch(c.id)
-    g = gradient(tp, NumpyVSpace(), y, c)
-    np.testing.assert_allclose(nv.value(g), x.value)
+    tp.plan([y.id], [x.id], True)  # c is not tracked: its gradient unneeded
+    tp.watch(c.id)                 # now every watched tensor's gradient is
+    vs = NumpyVSpace()
+    (g,) = tp.compute_gradient(vs, [y.id], [x.id],
+                               output_gradients=[T(np.ones(3))],
+                               all_watched=True)
+    np.testing.assert_allclose(nv.value(g), c.value)
+    (call,) = vs.backward_log
+    assert call.unneeded == []
