@@ -4,14 +4,22 @@ Each workload is run in one process, in alternation: the forward pass with no
 tape (the floor), tf.GradientTape, fasttape.GradientTape. Gradients of the
 two tapes are checked equal before anything is timed. Medians are printed,
 with the ratio fasttape/tf (below 1 means fasttape is faster).
+
+TensorFlow is imported quietly (see ``_import_tf``) and TF's own warning that
+its pfor jacobian retraces is filtered: both are noise about TF, not about the
+measurement. A progress bar goes to stderr (tqdm, on a terminal).
 """
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import json
+import logging
+import os
 import statistics
 import sys
+import tempfile
 import time
 import weakref
 
@@ -290,24 +298,35 @@ class _Impl:
         self.ForwardAccumulator = ForwardAccumulator
 
 
-def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None):
+def _counts(workload, repeats, warmup):
+    """(repeats, warmup) as run for ``workload``."""
+    if workload.max_repeats:
+        return min(repeats, workload.max_repeats), min(warmup, 1)
+    return repeats, warmup
+
+
+def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
+                 tick=lambda: None):
+    """One workload's row. ``tick()`` is called once after the checks and
+    once per warm-up and timed step (``1 + warmup + repeats`` calls, as
+    ``_counts`` gives them): the progress bar."""
     tf_impl = _Impl(tf.GradientTape, tf.autodiff.ForwardAccumulator)
     ft_impl = _Impl(fasttape.GradientTape, fasttape.ForwardAccumulator)
     forward, record = workload.make(tf)
     equal = check_equal(tf, _step(record, tf_impl), _step(record, ft_impl))
-    if workload.max_repeats:
-        repeats = min(repeats, workload.max_repeats)
-        warmup = min(warmup, 1)
+    repeats, warmup = _counts(workload, repeats, warmup)
     for _ in range(warmup):
         forward()
         _step(record, tf_impl)
         _step(record, ft_impl)
+        tick()
     # Checked again in the steady state: after warm-up, fasttape replays
     # compiled backward passes.
     equal = equal and check_equal(tf, _step(record, tf_impl),
                                   _step(record, ft_impl))
     mem_tf = held_bytes(tf, record, tf_impl)
     mem_ft = held_bytes(tf, record, ft_impl)
+    tick()
     times = {k: [] for k in ("floor", "rec_tf", "rec_ft", "tf", "ft")}
     stats = _compiled_stats()
     replayed_before = stats["replayed"]
@@ -321,6 +340,7 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None):
         times["ft"].append(_time(_step, record, ft_impl)[0])
         if profiler is not None:
             profiler.disable()
+        tick()
     replayed = stats["replayed"] - replayed_before
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {
@@ -367,6 +387,158 @@ def _kib(n):
     return f"{n / 1024:.0f}K"
 
 
+def _startup_output_hidden():
+    """Whether TF's start-up output is hidden: unless the user chose a
+    ``TF_CPP_MIN_LOG_LEVEL`` (``0`` shows everything)."""
+    return "TF_CPP_MIN_LOG_LEVEL" not in os.environ
+
+
+@contextlib.contextmanager
+def _native_stderr_to_file():
+    """File descriptor 2 (C++ and Python alike) goes to a temporary file for
+    the block; what was written is shown if the block raises, else dropped."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            captured.seek(0)
+            sys.stderr.write(captured.read().decode(errors="replace"))
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _import_tf():
+    """``import tensorflow``, quietly.
+
+    TF's C++ start-up lines (oneDNN, CUDA probing, CPU features) are written
+    through absl before TF applies ``TF_CPP_MIN_LOG_LEVEL`` (TF 2.21 writes
+    them even at level 3), so setting the variable is not enough: the import
+    and the runtime's start (where the device probing logs) run with file
+    descriptor 2 sent to a temporary file, shown only if they fail, and the
+    level is set to 2 (errors only) for the rest of the run. A user who sets
+    ``TF_CPP_MIN_LOG_LEVEL`` gets TF's output as they asked for it."""
+    if "tensorflow" in sys.modules or not _startup_output_hidden():
+        import tensorflow as tf
+        return tf
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    with _native_stderr_to_file():
+        import tensorflow as tf
+        tf.config.list_logical_devices("CPU")
+    return tf
+
+
+class _DropRetracingWarnings(logging.Filter):
+    """TF warns when its pfor jacobian (a new tf.function per call) retraces:
+    that is the cost being measured, not news."""
+
+    def filter(self, record):
+        return "triggered tf.function retracing" not in record.getMessage()
+
+
+class _Progress:
+    """A tqdm bar on stderr when stderr is a terminal; otherwise one line per
+    finished workload."""
+
+    def __init__(self, total):
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, file=sys.stderr, unit="step",
+                            dynamic_ncols=True, leave=False)
+
+    def start(self, name):
+        if self.bar is not None:
+            self.bar.set_description(name)
+
+    def tick(self):
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def done(self, name):
+        if self.bar is None:
+            print(f"  {name}: done", file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+PLOT_PARTS = (("floor", "#9e9e9e"), ("recording", "#f2a541"),
+              ("backward", "#3b7dd8"))
+
+
+def step_parts(row):
+    """{"tf": {...}, "fasttape": {...}}: each step time split into the floor
+    (the forward with no tape), recording (the tape's cost during the
+    forward) and backward (the rest: the gradient or JVP computation), in ms.
+    Medians are taken separately, so a split can be slightly negative on a
+    noisy machine; it is shown as 0."""
+    out = {}
+    for impl, total, rec in (("tf", "tf_ms", "record_overhead_tf_ms"),
+                             ("fasttape", "fasttape_ms",
+                              "record_overhead_fasttape_ms")):
+        floor = row["floor_ms"]
+        recording = row[rec]
+        out[impl] = {"floor": floor, "recording": recording,
+                     "backward": row[total] - floor - recording,
+                     "total": row[total]}
+    return out
+
+
+def _check_plotting():
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            "--plot needs matplotlib, which is not installed: "
+            "pip install 'fasttape[plot]' (or pip install matplotlib)") from None
+
+
+def plot(rows, path):
+    """Per workload, TF's and fasttape's step time stacked as floor /
+    recording / backward, side by side; one panel (own scale) per workload."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    n = len(rows)
+    ncols = min(n, 5)
+    nrows = -(-n // ncols)
+    fig = Figure(figsize=(max(2.6 * ncols, 5.2), 3.0 * nrows + 0.6),
+                 layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    for ax, row in zip(axes.flat, rows):
+        parts = step_parts(row)
+        bottom = [0.0, 0.0]
+        for part, color in PLOT_PARTS:
+            heights = [max(parts[impl][part], 0.0) for impl in ("tf", "fasttape")]
+            ax.bar([0, 1], heights, bottom=bottom, color=color, width=0.6,
+                   label=part)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        for x, impl in enumerate(("tf", "fasttape")):
+            ax.annotate(f"{parts[impl]['total']:.3g}", (x, bottom[x]),
+                        ha="center", va="bottom", fontsize=8)
+        ax.set_xticks([0, 1], ["tf", "fasttape"])
+        ax.set_ylim(0, max(bottom) * 1.15 or 1.0)
+        ax.set_title(f"{row['workload']} ({row['ratio']:.2f}x)", fontsize=10)
+        ax.set_ylabel("ms per step", fontsize=8)
+        ax.tick_params(labelsize=8)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=3, fontsize=9)
+    fig.suptitle("ms per step, medians (title: ratio fasttape / tf)", fontsize=10)
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m fasttape bench",
@@ -379,17 +551,34 @@ def main(argv=None):
     parser.add_argument("--json", metavar="FILE", help="also write results as JSON")
     parser.add_argument("--profile", metavar="FILE",
                         help="write cProfile stats of the fasttape steps (pstats/snakeviz)")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw each workload's step time split into floor / "
+                             "recording / backward, TF and fasttape side by side "
+                             "(needs matplotlib: pip install 'fasttape[plot]')")
     args = parser.parse_args(argv)
+    if args.plot:
+        _check_plotting()
 
-    import tensorflow as tf
+    tf = _import_tf()
     import fasttape
 
+    retracing = _DropRetracingWarnings()
+    tf_logger = logging.getLogger("tensorflow")
+    tf_logger.addFilter(retracing)
     profiler = cProfile.Profile() if args.profile else None
+    workloads = [BY_NAME[name] for name in args.workloads]
+    progress = _Progress(sum(1 + sum(_counts(w, args.repeats, args.warmup))
+                             for w in workloads))
     rows = []
-    for name in args.workloads:
-        rows.append(run_workload(tf, fasttape, BY_NAME[name], args.repeats,
-                                 args.warmup, profiler))
-        print(f"  {name}: done", file=sys.stderr, flush=True)
+    try:
+        for workload in workloads:
+            progress.start(workload.name)
+            rows.append(run_workload(tf, fasttape, workload, args.repeats,
+                                     args.warmup, profiler, tick=progress.tick))
+            progress.done(workload.name)
+    finally:
+        progress.close()
+        tf_logger.removeFilter(retracing)
     print(format_table(rows))
     print("\nms per step, medians of alternating runs in one process. ratio ="
           " fasttape / tf (< 1: fasttape faster).\nrec = recording overhead "
@@ -407,6 +596,9 @@ def main(argv=None):
     if profiler is not None:
         profiler.dump_stats(args.profile)
         print(f"cProfile stats of the fasttape steps written to {args.profile}")
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"plot written to {args.plot}")
     if not all(r["grads_equal"] for r in rows):
         print("ERROR: gradients differ on: " + ", ".join(
             r["workload"] for r in rows if not r["grads_equal"]), file=sys.stderr)

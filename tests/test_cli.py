@@ -1,17 +1,29 @@
 """python -m fasttape run / bench, end to end in subprocesses."""
 
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
 
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+import pytest
+
+from fasttape import bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The checkout's fasttape, whatever else is installed (the subprocesses run
+# in a temporary directory).
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+           PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+# The bench as a user starts it: no TF_CPP_MIN_LOG_LEVEL of their own.
+BENCH_ENV = {k: v for k, v in ENV.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
 
 
-def _run(args, cwd):
+def _run(args, cwd, env=ENV):
     return subprocess.run([sys.executable, "-m", "fasttape", *args], cwd=cwd,
-                          env=ENV, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_run_swaps_tfs_classes_into_an_unmodified_script(tmp_path):
@@ -44,13 +56,73 @@ def test_run_without_a_script_is_a_usage_error(tmp_path):
     assert "usage" in out.stderr
 
 
-def test_bench_prints_its_table_and_writes_json(tmp_path):
-    result = tmp_path / "bench.json"
-    out = _run(["bench", "--workloads", "chain", "jvp", "--repeats", "2",
-                "--warmup", "0", "--json", str(result)], tmp_path)
+# absl's format (TF >= 2.16: "I0000 00:00:1796372741.896627   13300 port.cc:153] ...")
+# and TF's older one ("2024-01-01 12:00:00.000000: I tensorflow/...").
+CPP_LOG_LINE = re.compile(r"^([IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ |"
+                          r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] )", re.M)
+
+
+def test_bench_prints_its_table_writes_json_and_plot_and_no_tf_noise(tmp_path):
+    # jacobian: TF's pfor jacobian retraces a new tf.function per call; its
+    # fifth call is where TF warns about it (2 checks + 4 timed steps here).
+    result, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    out = _run(["bench", "--workloads", "chain", "jvp", "jacobian", "--repeats", "4",
+                "--warmup", "0", "--json", str(result), "--plot", str(png)],
+               tmp_path, env=BENCH_ENV)
     assert out.returncode == 0, out.stderr
     assert "ratio" in out.stdout and "chain" in out.stdout
     rows = json.loads(result.read_text())
-    assert [r["workload"] for r in rows] == ["chain", "jvp"]
+    assert [r["workload"] for r in rows] == ["chain", "jvp", "jacobian"]
     assert all(r["grads_equal"] for r in rows)
     assert all(r["fasttape_ms"] > 0 and r["tf_ms"] > 0 for r in rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Not a terminal: one line per workload instead of the bar.
+    assert out.stderr.splitlines() == ["  chain: done", "  jvp: done",
+                                       "  jacobian: done"], out.stderr
+    both = out.stdout + out.stderr
+    assert not CPP_LOG_LINE.search(both)
+    assert "absl::InitializeLog" not in both and "retracing" not in both
+
+
+def test_bench_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import fails
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--plot", str(tmp_path / "x.png")])
+    assert "fasttape[plot]" in str(exc.value)
+    assert not (tmp_path / "x.png").exists()
+
+
+def _row(name, floor, tf, ft, rec_tf, rec_ft):
+    return {"workload": name, "floor_ms": floor, "tf_ms": tf, "fasttape_ms": ft,
+            "ratio": ft / tf, "record_overhead_tf_ms": rec_tf,
+            "record_overhead_fasttape_ms": rec_ft}
+
+
+def test_plot_splits_each_step_into_floor_recording_backward(tmp_path):
+    row = _row("a", 2.0, 10.0, 5.0, 1.0, -0.25)
+    parts = bench.step_parts(row)
+    assert parts["tf"] == {"floor": 2.0, "recording": 1.0, "backward": 7.0, "total": 10.0}
+    assert parts["fasttape"] == {"floor": 2.0, "recording": -0.25, "backward": 3.25,
+                                 "total": 5.0}
+    # A negative split (noise between medians) is drawn as 0; panels for
+    # any number of workloads.
+    rows = [row] + [_row(f"w{i}", 1.0, 3.0 + i, 2.0, 0.5, 0.5) for i in range(6)]
+    bench.plot(rows, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_progress_bar_on_a_terminal(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    err = Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    progress = bench._Progress(total=3)
+    progress.start("chain")
+    for _ in range(3):
+        progress.tick()
+    progress.done("chain")
+    progress.close()
+    assert "chain" in err.getvalue() and "/3" in err.getvalue()
+    assert "done" not in err.getvalue()
