@@ -13,6 +13,7 @@ import gc as _gc
 import itertools
 import threading
 
+from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.eager import context

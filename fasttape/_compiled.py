@@ -36,6 +36,7 @@ import time
 
 import numpy as np
 
+from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python.eager import context
 from tensorflow.python.eager import def_function
 from tensorflow.python.eager import execute

@@ -15,6 +15,7 @@ Each rule runs the kernels TF's function runs, in the same order, so results
 agree bit for bit; compat/test_fast_grads.py proves each one against TF's.
 """
 
+from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context
 from tensorflow.python.framework import constant_op

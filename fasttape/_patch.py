@@ -5,6 +5,7 @@ The swap itself (a TF monkeypatch) lives in _recording with the others.
 
 import contextlib
 
+from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python.eager import backprop
 from tensorflow.python.eager import forwardprop
 

@@ -28,6 +28,7 @@ import weakref
 import threading as _threading
 import sys
 
+from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.autograph.core import config as autograph_config
 from tensorflow.python.autograph.core import config_lib as autograph_config_lib

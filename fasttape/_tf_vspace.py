@@ -19,6 +19,7 @@ import re
 import sys
 import time
 
+from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python.eager import backprop
 from tensorflow.python.eager import context
 from tensorflow.python.framework import dtypes

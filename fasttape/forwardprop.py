@@ -2,6 +2,7 @@
 fasttape's core (direct JVP rules, else the transposed registered gradient;
 no tf.function is traced per op type)."""
 
+from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor_shape
 from tensorflow.python.ops import array_ops

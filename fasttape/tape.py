@@ -5,6 +5,7 @@ Every argument, result structure, warning and exception type follows
 the backward loop differ.
 """
 
+from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop
 from tensorflow.python.eager import backprop_util
