@@ -1193,6 +1193,24 @@ SECOND_ORDER_TF_RAISES = {
     "StatelessRandomGammaV3",
 }
 
+# More of them in older TF releases: {first release where TF takes them:
+# case ids}. Before, the gradient's own ops had no registered gradient
+# (LookupError); since, they are NotDifferentiable.
+SECOND_ORDER_TF_RAISES_BEFORE = {
+    (2, 17): {"FakeQuantWithMinMaxArgs", "FakeQuantWithMinMaxVars",
+              "FakeQuantWithMinMaxVarsPerChannel"},
+    (2, 18): {"ResizeBilinear"},
+}
+
+
+def second_order_tf_raises(case_id):
+    """Whether TF, the release running, cannot take this case's second
+    derivative."""
+    from fasttape._tf_compat import TF_VERSION
+    return case_id in SECOND_ORDER_TF_RAISES or any(
+        case_id in ids for since, ids in SECOND_ORDER_TF_RAISES_BEFORE.items()
+        if TF_VERSION < since)
+
 
 # Case ids (besides the graph=True ones) also run as an eager pfor jacobian:
 # ops with several outputs, of which some are unused or not float, where the

@@ -12,8 +12,11 @@ the TF-free ``fasttape._core``) never imports TF and is not checked.
 ``FASTTAPE_ALLOW_UNTESTED_TF=1`` lets an untested release through with a
 warning.
 
+``TF_VERSION`` is the release in use, for the places that depend on it.
 Version-dependent references to TF internals belong here (none so far: the
-private names fasttape uses are the same in every release of the range).
+private names fasttape uses are the same in every release of the range; the
+parity corpus knows that TF 2.16 cannot take a few second derivatives that
+later releases can, ``compat/op_corpus.py``).
 """
 
 import os
@@ -73,8 +76,11 @@ def check(version, where="", environ=None):
 
 def _check_installed():
     import tensorflow as tf
-    check(getattr(tf, "__version__", "unknown"),
-          where=os.path.dirname(getattr(tf, "__file__", None) or "") or "")
+    version = getattr(tf, "__version__", "unknown")
+    check(version, where=os.path.dirname(getattr(tf, "__file__", None) or "") or "")
+    return parse(version) or (0, 0)
 
 
-_check_installed()
+# (major, minor) of the TensorFlow in use: compare with tuples, e.g.
+# ``TF_VERSION < (2, 17)``.
+TF_VERSION = _check_installed()

@@ -104,3 +104,9 @@ def test_importing_fasttape_under_an_unsupported_tf_fails_at_import():
     assert lines[0].startswith("refused: fasttape ") and "found TensorFlow 2.15.1" in lines[0]
     assert lines[1].startswith("warned: ['fasttape ") and "tested with" in lines[1]
     assert lines[2] == "grad: 6.0"
+
+
+def test_tf_version_is_the_running_release():
+    import tensorflow as tf
+    assert compat.TF_VERSION == compat.parse(tf.__version__)
+    assert compat.OLDEST <= compat.TF_VERSION <= compat.NEWEST
