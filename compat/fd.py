@@ -83,15 +83,21 @@ def _numpy_leaves(result):
             for leaf in leaves]
 
 
-def matches(result, oracle, rtol, atol):
+def matches(result, oracle, rtol, atol, none_as_zeros=False):
     """Does a result nest agree with the oracle's (a nest of arrays, None
-    where no gradient is expected)?"""
+    where no gradient is expected)? With ``none_as_zeros`` a None on either
+    side stands for zeros of the other side's shape (an oracle computed by
+    finite differences cannot tell an unconnected source from a zero
+    gradient)."""
     if isinstance(result, Raised):
         return False
     got, want = _numpy_leaves(result), tf.nest.flatten(oracle)
     if len(got) != len(want):
         return False
     for g, w in zip(got, want):
+        if none_as_zeros and (g is None) != (w is None):
+            g = np.zeros(np.shape(w)) if g is None else g
+            w = np.zeros(np.shape(g)) if w is None else w
         if (g is None) != (w is None):
             return False
         if g is not None and (g.shape != np.shape(w) or not np.allclose(
@@ -125,22 +131,34 @@ def tf_wrong_here(case, oracle, *, tf_raises=None, rtol=1e-4, atol=1e-5):
     return expected, ft
 
 
-def judge(case, oracle, rtol=1e-4, atol=1e-5):
-    """Sort a disagreement: "agree" (both match TF's comparison), else
-    "fasttape wrong", "TF wrong" or "inconclusive" by the oracle (None when
-    no oracle is available)."""
-    expected, actual = run(case, "tf"), run(case, "fasttape")
+def judge_results(expected, actual, oracle, rtol=1e-4, atol=1e-5,
+                  none_as_zeros=False):
+    """Sort an already computed pair (TF's result, fasttape's; each a nest
+    or ``Raised``): "agree" when ``harness.assert_same`` accepts it, else by
+    the oracle "fasttape wrong", "TF wrong" or "inconclusive" (both or
+    neither match it, or no oracle). ``oracle`` is a nest of arrays, None
+    (no oracle) or a callable returning one, called only on a
+    disagreement."""
     try:
         harness.assert_same(expected, actual)
         return "agree"
     except AssertionError:
         pass
+    if callable(oracle):
+        oracle = oracle()
     if oracle is None:
         return "inconclusive"
-    tf_ok = matches(expected, oracle, rtol, atol)
-    ft_ok = matches(actual, oracle, rtol, atol)
+    tf_ok = matches(expected, oracle, rtol, atol, none_as_zeros)
+    ft_ok = matches(actual, oracle, rtol, atol, none_as_zeros)
     if ft_ok and not tf_ok:
         return "TF wrong"
     if tf_ok and not ft_ok:
         return "fasttape wrong"
     return "inconclusive"
+
+
+def judge(case, oracle, rtol=1e-4, atol=1e-5, none_as_zeros=False):
+    """Run ``case`` under both implementations and sort the pair
+    (``judge_results``)."""
+    return judge_results(run(case, "tf"), run(case, "fasttape"), oracle,
+                         rtol, atol, none_as_zeros)
