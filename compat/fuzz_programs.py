@@ -329,7 +329,8 @@ class _Gen:
         b, lo = m.bound, m.lo
         meta = {
             "sin": dict(bound=1.0), "cos": dict(bound=1.0), "tanh": dict(bound=1.0),
-            "exp": dict(bound=math.exp(b), lo=math.exp(-b), pos=True),
+            "exp": dict(bound=math.exp(min(b, 50)), lo=math.exp(-min(b, 50)),
+                        pos=True),
             "square": dict(bound=b * b, lo=lo * lo, pos=lo > 0),
             "sigmoid": dict(bound=1.0, lo=1 / (1 + math.exp(min(b, 50))), pos=True),
             "softplus": dict(bound=b + 1, lo=math.log1p(math.exp(-min(b, 50))),
@@ -343,31 +344,38 @@ class _Gen:
         return self.node(op, [a], wrap=wrap, **meta)
 
     def partner(self, a, same_shape=False):
-        """A second operand whose shape broadcasts with a's: an existing
-        value, a itself, or a new input."""
+        """A second operand: a itself, an existing value or a new input, of
+        a's shape or (mostly, broadcasting being where gradients go wrong)
+        of another shape that broadcasts with a's."""
         sa = self.meta[a].shape
+        same = [i for i in self.floats() if self.meta[i].shape == sa]
         if same_shape:
-            ok = [i for i in self.floats() if self.meta[i].shape == sa]
+            ok = same
         else:
-            ok = [i for i in self.floats()
-                  if _broadcastable(sa, self.meta[i].shape)]
-        if self.n_inputs() < _MAX_INPUTS and self.chance(0.5):
-            if same_shape:
-                shape = sa
-            elif self.chance(0.3):
-                shape = self.shape()
-                if not _broadcastable(sa, shape):
-                    shape = sa
-            else:
-                keep = self.int(0, len(sa))
-                shape = tuple(1 if self.chance(0.3) else d for d in sa[len(sa) - keep:])
-                if self.chance(0.15) and len(shape) < 3:
-                    shape = (self.int(1, 3),) + sa
-                    shape = shape[-3:] if len(shape) > 3 else shape
-                    if not _broadcastable(sa, shape):
-                        shape = sa
+            ok = [i for i in self.floats() if self.meta[i].shape != sa
+                  and _broadcastable(sa, self.meta[i].shape)]
+            if not ok or self.chance(0.25):
+                ok = same
+        if self.n_inputs() < _MAX_INPUTS and self.chance(0.6):
+            shape = sa if same_shape or self.chance(0.25) else self.broadcast_shape(sa)
             return self.new_input(shape)
         return self.pick(ok)
+
+    def broadcast_shape(self, sa):
+        """A shape other than sa (where there is one) that broadcasts with
+        it: trailing dims of sa, some set to 1, or sa with a dim in front."""
+        for _ in range(3):
+            if self.chance(0.2) or not sa:
+                shape = (self.int(1, 3),) + tuple(sa)
+                if len(shape) > 4:
+                    continue
+            else:
+                keep = self.int(0, len(sa))
+                shape = tuple(1 if self.chance(0.4) else d
+                              for d in sa[len(sa) - keep:])
+            if shape != tuple(sa):
+                return shape
+        return tuple(sa)
 
     def binary(self, a, wrap):
         ops = list(BINARY)
@@ -556,7 +564,7 @@ _OPS = (["unary"] * 6 + ["binary"] * 6 + ["reduce"] * 2 + ["matmul"] * 2
 
 
 @st.composite
-def programs(draw, max_ops=6):
+def programs(draw, max_ops=7):
     mode = draw(st.sampled_from(_MODES))
     dtype = draw(st.sampled_from(["float32", "float32", "float64"]))
     g = _Gen(draw, mode)
@@ -566,7 +574,7 @@ def programs(draw, max_ops=6):
     if g.chance(0.4):
         g.new_input(g.shape(), kind=None if mode not in NESTED_MODES else g.pick(
             ["const", "var"]))
-    n_ops = g.int(1, max_ops)
+    n_ops = g.int(2, max_ops)
     for _ in range(n_ops):
         nodes = [i for i, v in enumerate(g.values)
                  if isinstance(v, Node) and not g.meta[i].is_int]
