@@ -849,8 +849,31 @@ class Runner:
                 else:
                     out.append(v.kind != "int" and v.watched)
             else:
-                out.append(v.op != "cast_int" and any(out[a] for a in v.args))
+                # TF records neither StopGradient (no gradient) nor the
+                # int->float cast (an int input is never watched)
+                out.append(v.op not in FROZEN_OPS and any(out[a] for a in v.args))
         return out
+
+    def ancestors(self, targets):
+        """The values the targets are computed from, targets included."""
+        seen, stack = set(), list(targets)
+        while stack:
+            i = stack.pop()
+            if i not in seen:
+                seen.add(i)
+                if isinstance(self.p.values[i], Node):
+                    stack.extend(self.p.values[i].args)
+        return seen
+
+    def _untracked_source_is_own_target(self, s, targets, tracked):
+        """An untracked source gets no gradient, except as a target itself
+        when no recorded op on the way to the targets reads it (then its
+        seed comes back as it is; TF's tape.h, measured)."""
+        if s not in targets:
+            return False
+        up = self.ancestors(targets)
+        return not any(isinstance(v, Node) and tracked[i] and s in v.args
+                       for i, v in enumerate(self.p.values) if i in up)
 
     def oracle(self, run):
         """The float64 finite-difference answer, a nest shaped like the
@@ -868,7 +891,10 @@ class Runner:
             out = []
             for s in p.sources:
                 if not ev.tracked[s]:
-                    out.append(np.zeros(shapes[s]))
+                    own = self._untracked_source_is_own_target(s, targets, ev.tracked)
+                    out.append(sum((np.ones(shapes[s]) if ct is None else ct)
+                                   for t, ct in zip(targets, cotangents) if t == s)
+                               if own else np.zeros(shapes[s]))
                     continue
                 x0 = (at or {}).get(s, ev.base[s])
                 total = np.zeros(shapes[s])
@@ -900,18 +926,21 @@ class Runner:
             jacs = []
             for s in p.sources:
                 if not ev.tracked[s]:
-                    jacs.append(np.zeros(shapes[t] + shapes[s]))
+                    n = int(np.prod(shapes[s]))
+                    own = self._untracked_source_is_own_target(s, (t,), ev.tracked)
+                    jacs.append(np.eye(n).reshape(shapes[t] + shapes[s]) if own
+                                else np.zeros(shapes[t] + shapes[s]))
                     continue
                 (j,) = fd.central_difference(
                     lambda x, _s=s: ev.value(t, {_s: x}), [ev.base[s]])
                 jacs.append(j)
             if mode == "jacobian":
                 return jacs
+            # row j of batch_jacobian is the gradient of sum_i y[i, j]: the
+            # diagonal blocks where rows do not depend on each other
             j = jacs[0]
-            b = shapes[t][0]
             ry = len(shapes[t])
-            return np.stack([j[(i,) + (slice(None),) * (ry - 1) + (i,)]
-                             for i in range(b)])
+            return np.moveaxis(j.sum(axis=0), ry - 1, 0)
         inner_eps, outer_eps = 1e-5, 1e-4
         if mode == "second_order":
             def total(at):
@@ -976,8 +1005,11 @@ def _custom(node, dtype):
 
 class _Evaluator:
     """The program in float64 NumPy. ``value(i, overrides)`` recomputes value
-    i with some values replaced; stop_gradient, integer casts and a custom
-    gradient's None input keep their unperturbed values (constants)."""
+    i with some values replaced; stop_gradient, integer casts and (in
+    reverse mode) a custom gradient's None input keep their unperturbed
+    values (constants). Forward mode differentiates through the latter: the
+    tangent of ``a * b`` under a custom gradient with None for b still
+    carries b's (TF and fasttape alike)."""
 
     def __init__(self, program, inputs, tracked):
         self.p = program
@@ -997,7 +1029,8 @@ class _Evaluator:
             else:
                 args = []
                 for k, a in enumerate(v.args):
-                    frozen = v.wrap == "custom_b_none" and k == 1
+                    frozen = (v.wrap == "custom_b_none" and k == 1
+                              and not _forward(self.p.mode))
                     args.append(self.base[a] if frozen and not base else vals[a])
                 vals.append(np.asarray(np_apply(v, args), dtype=np.float64))
         return vals
