@@ -165,73 +165,61 @@ def _tf_slices(params):
     return tuple(slice(*p[1:]) if p[0] == "s" else p[1] for p in params)
 
 
+def _matmul_np(args, p, dtype):
+    a = np.swapaxes(args[0], -1, -2) if p[0] else args[0]
+    b = np.swapaxes(args[1], -1, -2) if p[1] else args[1]
+    return np.matmul(a, b)
+
+
+def _reduce_tf(args, p, dtype):
+    fn, axis, keepdims = p
+    return REDUCE[fn][0](args[0], axis=list(axis) if isinstance(axis, tuple)
+                         else axis, keepdims=keepdims)
+
+
+def _reduce_np(args, p, dtype):
+    fn, axis, keepdims = p
+    return REDUCE[fn][1](args[0], axis=axis, keepdims=keepdims)
+
+
+# op -> (TF implementation, NumPy implementation), each f(args, params, dtype)
+OPS = {
+    "reduce": (_reduce_tf, _reduce_np),
+    "matmul": (lambda a, p, d: tf.matmul(a[0], a[1], transpose_a=p[0],
+                                         transpose_b=p[1]), _matmul_np),
+    "einsum": (lambda a, p, d: tf.einsum(p[0], *a),
+               lambda a, p, d: np.einsum(p[0], *a)),
+    "reshape": (lambda a, p, d: tf.reshape(a[0], p[0]),
+                lambda a, p, d: np.reshape(a[0], p[0])),
+    "transpose": (lambda a, p, d: tf.transpose(a[0], p[0]),
+                  lambda a, p, d: np.transpose(a[0], p[0])),
+    "slice": (lambda a, p, d: a[0][_tf_slices(p)],
+              lambda a, p, d: a[0][_tf_slices(p)]),
+    "gather": (lambda a, p, d: tf.gather(a[0], list(p[0]), axis=p[1]),
+               lambda a, p, d: np.take(a[0], list(p[0]), axis=p[1])),
+    "concat": (lambda a, p, d: tf.concat(list(a), axis=p[0]),
+               lambda a, p, d: np.concatenate(a, axis=p[0])),
+    "stack": (lambda a, p, d: tf.stack(list(a), axis=p[0]),
+              lambda a, p, d: np.stack(a, axis=p[0])),
+    "cast_int": (lambda a, p, d: tf.cast(tf.cast(a[0], tf.int32), d),
+                 lambda a, p, d: np.trunc(a[0])),
+    "stop_gradient": (lambda a, p, d: tf.stop_gradient(a[0]),
+                      lambda a, p, d: a[0]),
+    "to_float": (lambda a, p, d: tf.cast(a[0], d), lambda a, p, d: a[0]),
+}
+for _name, (_tf, _np) in UNARY.items():
+    OPS[_name] = (lambda a, p, d, f=_tf: f(a[0]), lambda a, p, d, f=_np: f(a[0]))
+for _name, (_tf, _np) in BINARY.items():
+    OPS[_name] = (lambda a, p, d, f=_tf: f(a[0], a[1]),
+                  lambda a, p, d, f=_np: f(a[0], a[1]))
+
+
 def tf_apply(node, args, dtype):
-    op, p = node.op, node.params
-    if op in UNARY:
-        return UNARY[op][0](args[0])
-    if op in BINARY:
-        return BINARY[op][0](args[0], args[1])
-    if op == "reduce":
-        fn, axis, keepdims = p
-        return REDUCE[fn][0](args[0], axis=list(axis) if isinstance(axis, tuple)
-                             else axis, keepdims=keepdims)
-    if op == "matmul":
-        return tf.matmul(args[0], args[1], transpose_a=p[0], transpose_b=p[1])
-    if op == "einsum":
-        return tf.einsum(p[0], *args)
-    if op == "reshape":
-        return tf.reshape(args[0], p[0])
-    if op == "transpose":
-        return tf.transpose(args[0], p[0])
-    if op == "slice":
-        return args[0][_tf_slices(p)]
-    if op == "gather":
-        return tf.gather(args[0], list(p[0]), axis=p[1])
-    if op == "concat":
-        return tf.concat(list(args), axis=p[0])
-    if op == "stack":
-        return tf.stack(list(args), axis=p[0])
-    if op == "cast_int":
-        return tf.cast(tf.cast(args[0], tf.int32), dtype)
-    if op == "stop_gradient":
-        return tf.stop_gradient(args[0])
-    if op == "to_float":
-        return tf.cast(args[0], dtype)
-    raise ValueError(op)
+    return OPS[node.op][0](args, node.params, dtype)
 
 
 def np_apply(node, args):
-    op, p = node.op, node.params
-    if op in UNARY:
-        return UNARY[op][1](args[0])
-    if op in BINARY:
-        return BINARY[op][1](args[0], args[1])
-    if op == "reduce":
-        fn, axis, keepdims = p
-        return np.asarray(REDUCE[fn][1](args[0], axis=axis, keepdims=keepdims))
-    if op == "matmul":
-        a = np.swapaxes(args[0], -1, -2) if p[0] else args[0]
-        b = np.swapaxes(args[1], -1, -2) if p[1] else args[1]
-        return np.matmul(a, b)
-    if op == "einsum":
-        return np.asarray(np.einsum(p[0], *args))
-    if op == "reshape":
-        return np.reshape(args[0], p[0])
-    if op == "transpose":
-        return np.transpose(args[0], p[0])
-    if op == "slice":
-        return np.asarray(args[0][_tf_slices(p)])
-    if op == "gather":
-        return np.take(args[0], list(p[0]), axis=p[1])
-    if op == "concat":
-        return np.concatenate(args, axis=p[0])
-    if op == "stack":
-        return np.stack(args, axis=p[0])
-    if op == "cast_int":
-        return np.trunc(args[0])
-    if op in ("stop_gradient", "to_float"):
-        return np.asarray(args[0], dtype=np.float64)
-    raise ValueError(op)
+    return np.asarray(OPS[node.op][1](args, node.params, None), dtype=np.float64)
 
 
 def _shape_of(node, arg_shapes):
@@ -1032,7 +1020,7 @@ class _Evaluator:
                     frozen = (v.wrap == "custom_b_none" and k == 1
                               and not _forward(self.p.mode))
                     args.append(self.base[a] if frozen and not base else vals[a])
-                vals.append(np.asarray(np_apply(v, args), dtype=np.float64))
+                vals.append(np_apply(v, args))
         return vals
 
     def value(self, i, overrides):
