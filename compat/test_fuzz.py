@@ -65,6 +65,8 @@ _PASSED = set()                    # programs already run and passed
 FAILING = ("fasttape wrong", "inconclusive", "exception types differ",
            "TF wrong (not a known difference)")
 KNOWN_TF_WRONG = "TF wrong (known: Variable into tf.function under an accumulator)"
+KNOWN_TF_WRONG_GATHER = ("TF wrong (known: forward-over-reverse of a gather in a "
+                         "tf.function)")
 KNOWN_FASTTAPE_FAULT = ("fasttape wrong (known: misfit seed through a skipped "
                         "scalar operand, test_misfit_seed_through_a_skipped_scalar_operand)")
 ORDER_ONLY = ("both raise, another type (several targets' gradients fail; "
@@ -107,18 +109,27 @@ def summary():
 
 
 def _known_tf_wrong(program, expected):
-    """TF raises ValueError ("variable without handle data") for a
-    ForwardAccumulator whose Variable primal is passed into a tf.function
-    (README; test_tf_differences.py)."""
-    if not (isinstance(expected, Raised) and isinstance(expected.exc, ValueError)
-            and "handle data" in str(expected.exc)):
-        return False
-    if not fuzz_programs._forward(program.mode):  # pylint: disable=protected-access
-        return False
-    primal_vars = {i for i in program.sources
-                   if program.values[i].kind == "var"}
-    return any(isinstance(v, fuzz_programs.Node) and v.wrap == "function"
-               and primal_vars.intersection(v.args) for v in program.values)
+    """The label of a known TF fault (test_tf_differences.py), or None:
+    TF raises ValueError ("variable without handle data") for a
+    ForwardAccumulator whose Variable primal is passed into a tf.function,
+    and AttributeError ("'IndexedSlices' object has no attribute '_id'")
+    for forward-over-reverse through a gather in a tf.function."""
+    if not (isinstance(expected, Raised)
+            and fuzz_programs._forward(program.mode)):  # pylint: disable=protected-access
+        return None
+    functions = [v for v in program.values
+                 if isinstance(v, Node) and v.wrap == "function"]
+    message = str(expected.exc)
+    if isinstance(expected.exc, ValueError) and "handle data" in message:
+        primal_vars = {i for i in program.sources
+                       if program.values[i].kind == "var"}
+        if any(primal_vars.intersection(v.args) for v in functions):
+            return KNOWN_TF_WRONG
+    if (isinstance(expected.exc, AttributeError) and "IndexedSlices" in message
+            and program.mode == "fwd_over_rev"
+            and any(v.op == "gather" for v in functions)):
+        return KNOWN_TF_WRONG_GATHER
+    return None
 
 
 def _known_fasttape_fault(program, runner, run, expected, actual):
@@ -203,8 +214,8 @@ def verdict_of(program, runner, run, expected, actual):
     verdict = fd.judge_results(expected, actual, lambda: runner.oracle(run),
                                rtol, atol, none_as_zeros=True)
     if verdict == "TF wrong":
-        return (KNOWN_TF_WRONG if _known_tf_wrong(program, expected)
-                else "TF wrong (not a known difference)")
+        return (_known_tf_wrong(program, expected)
+                or "TF wrong (not a known difference)")
     return verdict
 
 
@@ -255,11 +266,17 @@ def check(program):
 
 
 # Programs every profile runs first: what earlier fuzzing found.
-# The one known "TF wrong": a Variable primal passed into a tf.function.
+# Known "TF wrong": a Variable primal passed into a tf.function, and
+# forward-over-reverse through a gather in one.
 VARIABLE_INTO_FUNCTION = Program(
     dtype="float64", mode="jvp", targets=(2,), sources=(0,),
     values=(Input("var", (2,)), Node("sin", (0,), wrap="function"),
             Node("mul", (1, 0))))
+GATHER_IN_FUNCTION_FWD_OVER_REV = Program(
+    dtype="float32", mode="fwd_over_rev", targets=(2,), sources=(0,),
+    values=(Input("const", (1, 1)),
+            Node("gather", (0,), ((0,), 0), wrap="function"),
+            Node("sin", (1,))))
 # An unwatched constant source, a seed that does not fit (both raise
 # InvalidArgumentError; fasttape once returned [ones(2), None]).
 UNWATCHED_SOURCE_WRONG_SEED = Program(
@@ -282,6 +299,7 @@ MISFIT_SEED_SKIPPED_SCALAR = Program(
 @PROFILE
 @given(program=fuzz_programs.programs())
 @example(program=VARIABLE_INTO_FUNCTION)
+@example(program=GATHER_IN_FUNCTION_FWD_OVER_REV)
 @example(program=UNWATCHED_SOURCE_WRONG_SEED)
 @example(program=MISFIT_SEED_SKIPPED_SCALAR)
 def test_fuzz_tf_against_fasttape(program):

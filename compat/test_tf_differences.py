@@ -146,6 +146,37 @@ def test_accumulator_with_a_variable_passed_into_a_tf_function_issue_form():
     fd.tf_wrong_here(case, [np.array([[-0.878]])], tf_raises=ValueError)
 
 
+# -- found by the fuzzer: forward-over-reverse through a gather in a tf.function -
+
+def _gather_hvp_case(in_function):
+    def case(FA, GT):
+        x = tf.constant([[0.3], [-1.2]], tf.float64)
+
+        def take(v):
+            return tf.gather(v, [0], axis=0)
+        f = tf.function(take) if in_function else take
+        with FA(x, tf.constant([[1.0], [0.5]], tf.float64)) as acc:
+            with GT() as tape:
+                tape.watch(x)
+                y = tf.sin(f(x))
+            g = tf.convert_to_tensor(tape.gradient(y, x))
+        return [acc.jvp(g)]
+    return case
+
+
+def test_forward_over_reverse_of_a_gather_in_a_tf_function():
+    """The accumulator's JVP of the (densified) gradient of sin(gather(x)):
+    TF raises AttributeError ("'IndexedSlices' object has no attribute
+    '_id'") when the gather is in a tf.function; fasttape gives what TF gives
+    without the tf.function (an IndexedSlices JVP, as TF's)."""
+    x0 = np.array([[0.3], [-1.2]])
+    hvp = fd.jvp_oracle(lambda v: np.concatenate([np.cos(v[:1]), 0 * v[1:]]),
+                        [x0], [np.array([[1.0], [0.5]])])
+    fd.tf_wrong_here(_gather_hvp_case(True), [hvp], tf_raises=AttributeError)
+    eager = fd.run(_gather_hvp_case(False), "tf")
+    assert fd.matches(eager, [hvp], 1e-6, 1e-8), eager
+
+
 # -- item 4: forward-over-reverse through softmax_cross_entropy_with_logits -------
 #
 # Labels that depend on x: TF's JVP of the loss's gradient misses the
