@@ -67,6 +67,8 @@ FAILING = ("fasttape wrong", "inconclusive", "exception types differ",
 KNOWN_TF_WRONG = "TF wrong (known: Variable into tf.function under an accumulator)"
 KNOWN_TF_WRONG_GATHER = ("TF wrong (known: forward-over-reverse of a gather in a "
                          "tf.function)")
+KNOWN_TF_WRONG_JACOBIAN = ("TF wrong (known: jacobian of an untracked tensor by "
+                           "itself is None)")
 KNOWN_FASTTAPE_FAULT = ("fasttape wrong (known: misfit seed through a skipped "
                         "scalar operand, test_misfit_seed_through_a_skipped_scalar_operand)")
 ORDER_ONLY = ("both raise, another type (several targets' gradients fail; "
@@ -108,12 +110,19 @@ def summary():
     return "\n".join(lines)
 
 
-def _known_tf_wrong(program, expected):
+def _known_tf_wrong(program, runner, expected):
     """The label of a known TF fault (test_tf_differences.py), or None:
     TF raises ValueError ("variable without handle data") for a
     ForwardAccumulator whose Variable primal is passed into a tf.function,
     and AttributeError ("'IndexedSlices' object has no attribute '_id'")
-    for forward-over-reverse through a gather in a tf.function."""
+    for forward-over-reverse through a gather in a tf.function; TF's
+    jacobian of an untracked target by itself is None (its gradient gives
+    the seed)."""
+    target = program.targets[0]
+    if (program.mode in ("jacobian", "batch_jacobian")
+            and not isinstance(expected, Raised)
+            and target in program.sources and not runner.tracked()[target]):
+        return KNOWN_TF_WRONG_JACOBIAN
     if not (isinstance(expected, Raised)
             and fuzz_programs._forward(program.mode)):  # pylint: disable=protected-access
         return None
@@ -217,7 +226,7 @@ def verdict_of(program, runner, run, expected, actual):
     verdict = fd.judge_results(expected, actual, lambda: runner.oracle(run),
                                rtol, atol, none_as_zeros=True)
     if verdict == "TF wrong":
-        return (_known_tf_wrong(program, expected)
+        return (_known_tf_wrong(program, runner, expected)
                 or "TF wrong (not a known difference)")
     return verdict
 

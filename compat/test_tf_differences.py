@@ -177,6 +177,29 @@ def test_forward_over_reverse_of_a_gather_in_a_tf_function():
     assert fd.matches(eager, [hvp], 1e-6, 1e-8), eager
 
 
+# -- found by the fuzzer: the jacobian of an untracked tensor by itself ---------
+
+@pytest.mark.parametrize("use_pfor", [True, False], ids=["pfor", "loop"])
+def test_jacobian_of_an_untracked_tensor_by_itself(use_pfor):
+    """Nothing watched, y = sin(c): TF's gradient(y, [y]) gives ones (the
+    seed), but TF's jacobian(y, [y]) gives None (it slices y under the tape,
+    and an untracked y's slice is not recorded); fasttape gives the
+    identity, the finite differences' answer."""
+    def case(FA, GT):
+        c = tf.constant([0.7, 0.2], tf.float64)
+        with GT(persistent=True) as tape:
+            y = tf.sin(c)
+        return tape.jacobian(y, [y], experimental_use_pfor=use_pfor)
+    fd.tf_wrong_here(case, [np.eye(2)])
+
+    def gradient_case(FA, GT):
+        c = tf.constant([0.7, 0.2], tf.float64)
+        with GT() as tape:
+            y = tf.sin(c)
+        return tape.gradient(y, [y])
+    assert fd.matches(fd.run(gradient_case, "tf"), [np.ones(2)], 0, 0)
+
+
 # -- item 4: forward-over-reverse through softmax_cross_entropy_with_logits -------
 #
 # Labels that depend on x: TF's JVP of the loss's gradient misses the
