@@ -838,8 +838,11 @@ class Runner:
                     out.append(v.kind != "int" and v.watched)
             else:
                 # TF records neither StopGradient (no gradient) nor the
-                # int->float cast (an int input is never watched)
-                out.append(v.op not in FROZEN_OPS and any(out[a] for a in v.args))
+                # int->float cast (an int input is never watched); a
+                # tf.function around them is recorded (its output tracked,
+                # its gradient zero)
+                out.append((v.op not in FROZEN_OPS or v.wrap == "function")
+                           and any(out[a] for a in v.args))
         return out
 
     def ancestors(self, targets):
