@@ -868,12 +868,15 @@ class Runner:
 
     def oracle(self, run):
         """The float64 finite-difference answer, a nest shaped like the
-        case's result (None: the program is invalid, no oracle)."""
+        case's result (None: the program is invalid, or its inputs sit on a
+        tie of a maximum / minimum, where finite differences mislead)."""
         p = self.p
         if p.seeds.startswith("wrong"):
             return None
         inputs, seeds, tangents = self.data(run)
         ev = _Evaluator(p, inputs, self.tracked())
+        if ev.on_a_kink:
+            return None
         shapes = self.shapes()
         mode = p.mode
 
@@ -976,6 +979,21 @@ def _function(node, dtype):
     return tf.function(lambda *args: tf_apply(node, args, dtype))
 
 
+def _tie(node, args):
+    """Does a maximum / minimum (elementwise or reduced) compare equal
+    values here? There central differences split the derivative where TF
+    gives it to one side: no oracle."""
+    if node.op in ("maximum", "minimum"):
+        a, b = np.broadcast_arrays(*args)
+        return bool(np.any(a == b))
+    if node.op == "reduce" and node.params[0] in ("max", "min"):
+        x, axis = args[0], node.params[1]
+        pick = np.max if node.params[0] == "max" else np.min
+        best = pick(x, axis=axis, keepdims=True)
+        return bool(np.any(np.sum(x == best, axis=axis) > 1))
+    return False
+
+
 def _custom(node, dtype):
     """node's op under tf.custom_gradient, with a hand-written gradient
     (custom_b_none: None for the second argument)."""
@@ -1007,6 +1025,8 @@ class _Evaluator:
         self.inputs = inputs
         self.tracked = tracked
         self.base = self._eval({}, base=True)
+        self.on_a_kink = any(_tie(v, [self.base[a] for a in v.args])
+                             for v in program.values if isinstance(v, Node))
 
     def _eval(self, overrides, base=False):
         vals = []

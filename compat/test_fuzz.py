@@ -65,8 +65,8 @@ _PASSED = set()                    # programs already run and passed
 FAILING = ("fasttape wrong", "inconclusive", "exception types differ",
            "TF wrong (not a known difference)")
 KNOWN_TF_WRONG = "TF wrong (known: Variable into tf.function under an accumulator)"
-KNOWN_TF_WRONG_GATHER = ("TF wrong (known: forward-over-reverse of a gather in a "
-                         "tf.function)")
+KNOWN_TF_WRONG_GATHER = ("TF wrong (known: forward-over-reverse, a gather's "
+                         "IndexedSlices into a tf.function's backward)")
 KNOWN_TF_WRONG_JACOBIAN = ("TF wrong (known: jacobian of an untracked tensor by "
                            "itself is None)")
 KNOWN_FASTTAPE_FAULT = ("fasttape wrong (known: misfit seed through a skipped "
@@ -115,7 +115,8 @@ def _known_tf_wrong(program, runner, expected):
     TF raises ValueError ("variable without handle data") for a
     ForwardAccumulator whose Variable primal is passed into a tf.function,
     and AttributeError ("'IndexedSlices' object has no attribute '_id'")
-    for forward-over-reverse through a gather in a tf.function; TF's
+    for forward-over-reverse where a gather's gradient meets a tf.function's
+    backward (test_forward_over_reverse_of_a_gather_and_a_tf_function); TF's
     jacobian of an untracked target by itself is None (its gradient gives
     the seed)."""
     target = program.targets[0]
@@ -135,8 +136,9 @@ def _known_tf_wrong(program, runner, expected):
         if any(primal_vars.intersection(v.args) for v in functions):
             return KNOWN_TF_WRONG
     if (isinstance(expected.exc, AttributeError) and "IndexedSlices" in message
-            and program.mode == "fwd_over_rev"
-            and any(v.op == "gather" for v in functions)):
+            and program.mode == "fwd_over_rev" and functions
+            and any(isinstance(v, Node) and v.op == "gather"
+                    for v in program.values)):
         return KNOWN_TF_WRONG_GATHER
     return None
 

@@ -146,34 +146,44 @@ def test_accumulator_with_a_variable_passed_into_a_tf_function_issue_form():
     fd.tf_wrong_here(case, [np.array([[-0.878]])], tf_raises=ValueError)
 
 
-# -- found by the fuzzer: forward-over-reverse through a gather in a tf.function -
+# -- found by the fuzzer: forward-over-reverse, IndexedSlices into a tf.function -
 
-def _gather_hvp_case(in_function):
+def _gather_hvp_case(where):
     def case(FA, GT):
         x = tf.constant([[0.3], [-1.2]], tf.float64)
 
         def take(v):
             return tf.gather(v, [0], axis=0)
-        f = tf.function(take) if in_function else take
+
+        def scale(v):
+            return v * 1.0
         with FA(x, tf.constant([[1.0], [0.5]], tf.float64)) as acc:
             with GT() as tape:
                 tape.watch(x)
-                y = tf.sin(f(x))
+                if where == "gather in the function":
+                    y = tf.sin(tf.function(take)(x))
+                elif where == "gather after the function":
+                    y = tf.sin(take(tf.function(scale)(x)))
+                else:
+                    y = tf.sin(take(scale(x)))
             g = tf.convert_to_tensor(tape.gradient(y, x))
         return [acc.jvp(g)]
     return case
 
 
-def test_forward_over_reverse_of_a_gather_in_a_tf_function():
-    """The accumulator's JVP of the (densified) gradient of sin(gather(x)):
-    TF raises AttributeError ("'IndexedSlices' object has no attribute
-    '_id'") when the gather is in a tf.function; fasttape gives what TF gives
-    without the tf.function (an IndexedSlices JVP, as TF's)."""
+@pytest.mark.parametrize("where", ["gather in the function",
+                                   "gather after the function"])
+def test_forward_over_reverse_of_a_gather_and_a_tf_function(where):
+    """The accumulator's JVP of the (densified) gradient of sin(gather(x)),
+    where the gather's IndexedSlices gradient meets a tf.function's backward
+    (the gather inside it, or after it): TF raises AttributeError
+    ("'IndexedSlices' object has no attribute '_id'"); fasttape gives what
+    TF gives without the tf.function."""
     x0 = np.array([[0.3], [-1.2]])
     hvp = fd.jvp_oracle(lambda v: np.concatenate([np.cos(v[:1]), 0 * v[1:]]),
                         [x0], [np.array([[1.0], [0.5]])])
-    fd.tf_wrong_here(_gather_hvp_case(True), [hvp], tf_raises=AttributeError)
-    eager = fd.run(_gather_hvp_case(False), "tf")
+    fd.tf_wrong_here(_gather_hvp_case(where), [hvp], tf_raises=AttributeError)
+    eager = fd.run(_gather_hvp_case("no function"), "tf")
     assert fd.matches(eager, [hvp], 1e-6, 1e-8), eager
 
 
