@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 import fd
 import fuzz_programs
 import harness
-from fasttape import _compiled, _tf_vspace
+from fasttape import _compiled
 from fuzz_programs import Input, Node, Program
 from harness import Raised
 
@@ -69,8 +69,6 @@ KNOWN_TF_WRONG_GATHER = ("TF wrong (known: forward-over-reverse, a gather's "
                          "IndexedSlices into a tf.function's backward)")
 KNOWN_TF_WRONG_JACOBIAN = ("TF wrong (known: jacobian of an untracked tensor by "
                            "itself is None)")
-KNOWN_FASTTAPE_FAULT = ("fasttape wrong (known: misfit seed through a skipped "
-                        "scalar operand, test_misfit_seed_through_a_skipped_scalar_operand)")
 ORDER_ONLY = ("both raise, another type (several targets' gradients fail; "
               "which runs first differs)")
 KNOWN_TF_LEAK = ("TF wrong (known: misfit seed, its failed aggregation leaks "
@@ -143,31 +141,6 @@ def _known_tf_wrong(program, runner, expected):
     return None
 
 
-def _known_fasttape_fault(program, runner, run, expected, actual):
-    """fasttape's fast rules for Add/Sub/Mul lack TF's shortcut for a
-    skipped scalar second operand (``return grad, None``): a seed that does
-    not fit its target comes back reshaped to the source where eager TF
-    hands it through unchanged, or, where it meets another gradient, fails
-    to aggregate (test_misfit_seed_through_a_skipped_scalar_operand*).
-    Matched exactly: a wrong-shape seed, such an op in the program, and
-    parity once fasttape runs without its fast rules."""
-    if not program.seeds.startswith("wrong_shape") or isinstance(expected, Raised):
-        return False
-    shapes, tracked = runner.shapes(), runner.tracked()
-    if not any(isinstance(v, Node) and v.op in ("add", "sub", "mul")
-               and shapes[v.args[1]] == () and not tracked[v.args[1]]
-               and v.args[1] not in program.sources for v in program.values):
-        return False
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_tf_vspace, "FAST_GRADS", {})
-        without = fd.run(runner.case(run), "fasttape")
-    try:
-        harness.assert_same(expected, without)
-    except AssertionError:
-        return False
-    return True
-
-
 def _known_tf_leak(program, run, expected, actual):
     """A seed that does not fit makes TF's aggregation (AddN) fail in C++,
     and TF carries on with the error still set: it surfaces in the next
@@ -228,8 +201,6 @@ def verdict_of(program, runner, run, expected, actual):
         return "agree"
     except AssertionError:
         pass
-    if _known_fasttape_fault(program, runner, run, expected, actual):
-        return KNOWN_FASTTAPE_FAULT
     rtol, atol = runner.tolerance()
     verdict = fd.judge_results(expected, actual, lambda: runner.oracle(run),
                                rtol, atol, none_as_zeros=True)
@@ -306,8 +277,8 @@ UNWATCHED_SOURCE_WRONG_SEED = Program(
             Node("add", (1, 0))))
 
 
-# A misfit seed through x + c with c an unwatched scalar: the known
-# fasttape fault (KNOWN_FASTTAPE_FAULT).
+# A misfit seed through x + c with c an unwatched scalar: TF's gradient hands
+# the seed through unchanged (fasttape's fast rules once reduced it).
 MISFIT_SEED_SKIPPED_SCALAR = Program(
     dtype="float32", mode="gradient", targets=(2,), sources=(0,),
     seeds="wrong_shape:prepend",
@@ -356,13 +327,6 @@ def test_unwatched_source_with_wrong_seed():
             expected.exc, tf.errors.InvalidArgumentError), expected
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fasttape fault: its fast rules for Add/AddV2, Sub and Mul lack TF's "
-    "shortcut for a skipped scalar second operand (`if 1 in "
-    "skip_input_indices and _IsScalar(y): return grad, None`; Mul: "
-    "grad * conj(y)), so a seed that does not fit comes back reduced to x's "
-    "shape where eager TF returns it unchanged. Not fixed in the test layer: "
-    "fasttape/_fast_grads.py"))
 @pytest.mark.parametrize("op", [tf.add, tf.subtract, tf.multiply],
                          ids=["add", "sub", "mul"])
 def test_misfit_seed_through_a_skipped_scalar_operand(op):
@@ -382,10 +346,6 @@ def test_misfit_seed_through_a_skipped_scalar_operand(op):
     assert expected[0].shape == (1, 1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fasttape fault (as test_misfit_seed_through_a_skipped_scalar_operand): "
-    "the Mul fast rule reduces the misfit seed to x's shape, which then "
-    "cannot be aggregated with the target's own (1,) seed"))
 def test_misfit_seed_through_a_skipped_scalar_operand_then_aggregated():
     """x scalar watched, y = x * 2.0, gradient([y, x], [x]) with (1,) seeds:
     TF returns a (1,) gradient; fasttape raised InvalidArgumentError

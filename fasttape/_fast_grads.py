@@ -136,8 +136,21 @@ class _NotApplicable(Exception):
     pass
 
 
+def _skipped_scalar_y(op, skip):
+    """TF's shortcut in _AddGrad, _SubGrad and _MulGrad: when y's gradient is
+    not needed and y is a scalar, x's gradient is the incoming one (times y
+    for Mul) with no reduction, so a gradient that does not fit x is
+    returned as it is, not reduced to x's shape."""
+    if 1 not in skip:
+        return False
+    y = op.inputs[1]
+    return y is not None and _shape(y) == ()
+
+
 @fast_rule("Add", "AddV2")
 def _add(op, g, skip):
+    if _skipped_scalar_y(op, skip):
+        return [g[0], None]
     x, y, sx, sy, (ax, ay) = _binary_shapes(op)
     return [None if 0 in skip else _reduce_to(g[0], sx, ax),
             None if 1 in skip else _reduce_to(g[0], sy, ay)]
@@ -145,6 +158,8 @@ def _add(op, g, skip):
 
 @fast_rule("Sub")
 def _sub(op, g, skip):
+    if _skipped_scalar_y(op, skip):
+        return [g[0], None]
     x, y, sx, sy, (ax, ay) = _binary_shapes(op)
     return [None if 0 in skip else _reduce_to(g[0], sx, ax),
             None if 1 in skip else _reduce_to(_ex("Neg", g[0]), sy, ay)]
@@ -152,6 +167,8 @@ def _sub(op, g, skip):
 
 @fast_rule("Mul")
 def _mul(op, g, skip):
+    if _skipped_scalar_y(op, skip):
+        return [_ex("Mul", g[0], op.inputs[1]), None]
     x, y, sx, sy, (ax, ay) = _binary_shapes(op)
     return [None if 0 in skip else _reduce_to(_ex("Mul", g[0], y), sx, ax),
             None if 1 in skip else _reduce_to(_ex("Mul", x, g[0]), sy, ay)]
