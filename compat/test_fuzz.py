@@ -207,6 +207,12 @@ def verdict_of(program, runner, run, expected, actual):
     if verdict == "TF wrong":
         return (_known_tf_wrong(program, runner, expected)
                 or "TF wrong (not a known difference)")
+    if verdict == "inconclusive" and isinstance(expected, Raised):
+        # TF raises one of its known faults where the oracle abstains (a
+        # tie of maximum/minimum): counted apart, not a failure.
+        known = _known_tf_wrong(program, runner, expected)
+        if known is not None:
+            return known + ", oracle abstains"
     return verdict
 
 
@@ -286,6 +292,16 @@ MISFIT_SEED_SKIPPED_SCALAR = Program(
             Node("add", (0, 1))))
 
 
+# The known Variable-into-tf.function fault where the oracle abstains (a tie
+# of maximum between two equal sin(v0)); found by a long run.
+VARIABLE_INTO_FUNCTION_TIE = Program(
+    dtype="float32", mode="jvp", targets=(6,), sources=(0,), seeds="ones",
+    unconnected="none", second_targets=(), pfor=False, seed=0,
+    values=(Input("var", (1,)), Node("sin", (0,), (), "function"),
+            Node("gather", (1,), ((0, 0), 0)), Node("sin", (0,)),
+            Node("sin", (3,)), Node("sin", (0,)), Node("maximum", (2, 5))))
+
+
 @pytest.mark.usefixtures("fresh_tf_jvp_traces", "compiled_cache")
 @PROFILE
 @given(program=fuzz_programs.programs())
@@ -293,6 +309,7 @@ MISFIT_SEED_SKIPPED_SCALAR = Program(
 @example(program=GATHER_IN_FUNCTION_FWD_OVER_REV)
 @example(program=UNWATCHED_SOURCE_WRONG_SEED)
 @example(program=MISFIT_SEED_SKIPPED_SCALAR)
+@example(program=VARIABLE_INTO_FUNCTION_TIE)
 def test_fuzz_tf_against_fasttape(program):
     if program in _PASSED:
         # Another draw gave the same program: rejected, so that examples
