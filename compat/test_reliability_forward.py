@@ -165,6 +165,35 @@ def test_accumulator_over_eager_resource_gather():
     fwd_parity(case)
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 1), (3, 2)])
+def test_forward_over_reverse_of_tanh_then_gather(shape):
+    """Found by the fuzzer: the gather's IndexedSlices gradient, densified
+    into TanhGrad, has an IndexedSlices tangent; fasttape seeded its
+    transposition of TanhGrad's gradient with it, and _TanhGradGrad cannot
+    multiply IndexedSlices (TypeError). TF gives the Hessian-vector product,
+    as do finite differences."""
+    x0 = np.linspace(-0.8, 0.9, int(np.prod(shape))).reshape(shape)
+    v0 = np.ones(shape)
+
+    def case(FA, GT):
+        x = tf.constant(x0, tf.float64)
+        with FA(x, tf.constant(v0, tf.float64)) as acc:
+            with GT() as tape:
+                tape.watch(x)
+                y = tf.reduce_sum(tf.sin(tf.gather(tf.tanh(x), [0], axis=0)))
+            g = tape.gradient(y, x)
+        return acc.jvp(g)
+    fwd_parity(case)
+
+    def grad_np(x):
+        g = np.zeros_like(x)
+        t = np.tanh(x[:1])
+        g[:1] = np.cos(t) * (1 - t ** 2)
+        return g
+    assert fd.matches(fd.run(case, "fasttape"),
+                      fd.jvp_oracle(grad_np, [x0], [v0]), 1e-6, 1e-8)
+
+
 # -- fault 11: control flow inside a tf.function, accumulator inside too -------
 
 def test_accumulator_inside_tf_function_around_cond():

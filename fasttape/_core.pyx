@@ -105,7 +105,8 @@ cdef class VSpace:
         return self.ones_like(meta)
 
     def transposable(self, grad):
-        """A gradient the forward fallback transposes, as a plain tensor
+        """A gradient the forward fallback transposes, or a tangent it seeds
+        the transposition with, as a plain tensor
         whose id the inner tape knows (e.g. sparse gradients made dense).
         Runs while the inner tape records, so its ops are transposed too."""
         return grad
@@ -1148,7 +1149,9 @@ cdef class ForwardAccumulatorCore:
             if grads[k] is None or in_tangents[k] is None:
                 continue
             targets.append(vspace.tensor_id(grads[k]))
-            used.append(in_tangents[k])
+            # made dense too: a gradient function under the inner tape may
+            # not take an IndexedSlices gradient (TanhGrad's, say)
+            used.append(vspace.transposable(in_tangents[k]))
         if not targets:
             return [None] * len(output_meta)
         # Zeros for missing output gradients, as TF's Python JVP helper gets
