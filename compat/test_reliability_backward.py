@@ -337,6 +337,25 @@ def test_unwatched_source_read_by_a_recorded_op(name, mode):
         _parity(case)
 
 
+# -- found by the fuzzer: RealDiv's gradient computes both inputs' gradients -------
+
+@pytest.mark.parametrize("seed_shape", [(), (2,), (1,), (1, 1, 2)])
+def test_misfit_seed_through_realdiv_with_an_unwatched_numerator(seed_shape):
+    """TF's _RealDivGrad ignores skip_input_indices: with x never watched and
+    a seed that does not fit z = x / y, reducing x's gradient raises
+    InvalidArgumentError; fasttape's fast rule skipped x and returned y's."""
+    def case(Tape):
+        x = tf.constant([[[0.5, -1.0]]])
+        y = tf.constant(0.7)
+        with Tape() as t:
+            t.watch(y)
+            z = x / y
+        return t.gradient(z, [y], output_gradients=tf.ones(seed_shape))
+    if seed_shape != (1, 1, 2):
+        assert isinstance(run_case(case, "tf"), Raised)
+    _parity(case)
+
+
 # -- fault 5: ones/zeros caches bounded as TF's ------------------------------------------
 
 def _eager_bytes():

@@ -16,6 +16,7 @@ agree bit for bit; compat/test_fast_grads.py proves each one against TF's.
 """
 
 from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+import numpy as np
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context
 from tensorflow.python.framework import constant_op
@@ -177,6 +178,17 @@ def _mul(op, g, skip):
 @fast_rule("RealDiv")
 def _real_div(op, g, skip):
     x, y, sx, sy, (ax, ay) = _binary_shapes(op)
+    if 0 in skip or 1 in skip:
+        # TF's _RealDivGrad ignores skip_input_indices: it computes (and
+        # reduces) both gradients, so a gradient that does not fit the
+        # output fails even for an input nobody needs. Such a gradient goes
+        # to TF's function; one that fits cannot fail, so skipping is safe.
+        try:
+            fits = _shape(g[0]) == tuple(np.broadcast_shapes(sx, sy))
+        except (TypeError, ValueError):
+            fits = False
+        if not fits:
+            return None
     gx = None if 0 in skip else _reduce_to(_ex("RealDiv", g[0], y), sx, ax)
     gy = None
     if 1 not in skip:
