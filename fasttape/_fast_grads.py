@@ -63,6 +63,7 @@ def clear_caches():
     """Drop the cached constants (eager tensors) and reduction axes."""
     _const_cache.clear()
     _grad_axes_cache.clear()
+    _broadcast_cache.clear()
 
 
 def _attr(op, name):
@@ -112,6 +113,24 @@ def _grad_axes(sx, sy):
             _grad_axes_cache.clear()
         _grad_axes_cache[key] = axes
     return axes
+
+
+_broadcast_cache = {}
+
+
+def _broadcast_shape(sx, sy):
+    """The output shape of a broadcasting binary op (cached, as the axes)."""
+    key = (sx, sy)
+    shape = _broadcast_cache.get(key)
+    if shape is None:
+        try:
+            shape = tuple(np.broadcast_shapes(sx, sy))
+        except (TypeError, ValueError):
+            shape = False
+        if len(_broadcast_cache) > 4096:
+            _broadcast_cache.clear()
+        _broadcast_cache[key] = shape
+    return shape
 
 
 def _reduce_to(g, shape, axes):
@@ -183,11 +202,7 @@ def _real_div(op, g, skip):
         # reduces) both gradients, so a gradient that does not fit the
         # output fails even for an input nobody needs. Such a gradient goes
         # to TF's function; one that fits cannot fail, so skipping is safe.
-        try:
-            fits = _shape(g[0]) == tuple(np.broadcast_shapes(sx, sy))
-        except (TypeError, ValueError):
-            fits = False
-        if not fits:
+        if _shape(g[0]) != _broadcast_shape(sx, sy):
             return None
     gx = None if 0 in skip else _reduce_to(_ex("RealDiv", g[0], y), sx, ax)
     gy = None
