@@ -22,6 +22,7 @@ checks the oracle where both agree (counted only).
 
 import collections
 import dataclasses
+import functools
 import os
 
 import pytest
@@ -71,6 +72,8 @@ KNOWN_TF_WRONG_JACOBIAN = ("TF wrong (known: jacobian of an untracked tensor by 
                            "itself is None)")
 ORDER_ONLY = ("both raise, another type (several targets' gradients fail; "
               "which runs first differs)")
+ROUNDING = ("both match the oracle (they differ by less than it resolves: "
+            "rounding)")
 KNOWN_TF_LEAK = ("TF wrong (known: misfit seed, its failed aggregation leaks "
                  "into its next call, test_tf_leaks_a_failed_aggregation_*)")
 
@@ -202,8 +205,15 @@ def verdict_of(program, runner, run, expected, actual):
     except AssertionError:
         pass
     rtol, atol = runner.tolerance()
-    verdict = fd.judge_results(expected, actual, lambda: runner.oracle(run),
-                               rtol, atol, none_as_zeros=True)
+    oracle = functools.lru_cache(maxsize=None)(lambda: runner.oracle(run))
+    verdict = fd.judge_results(expected, actual, oracle, rtol, atol,
+                               none_as_zeros=True)
+    if verdict == "inconclusive" and oracle() is not None and all(
+            fd.matches(r, oracle(), rtol, atol, none_as_zeros=True)
+            for r in (expected, actual)):
+        # e.g. float32 second derivatives that cancel to 0: TF leaves 0,
+        # fasttape's summation order -1e-6
+        return ROUNDING
     if verdict == "TF wrong":
         return (_known_tf_wrong(program, runner, expected)
                 or "TF wrong (not a known difference)")
