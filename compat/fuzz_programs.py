@@ -875,7 +875,8 @@ class Runner:
             return None
         inputs, seeds, tangents = self.data(run)
         ev = _Evaluator(p, inputs, self.tracked())
-        if ev.on_a_kink:
+        path = self.ancestors(p.targets + p.second_targets)
+        if ev.on_a_kink([i for i in path if ev.tracked[i]]):
             return None
         shapes = self.shapes()
         mode = p.mode
@@ -1025,8 +1026,11 @@ class _Evaluator:
         self.inputs = inputs
         self.tracked = tracked
         self.base = self._eval({}, base=True)
-        self.on_a_kink = any(_tie(v, [self.base[a] for a in v.args])
-                             for v in program.values if isinstance(v, Node))
+
+    def on_a_kink(self, nodes):
+        """Does one of these (differentiated) nodes sit on a tie here?"""
+        return any(_tie(self.p.values[i], [self.base[a] for a in self.p.values[i].args])
+                   for i in nodes if isinstance(self.p.values[i], Node))
 
     def _eval(self, overrides, base=False):
         vals = []
