@@ -862,6 +862,9 @@ class Runner:
         seed comes back as it is; TF's tape.h, measured)."""
         if s not in targets:
             return False
+        v = self.p.values[s]
+        if isinstance(v, Input) and v.kind == "var":
+            return True     # ops read its value, never its handle (the source)
         up = self.ancestors(targets)
         return not any(isinstance(v, Node) and tracked[i] and s in v.args
                        for i, v in enumerate(self.p.values) if i in up)
