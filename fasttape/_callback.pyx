@@ -19,9 +19,11 @@ from tensorflow.python.eager import backprop_util
 from tensorflow.python.eager import context
 from tensorflow.python.eager import tape as tf_tape
 from tensorflow.python.framework import errors_impl
+from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import resource_variable_ops
 
+cimport cython
 from cpython.object cimport PyObject
 
 from fasttape._core cimport GradientTapeCore, ForwardAccumulatorCore
@@ -138,8 +140,10 @@ class State(threading.local):
         self.tapes = []            # recording TapeStates, innermost last
         self.accumulators = []     # recording AccumulatorStates
         self.in_callback = False   # re-entry guard
-        self.callback_added = False   # this thread uses fasttape's op callback
-        self.callback_list = None     # ...through this TF callback list
+        # The fast-path wrapper lets TF's C++ convert an op's Python-value
+        # inputs and hands the op to TF's op-callback machinery for that one
+        # call (see _capture): set while that call runs.
+        self.capturing = False
         # While an accumulator computes a JVP: only tapes older than it
         # (nesting id < nesting_limit), accumulators not younger (<=), and
         # whatever is pushed during the computation (nesting id >
@@ -242,9 +246,11 @@ def record(op_type, inputs, outputs, int kind, attrs=None, backward=None,
 
 
 cdef int _record(st, op_type, inputs, outputs, int kind, attrs, backward,
-                 forward, bint to_tapes, bint to_accumulators) except -1:
+                 forward, bint to_tapes, bint to_accumulators,
+                 list ids=None) except -1:
     cdef long long limit = st.nesting_limit
-    cdef list ids = _ids(inputs)
+    if ids is None:
+        ids = _ids(inputs)
     cdef list tapes = None
     cdef list accs = None
     cdef TapeState ts
@@ -368,8 +374,11 @@ cdef _tangent_shape_error(acc, op_type, inputs, exc):
 
 
 def op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
-    """TF's op callback: fires for every eager op (fast path and fallback)
-    and every op built while tracing."""
+    """Records one op given as TF's op callbacks see it. Called for the ops
+    no wrapped fast path records: the fallback path (``execute.execute``),
+    graph ops built while tracing (``op_def_library._apply_op_helper``,
+    pfor's ``_create_op``) and a fast-path op with Python-value inputs
+    (through TF's callback list, for that one call: see _capture)."""
     st = state
     if not st.tapes and not st.accumulators:
         return None
@@ -411,7 +420,8 @@ cdef object _read(v):
     """v.value(), minus its Python layers for a plain ResourceVariable: tell
     the tapes (TF's and fasttape's) it was read, as
     resource_variable_ops.variable_accessed does, then run ReadVariableOp
-    through the raw fast path, where the op callback records it."""
+    through the raw fast path and record it as TF's op callback would have
+    seen it."""
     if type(v) is not _ResourceVariable or v._caching_device is not None \
             or v._cached_value is not None:
         return v.value()
@@ -426,18 +436,12 @@ cdef object _read(v):
             for tp in <list>state.tapes:
                 if (<TapeState>tp).watch_accessed_variables:
                     (<TapeState>tp).watch_variable(var)
-    return _RAW_FAST_PATH(context._context, "ReadVariableOp", None, v.handle,
-                          "dtype", v._dtype)
-
-
-def fast_path_reading_variables(*args):
-    """TFE_Py_FastPathExecute while a fasttape tape records somewhere: on a
-    recording thread, Variables among the arguments are read here, where the
-    read is seen (TF reads them inside C++, where no op callback fires)."""
-    st = state
-    if (st.tapes or st.accumulators) and not _is_stopped():
-        args = read_variables(args)
-    return _RAW_FAST_PATH(*args)
+    handle = v.handle
+    dtype = v._dtype
+    value = _RAW_FAST_PATH(context._context, "ReadVariableOp", None, handle,
+                           "dtype", dtype)
+    op_callback("ReadVariableOp", (handle,), ("dtype", dtype), [value])
+    return value
 
 
 def read_variables(tuple args):
@@ -457,6 +461,245 @@ def read_variables(tuple args):
             out = list(args)
         out[i] = value
     return args if out is None else out
+
+
+# -- recording from the fast path -------------------------------------------------
+#
+# TFE_Py_FastPathExecute(ctx, op_name, name, *inputs, *attr_name_value_pairs).
+# While any op callback is registered, TF's C++ fast path builds, per op,
+# Python objects for every inferred attr and a tuple of the converted inputs,
+# and calls each callback (about +0.7 us per small op before the callback
+# does anything). fasttape registers none: its wrapper of the fast path
+# records the op itself, from the arguments and an OpDef layout cached per op
+# type, building the attrs TF's callback would have been given:
+# the non-inferred attrs as passed, then per input argument, in order, the
+# attrs inferred from it (N and T of a homogeneous list, the type list of a
+# heterogeneous one, T of a single input), dtypes as DataType enums.
+
+cdef enum:
+    _SINGLE = 0
+    _NUMBER_LIST = 1
+    _TYPE_LIST = 2
+cdef Py_ssize_t _INPUT_START = 3
+
+
+@cython.final
+cdef class _Layout:
+    """An op type's OpDef, as the fast-path recorder reads its arguments."""
+    cdef Py_ssize_t n_in            # input arguments
+    cdef tuple kinds                # per input argument: _SINGLE, _NUMBER_LIST, _TYPE_LIST
+    cdef tuple type_attrs           # per input argument: its type attr, or None (fixed type)
+    cdef tuple list_attrs           # per input argument: its number or type-list attr, or None
+    cdef bint all_single            # no list inputs
+    cdef tuple out_lists            # per output argument: a list?
+
+    def __init__(self, op_def):
+        kinds, type_attrs, list_attrs = [], [], []
+        for arg in op_def.input_arg:
+            if arg.number_attr:
+                kinds.append(_NUMBER_LIST)
+                list_attrs.append(arg.number_attr)
+            elif arg.type_list_attr:
+                kinds.append(_TYPE_LIST)
+                list_attrs.append(arg.type_list_attr)
+            else:
+                kinds.append(_SINGLE)
+                list_attrs.append(None)
+            type_attrs.append(arg.type_attr or None)
+        self.n_in = len(kinds)
+        self.kinds = tuple(kinds)
+        self.type_attrs = tuple(type_attrs)
+        self.list_attrs = tuple(list_attrs)
+        self.all_single = all(k == _SINGLE for k in kinds)
+        self.out_lists = tuple([bool(a.number_attr or a.type_list_attr)
+                                for a in op_def.output_arg])
+
+
+cdef dict _layouts = {}     # op type -> _Layout, or False (not in TF's registry)
+
+
+cdef object _layout(op_name):
+    layout = _layouts.get(op_name)
+    if layout is None:
+        op_def = op_def_registry.get(op_name) if type(op_name) is str else None
+        layout = _Layout(op_def) if op_def is not None else False
+        _layouts[op_name] = layout
+    return layout
+
+
+def clear_layouts():
+    """Forget the cached OpDef layouts (fasttape.clear_caches)."""
+    _layouts.clear()
+
+
+cdef inline bint _eager(t):
+    return type(t) is _EagerTensor
+
+
+def fast_path_execute(*args):
+    """TFE_Py_FastPathExecute while a fasttape tape records somewhere. On a
+    recording thread: Variables among the inputs are read here, where the
+    read is seen (TF reads them inside C++, where nothing else would), and
+    the op is recorded from its arguments once it has run."""
+    st = state
+    if (not st.tapes and not st.accumulators) or _is_stopped():
+        return _RAW_FAST_PATH(*args)
+    op_name = args[1]
+    layout = _layout(op_name)
+    if layout is False:
+        return _capture(st, read_variables(args))
+    cdef _Layout lay = <_Layout>layout
+    cdef Py_ssize_t n_in = lay.n_in, i
+    if len(args) < _INPUT_START + n_in:
+        return _RAW_FAST_PATH(*args)    # TF raises its own error
+    cdef list inputs = []
+    cdef list ids = []
+    cdef bint converted = False         # some input TF's C++ will convert
+    cdef list new_args = None
+    cdef int kind
+    for i in range(n_in):
+        a = args[_INPUT_START + i]
+        kind = lay.kinds[i]
+        if kind == _SINGLE:
+            if not _eager(a):
+                if _is_variable(a):
+                    a = _read(a)
+                    if new_args is None:
+                        new_args = list(args)
+                    new_args[_INPUT_START + i] = a
+                else:
+                    converted = True
+                    continue
+            inputs.append(a)
+            ids.append(a._id)
+        elif type(a) is list or type(a) is tuple:
+            if any([_is_variable(x) for x in a]):
+                a = [_read(x) if _is_variable(x) else x for x in a]
+                if new_args is None:
+                    new_args = list(args)
+                new_args[_INPUT_START + i] = a
+            for x in a:
+                if _eager(x):
+                    inputs.append(x)
+                    ids.append(x._id)
+                else:
+                    converted = True
+        else:
+            converted = True            # TF converts it (or raises)
+    if new_args is not None:
+        args = tuple(new_args)
+    if st.in_callback or not _may_record(st, ids):
+        # (An input TF converts is a new tensor no tape watches.)
+        return _RAW_FAST_PATH(*args)
+    if converted:
+        return _capture(st, args)
+    result = _RAW_FAST_PATH(*args)
+    cdef list outputs
+    cdef tuple out_lists = lay.out_lists
+    if len(out_lists) == 1:
+        outputs = list(result) if out_lists[0] else [result]
+    elif not out_lists:
+        return result
+    else:
+        outputs = []
+        for i in range(len(out_lists)):
+            if out_lists[i]:
+                outputs.extend(result[i])
+            else:
+                outputs.append(result[i])
+    if not outputs:
+        return result
+    attrs = _attrs(lay, args, inputs)
+    st.in_callback = True
+    try:
+        _record(st, op_name, inputs, outputs, EAGER_OP, attrs, None, None,
+                True, True, ids)
+    finally:
+        st.in_callback = False
+    return result
+
+
+cdef tuple _attrs(_Layout lay, tuple args, list inputs):
+    """The attrs TF's C++ fast path gives its op callbacks (see
+    RunCallbacks in pywrap_tfe_src.cc): the non-inferred ones as passed,
+    then those inferred from each input argument."""
+    cdef Py_ssize_t n_in = lay.n_in, i, n, k = 0
+    if lay.all_single:
+        attrs = list(args[_INPUT_START + n_in:])
+        for i in range(n_in):
+            name = lay.type_attrs[i]
+            if name is not None:
+                attrs.append(name)
+                attrs.append((<object>inputs[i])._datatype_enum())
+        return tuple(attrs)
+    attrs = list(args[_INPUT_START + n_in:])
+    for i in range(n_in):
+        kind = lay.kinds[i]
+        name = lay.type_attrs[i]
+        if kind == _SINGLE:
+            if name is not None:
+                attrs.append(name)
+                attrs.append((<object>inputs[k])._datatype_enum())
+            k += 1
+            continue
+        n = len(args[_INPUT_START + i])
+        if kind == _NUMBER_LIST:
+            attrs.append(lay.list_attrs[i])
+            attrs.append(n)
+            if n > 0 and name is not None:
+                attrs.append(name)
+                attrs.append((<object>inputs[k])._datatype_enum())
+        else:
+            attrs.append(lay.list_attrs[i])
+            attrs.append(tuple([(<object>inputs[j])._datatype_enum()
+                                for j in range(k, k + n)]))
+        k += n
+    return tuple(attrs)
+
+
+cdef bint _may_record(st, list ids) except -1:
+    """Does some active tape or accumulator watch one of these inputs?
+    (dtypes aside: _record checks them.)"""
+    cdef long long limit = st.nesting_limit
+    cdef TapeState ts
+    for tp in <list>st.tapes:
+        ts = <TapeState>tp
+        if (ts.nesting_id < limit or ts.nesting_id > st.nesting_floor) \
+                and ts.core.should_record(ids, None):
+            return True
+    for a in <list>st.accumulators:
+        if (a.nesting_id <= limit or a.nesting_id > st.nesting_floor) \
+                and (<ForwardAccumulatorCore>a.core).should_record(ids, None):
+            return True
+    return False
+
+
+cdef object _capture(st, args):
+    """Run a fast-path op whose inputs TF's C++ converts (Python numbers,
+    NumPy arrays, sequences): the converted tensors are seen only by TF's
+    op callbacks, so fasttape's is put in this thread's callback list for
+    this one call. (MirroredStrategy's replica threads share the list: the
+    callback acts only on the thread that put it there.)"""
+    callbacks = args[0].op_callbacks
+    st.capturing = True
+    callbacks.append(_capture_callback)
+    try:
+        return _RAW_FAST_PATH(*args)
+    finally:
+        st.capturing = False
+        for i in range(len(callbacks) - 1, -1, -1):
+            if callbacks[i] is _capture_callback:
+                del callbacks[i]
+                break
+
+
+def _capture_callback(op_type, inputs, attrs, outputs, op_name=None,
+                      graph=None):
+    st = state
+    if not st.capturing:
+        return None
+    st.capturing = False
+    return op_callback(op_type, inputs, attrs, outputs, op_name, graph)
 
 
 # -- compiled backward: what a recorded pass depends on besides tensor values --

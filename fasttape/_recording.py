@@ -1,26 +1,32 @@
 """Interception: what fasttape records, and every monkeypatch of TF.
 
 All of fasttape's changes to TensorFlow live in this module:
-  - one op callback (``op_callbacks.add_op_callback``), added once per thread
-    and never removed (removing the last one in any thread switches
-    ``execute.execute`` back for all threads);
+  - while any fasttape tape or accumulator records (on any thread), a
+    wrapper of ``pywrap_tfe.TFE_Py_FastPathExecute`` that records each eager
+    op itself (_callback.fast_path_execute) and reads Variable arguments in
+    Python first (a Variable passed straight into a fast-path op is read
+    inside C++, where no hook sees it, and its gradient would silently be
+    None), and a wrapper of ``execute.execute`` (the fallback path) that
+    records what it runs. No op callback is registered: while one is, TF's
+    C++ fast path builds Python objects for every op's attrs and inputs and
+    calls it, about as costly as a whole record;
   - wrappers of ``record.record_operation*``, ``record.could_possibly_record``,
     ``record.should_record_backprop``, ``gradients_util.
-    PossibleTapeGradientTypes``, ``tape.variable(s)_accessed`` and pfor's
-    ``_create_op`` (it builds ops no callback sees) — each calls
-    TF's original first, so TF's own tapes keep working beside fasttape's;
-  - while any fasttape tape records, a wrapper of ``pywrap_tfe.
-    TFE_Py_FastPathExecute`` that reads Variable arguments in Python first (a
-    Variable passed straight into a fast-path op is read inside C++, where
-    no hook sees it, and its gradient would silently be None);
+    PossibleTapeGradientTypes``, ``tape.variable(s)_accessed``,
+    ``op_def_library._apply_op_helper`` (graph ops built while tracing, where
+    TF calls its op callbacks) and pfor's ``_create_op`` (it builds ops no
+    callback sees) — each calls TF's original first, so TF's own tapes keep
+    working beside fasttape's;
+  - wrappers of ``op_callbacks.add_op_callback``/``remove_op_callback``,
+    which switch ``execute.execute`` for all threads: fasttape's wrapper is
+    put back while anything records;
   - a wrapper of ``context.Context._clear_caches`` that also empties
     fasttape's caches (``clear_caches``), as TF's leak checkers expect;
   - the drop-in swap of TF's classes (``swap_classes``/``restore_classes``).
 ``install()`` puts the hooks in, ``uninstall()`` takes every one out.
 
 The active tapes are a thread-local stack: MirroredStrategy replica threads
-share their parent's callback list, so the callback must not assume it was
-registered by the thread it runs on.
+run their own tapes, and the wrappers are shared by all threads.
 """
 
 import functools
@@ -38,6 +44,7 @@ from tensorflow.python.eager import execute
 from tensorflow.python.eager import record
 from tensorflow.python.eager import tape as tf_tape
 from tensorflow.python.framework import op_callbacks
+from tensorflow.python.framework import op_def_library
 from tensorflow.python.ops import gradients_util
 from tensorflow.python.ops.parallel_for import pfor as pfor_lib
 
@@ -119,7 +126,6 @@ def recording_tapes():
 # -- the tape stack -------------------------------------------------------------
 
 def _push(stack, item):
-    st = _state
     install()
     # As TF: a fresh nesting id at every push (entering, or resuming after
     # stop_recording), so "older" means "pushed earlier".
@@ -129,11 +135,7 @@ def _push(stack, item):
         _live_tapes += 1
         if _live_tapes == 1:
             _install_fast_path_wrapper()
-        if not st.callback_added:
-            # Only while this thread has a tape or accumulator: ops run with
-            # none pay nothing for fasttape (nor do TF's own tapes).
-            _use_callback(st)
-        _ensure_callbacks_armed()
+            _arm_execute()
     stack.append(item)
 
 
@@ -149,50 +151,7 @@ def _pop(stack, item, error):
         _live_tapes -= 1
         if _live_tapes == 0:
             _uninstall_fast_path_wrapper()
-        st = _state
-        if st.callback_added and not st.tapes and not st.accumulators:
-            _release_callback(st)
-
-
-# Callback lists in use: id(list) -> [list, threads using fasttape's callback
-# through it]. TF's callback lists are per thread, except that
-# MirroredStrategy's replica threads share their parent's list object: the
-# callback leaves a list only when no thread using it records any more
-# (replica threads run in lock step, so one can finish its tape while
-# another's is still recording).
-_callback_users = {}
-
-
-def _use_callback(st):
-    ops_list = context.context().op_callbacks
-    users = _callback_users.get(id(ops_list))
-    if users is None:
-        users = _callback_users[id(ops_list)] = [ops_list, 0]
-    if users[1] == 0:
-        op_callbacks.add_op_callback(_callback.op_callback)
-    users[1] += 1
-    st.callback_added = True
-    st.callback_list = ops_list
-
-
-def _release_callback(st):
-    ops_list = st.callback_list
-    st.callback_added = False
-    st.callback_list = None
-    users = _callback_users.get(id(ops_list))
-    if users is None:
-        return
-    users[1] -= 1
-    if users[1] > 0:
-        return
-    del _callback_users[id(ops_list)]
-    if context.context().op_callbacks is ops_list:
-        # TF's remove switches execute.execute back for all threads when
-        # this one has no callback left: re-armed (by the wrapper) while
-        # another thread still records.
-        op_callbacks.remove_op_callback(_callback.op_callback)
-    elif _callback.op_callback in ops_list:
-        ops_list.remove(_callback.op_callback)
+            _disarm_execute()
 
 
 def push_tape(tape_state):
@@ -344,19 +303,67 @@ def _wrapped_variables_accessed(variables):
     _watch_accessed([v for v in variables if v.trainable])
 
 
-def _ensure_callbacks_armed():
-    """Op callbacks switch ``execute.execute`` for all threads; a thread that
-    removes its last callback switches it back for all, and fallback-path ops
-    would then silently go unrecorded on the threads that still record.
-    While any thread has a tape or accumulator, callbacks stay armed."""
-    if execute.execute is not execute.execute_with_callbacks:
-        execute.execute = execute.execute_with_callbacks
+def _wrapped_apply_op_helper(op_type_name, name=None, **keywords):
+    """Graph ops built while tracing, where TF calls its op callbacks (the
+    other places it does build ops without inputs: Const, Placeholder)."""
+    result = _originals["_apply_op_helper"](op_type_name, name=name, **keywords)
+    st = _state
+    if (st.tapes or st.accumulators) and not context.context().invoking_op_callbacks:
+        # (Ops a TF op callback builds are not shown to callbacks.)
+        op, outputs = result[2], result[3]
+        if outputs:
+            _callback.op_callback(op.type, tuple(op.inputs), None,
+                                  tuple(outputs), op.name, op.graph)
+    return result
+
+
+# -- the fallback path: execute.execute -------------------------------------------
+
+_tf_execute = execute.execute      # what TF's op-callback switch last chose
+
+
+def _recording_execute(op_name, num_outputs, inputs, attrs, ctx, name=None):
+    """execute.execute while anything records: TF's (with its op callbacks,
+    if any), then the record."""
+    tensors = execute.execute_with_callbacks(op_name, num_outputs, inputs,
+                                             attrs, ctx, name)
+    _callback.op_callback(op_name, tuple(inputs), attrs, tensors, name)
+    return tensors
+
+
+def _arm_execute():
+    global _tf_execute
+    current = execute.execute
+    if current is not _recording_execute:
+        _tf_execute = current
+        execute.execute = _recording_execute
+
+
+def _disarm_execute():
+    if execute.execute is _recording_execute:
+        execute.execute = _tf_execute
+
+
+def _wrapped_add_op_callback(callback_fn):
+    _originals["add_op_callback"](callback_fn)
+    _rearm_execute()
 
 
 def _wrapped_remove_op_callback(op_callback):
     _originals["remove_op_callback"](op_callback)
-    if _live_tapes > 0:
-        _ensure_callbacks_armed()
+    _rearm_execute()
+
+
+def _rearm_execute():
+    """TF's add/remove_op_callback switch ``execute.execute`` for all
+    threads; fallback-path ops would then silently go unrecorded on threads
+    that record: fasttape's wrapper goes back in (around TF's choice)."""
+    global _tf_execute
+    with _live_lock:
+        if execute.execute is not _recording_execute:
+            _tf_execute = execute.execute
+            if _live_tapes > 0:
+                execute.execute = _recording_execute
 
 
 def clear_caches():
@@ -367,6 +374,7 @@ def clear_caches():
     installed), as TF's own zeros cache is emptied there."""
     VSPACE.clear_caches()
     _fast_grads.clear_caches()
+    _callback.clear_layouts()
     _compiled.CACHE.clear()
 
 
@@ -387,7 +395,9 @@ _HOOKS = (
      _wrapped_possible_tape_gradient_types),
     (tf_tape, "variable_accessed", _wrapped_variable_accessed),
     (tf_tape, "variables_accessed", _wrapped_variables_accessed),
+    (op_callbacks, "add_op_callback", _wrapped_add_op_callback),
     (op_callbacks, "remove_op_callback", _wrapped_remove_op_callback),
+    (op_def_library, "_apply_op_helper", _wrapped_apply_op_helper),
     (pfor_lib, "_create_op", _wrapped_pfor_create_op),
     (context.Context, "_clear_caches", _wrapped_clear_caches),
 )
@@ -424,31 +434,34 @@ def uninstall():
         r for r in autograph_config.CONVERSION_RULES if r is not _AUTOGRAPH_RULE)
     _installed = False
     _uninstall_fast_path_wrapper()
+    _disarm_execute()
 
 
 def installed_hooks():
     """Names of the hooks now in place (for tests)."""
     names = [name for module, name, wrapper in _HOOKS
              if getattr(module, name) is wrapper]
-    if pywrap_tfe.TFE_Py_FastPathExecute is _fast_path_reading_variables:
+    if pywrap_tfe.TFE_Py_FastPathExecute is _fast_path_execute:
         names.append("TFE_Py_FastPathExecute")
+    if execute.execute is _recording_execute:
+        names.append("execute")
     return names
 
 
-# -- the fast-path variable trap ------------------------------------------------
+# -- the fast path: records, and reads Variable arguments ---------------------------
 
 _original_fast_path = pywrap_tfe.TFE_Py_FastPathExecute
 fast_path_wrapper_enabled = True   # tests switch it off to show the trap
-_fast_path_reading_variables = _callback.fast_path_reading_variables
+_fast_path_execute = _callback.fast_path_execute
 
 
 def _install_fast_path_wrapper():
     if fast_path_wrapper_enabled:
-        pywrap_tfe.TFE_Py_FastPathExecute = _fast_path_reading_variables
+        pywrap_tfe.TFE_Py_FastPathExecute = _fast_path_execute
 
 
 def _uninstall_fast_path_wrapper():
-    if pywrap_tfe.TFE_Py_FastPathExecute is _fast_path_reading_variables:
+    if pywrap_tfe.TFE_Py_FastPathExecute is _fast_path_execute:
         pywrap_tfe.TFE_Py_FastPathExecute = _original_fast_path
 
 

@@ -63,6 +63,25 @@ def _chain(tf):
     return _grad_case(forward, x, watch=[x])
 
 
+RECORDING_OPS = 400
+
+
+def _recording(tf):
+    """The recording microbenchmark: a chain of tf.sin on 2x2, where the
+    kernels cost least and what a tape adds per op shows most. Its rec tf /
+    rec ft columns, divided by RECORDING_OPS, are each tape's recording
+    cost per op above the no-tape floor."""
+    x = tf.constant([[0.1, 0.2], [0.3, 0.4]])
+
+    def forward():
+        y = x
+        for _ in range(RECORDING_OPS):
+            y = tf.sin(y)
+        return y
+
+    return _grad_case(forward, x, watch=[x])
+
+
 def _dense_stack(tf, sizes, batch, seed):
     rng = np.random.default_rng(seed)
     params = []
@@ -224,6 +243,9 @@ WORKLOADS = [
     Workload("jacobian", _jacobian, "jacobian of a 32-output function",
              max_repeats=10),
     Workload("matmul", _matmul, "compute-bound: 4 chained 512x512 matmuls"),
+    Workload("recording", _recording,
+             f"recording cost: {RECORDING_OPS} chained tf.sin, 2x2 "
+             f"(rec / {RECORDING_OPS} = per op)"),
 ]
 BY_NAME = {w.name: w for w in WORKLOADS}
 
@@ -586,6 +608,12 @@ def main(argv=None):
           "tensors the\ntape keeps alive for the backward pass. ft backward: "
           "fasttape's backward passes replayed\nas compiled functions, or "
           "run op by op (eager).")
+    for r in rows:
+        if r["workload"] == "recording":
+            print(f"recording per op above the floor: tf "
+                  f"{r['record_overhead_tf_ms'] / RECORDING_OPS * 1e3:.2f} us, "
+                  f"fasttape {r['record_overhead_fasttape_ms'] / RECORDING_OPS * 1e3:.2f} us "
+                  f"({r['record_overhead_fasttape_ms'] / r['record_overhead_tf_ms']:.2f}x TF's)")
     if profiler is not None:
         print("(--profile: fasttape's steps ran under cProfile, where backward "
               "passes run op by op so\nthat each op type shows; their times "

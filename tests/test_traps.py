@@ -664,7 +664,7 @@ def _shared_state(monkeypatch, callback_added):
                                          lambda self, value: None)
     shared = Shared()
     shared.__dict__.update(tapes=[], accumulators=[], in_callback=False,
-                           nesting_limit=1 << 62)
+                           capturing=False, nesting_limit=1 << 62)
     if callback_added is not None:
         shared.callback_added = callback_added
     patched = 0

@@ -1,0 +1,110 @@
+"""fasttape records eager ops from its wrapper of TF's C++ fast path, with no
+op callback registered (see _callback.fast_path_execute). What it records
+must be exactly what TF's op callback machinery shows for the same op: the
+op type, the input tensors (after TF's conversions), the attrs (non-inferred
+as passed, then the inferred ones, as the C++ fast path builds them) and the
+outputs. A spy op callback, registered beside fasttape's tape, is the
+reference: TF hands it the fast path's own view of every op.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.eager import context
+from tensorflow.python.framework import op_callbacks
+
+import fasttape
+from fasttape import _recording
+
+
+def _ops():
+    """(name, body(x, v)) for ops of every OpDef shape the recorder reads."""
+    return [
+        ("unary", lambda x, v: tf.sin(x)),
+        ("binary", lambda x, v: x * x),
+        ("broadcast", lambda x, v: x + tf.constant([1.0, 2.0])),
+        ("non_inferred_attrs", lambda x, v: tf.matmul(x, x, transpose_b=True)),
+        ("variable_input", lambda x, v: x * v),
+        ("variable_bias_add", lambda x, v: tf.nn.bias_add(x, v)),
+        ("python_scalar_input", lambda x, v: tf.raw_ops.Mul(x=x, y=2.0)),
+        ("python_list_input", lambda x, v: tf.reshape(x, [4, 1])),
+        ("python_axis", lambda x, v: tf.reduce_sum(x, 1)),
+        ("numpy_input", lambda x, v: tf.raw_ops.AddV2(x=x, y=np.ones((2, 2), "float32"))),
+        ("number_list", lambda x, v: tf.concat([x, x * 2.0], axis=0)),
+        ("number_list_add_n", lambda x, v: tf.add_n([x, x, x])),
+        ("pack", lambda x, v: tf.stack([x, x], axis=1)),
+        ("type_list", lambda x, v: tf.raw_ops.IdentityN(input=[x, tf.cast(x, tf.float64)])),
+        ("list_output", lambda x, v: tf.split(x, 2, axis=1)),
+        ("several_outputs", lambda x, v: tf.math.top_k(tf.reshape(x, [-1]), 2)),
+        ("unpack", lambda x, v: tf.unstack(x)),
+        ("gather", lambda x, v: tf.gather(x, [1, 0])),
+        ("strided_slice", lambda x, v: x[1:, :1]),
+        ("cast", lambda x, v: tf.cast(x, tf.float64)),
+        ("softmax_xent", lambda x, v: tf.nn.sparse_softmax_cross_entropy_with_logits(
+            tf.constant([0, 1]), x)),
+    ]
+
+
+def _spied(body):
+    """Run body under a fasttape tape watching x, with a spy op callback.
+    Returns (what the spy saw, what the tape recorded), both as
+    {output ids: (op type, input ids, attrs)}."""
+    x = tf.constant([[1.0, 2.0], [3.0, 4.0]])
+    v = tf.Variable([0.5, -1.0])
+    seen = {}
+
+    def spy(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if isinstance(op_type, bytes):
+            op_type = op_type.decode()
+        seen[tuple(o._id for o in outputs)] = (
+            op_type, [t._id for t in inputs], tuple(attrs or ()))
+
+    with fasttape.GradientTape() as tape:
+        tape.watch(x)
+        op_callbacks.add_op_callback(spy)
+        try:
+            out = body(x, v)
+        finally:
+            op_callbacks.remove_op_callback(spy)
+    core = tape._tape.core  # pylint: disable=protected-access
+    recorded = {}
+    for i in range(core.num_ops):
+        entry = core.op(i)
+        recorded[tuple(entry.output_ids)] = (
+            entry.op_type, list(entry.input_ids), tuple(entry.payload.attrs))
+    del out
+    return seen, recorded
+
+
+@pytest.mark.parametrize("name,body", _ops(), ids=[n for n, _ in _ops()])
+def test_fast_path_record_is_what_tf_callbacks_see(name, body):
+    seen, recorded = _spied(body)
+    assert recorded, f"{name}: nothing recorded"
+    for out_ids, (op_type, input_ids, attrs) in recorded.items():
+        assert out_ids in seen, f"{name}: {op_type} recorded, never seen by TF"
+        assert (op_type, input_ids, attrs) == seen[out_ids], name
+
+
+def test_no_op_callback_while_recording():
+    """The point of recording from the fast path: TF's C++ fast path does
+    its per-op callback work only while some op callback is registered."""
+    before = list(context.context().op_callbacks)
+    x = tf.constant([1.0, 2.0])
+    with fasttape.GradientTape() as tape:
+        tape.watch(x)
+        assert list(context.context().op_callbacks) == before
+        y = tf.reduce_sum(tf.sin(x) * 3.0, axis=0)   # a converted input too
+        assert list(context.context().op_callbacks) == before
+    np.testing.assert_allclose(tape.gradient(y, x).numpy(),
+                               3.0 * np.cos([1.0, 2.0]), rtol=1e-6)
+
+
+def test_fast_path_records_need_the_wrapper(monkeypatch):
+    """Without fasttape's fast-path wrapper nothing records a fast-path op
+    (no op callback is registered): the gradient is None."""
+    monkeypatch.setattr(_recording, "fast_path_wrapper_enabled", False)
+    x = tf.constant([1.0, 2.0])
+    with fasttape.GradientTape() as tape:
+        tape.watch(x)
+        y = tf.sin(x)
+    assert tape.gradient(y, x) is None
