@@ -30,6 +30,8 @@ from fasttape._core cimport GradientTapeCore, ForwardAccumulatorCore
 
 cdef extern from "Python.h":
     void PyObject_GC_UnTrack(void*)
+    int PyObject_IS_GC(object)
+    int PyObject_GC_IsTracked(object)
 from fasttape._saved import saved_indices
 
 cdef object _is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
@@ -189,7 +191,7 @@ cdef list _ids(tensors):
     return [t._id for t in tensors]
 
 
-cdef dict _saved_masks = {}
+cdef dict _saved_masks = {}   # op type -> {(n_in << 32) | n_out: masks}
 
 
 cdef tuple _masks(op_type, Py_ssize_t n_in, Py_ssize_t n_out):
@@ -197,15 +199,19 @@ cdef tuple _masks(op_type, Py_ssize_t n_in, Py_ssize_t n_out):
     op's entry ever be forgotten when its outputs die? Not when its
     gradient reads one of them: the payload then keeps that output (so the
     entry) alive until the tape ends, as TF's backward function does.
-    (cached)"""
-    key = (op_type, n_in, n_out)
-    masks = _saved_masks.get(key)
+    (cached; keyed by op type, then by one integer: a tuple key's
+    comparisons showed in the per-op profile)"""
+    by_arity = _saved_masks.get(op_type)
+    if by_arity is None:
+        by_arity = _saved_masks[op_type] = {}
+    key = (n_in << 32) | n_out
+    masks = by_arity.get(key)
     if masks is None:
         saved_in, saved_out = saved_indices(op_type)
         out_mask = _mask(saved_out, n_out)
         masks = (_mask(saved_in, n_in), out_mask,
                  out_mask is not None and True not in out_mask)
-        _saved_masks[key] = masks
+        by_arity[key] = masks
     return masks
 
 
@@ -622,7 +628,19 @@ def fast_path_execute(*args):
 cdef tuple _attrs(_Layout lay, tuple args, list inputs):
     """The attrs TF's C++ fast path gives its op callbacks (see
     RunCallbacks in pywrap_tfe_src.cc): the non-inferred ones as passed,
-    then those inferred from each input argument."""
+    then those inferred from each input argument. A recorded op keeps them
+    until the tape ends: when they hold nothing the garbage collector
+    tracks (names, numbers), neither is the tuple tracked (its passes over
+    what a long forward pass records cost more than recording it)."""
+    cdef tuple attrs = _inferred_attrs(lay, args, inputs)
+    for a in attrs:
+        if PyObject_IS_GC(a) and PyObject_GC_IsTracked(a):
+            return attrs
+    PyObject_GC_UnTrack(<PyObject*>attrs)
+    return attrs
+
+
+cdef tuple _inferred_attrs(_Layout lay, tuple args, list inputs):
     cdef Py_ssize_t n_in = lay.n_in, i, n, k = 0
     if lay.all_single:
         attrs = list(args[_INPUT_START + n_in:])
