@@ -1,6 +1,7 @@
 # cython: language_level=3
 # distutils: language = c++
-"""The recording hot path, compiled: the op callback and what it records.
+"""The recording hot path, compiled: the fast-path recorder, the op-callback
+entry for what it does not see, and what they record.
 
 Everything here runs once per executed op while a fasttape tape or
 accumulator is active, so it avoids Python-level property lookups (dtype
