@@ -20,6 +20,7 @@ _LAZY = {
     "hvp": ("fasttape.functional", "hvp"),
     "hessian": ("fasttape.functional", "hessian"),
     "clear_caches": ("fasttape._recording", "clear_caches"),
+    "explain_none": ("fasttape.explain", "explain_none"),
 }
 
 __all__ = sorted(_LAZY)

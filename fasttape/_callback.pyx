@@ -108,6 +108,7 @@ cdef class TapeState:
     cdef readonly bint watch_accessed_variables
     cdef public dict variables          # handle id -> variable
     cdef public long long nesting_id    # set at every push (see _recording)
+    cdef public object explain_info     # fasttape.explain's facts (None: none kept)
     cdef object __weakref__
 
     def __init__(self, bint persistent, bint watch_accessed_variables):
@@ -116,6 +117,7 @@ cdef class TapeState:
         self.watch_accessed_variables = watch_accessed_variables
         self.variables = {}
         self.nesting_id = 0
+        self.explain_info = None
 
     def watch_variable(self, variable):
         hid = variable.handle._id
@@ -367,6 +369,20 @@ cdef _tangent_shape_error(acc, op_type, inputs, exc):
                 f"{exc.message}") from exc
 
 
+# fasttape.explain's lineage hook, set only while fasttape.explain_none(True):
+# called after each op this thread runs while it has tapes (recorded or not).
+cdef object _lineage_hook = None
+
+
+cdef object _str(op_type):
+    return op_type.decode() if type(op_type) is bytes else op_type
+
+
+def set_lineage_hook(hook):
+    global _lineage_hook
+    _lineage_hook = hook
+
+
 def op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
     """TF's op callback: fires for every eager op (fast path and fallback)
     and every op built while tracing."""
@@ -374,6 +390,10 @@ def op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
     if not st.tapes and not st.accumulators:
         return None
     if st.in_callback or not outputs or _is_stopped():
+        if _lineage_hook is not None and st.tapes and outputs \
+                and not st.in_callback:
+            # Run under record.stop_recording() (tf.stop_gradient does).
+            _lineage_hook(st.tapes, _str(op_type), inputs, outputs, True)
         return None
     if type(op_type) is bytes:
         op_type = op_type.decode()
@@ -382,6 +402,8 @@ def op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
         _record(st, op_type, inputs, outputs,
                 EAGER_OP if graph is None else GRAPH_OP, attrs, None, None,
                 True, True)
+        if _lineage_hook is not None and st.tapes:
+            _lineage_hook(st.tapes, op_type, inputs, outputs)
     finally:
         st.in_callback = False
     return None

@@ -34,6 +34,7 @@ from tensorflow.python.util import tf_contextlib
 
 from fasttape import _compiled
 from fasttape import _recording
+from fasttape import explain as _explain
 from fasttape._callback import is_trainable, output_meta
 _handle_or_self = backprop._handle_or_self  # pylint: disable=protected-access
 
@@ -149,6 +150,7 @@ class GradientTape:
                     pywrap_tfe.TFE_Py_VariableWatcherVariableAccessed(var)
             else:
                 self._tape.core.watch(t._id)  # pylint: disable=protected-access
+            _explain.note_watch(self._tape, _handle_or_self(t)._id)  # pylint: disable=protected-access
 
     @tf_contextlib.contextmanager
     def stop_recording(self):
@@ -242,11 +244,19 @@ class GradientTape:
             # Consumed even if the backward pass raises, as in TF.
             self._watched_variables = tape_state.watched_variables()
             self._tape = None
-        flat_grad = compute(
-            tape_state, flat_targets, flat_sources, output_gradients,
-            flat_sources_raw, unconnected_gradients,
-            all_watched=output_gradients is not None and any(
-                g is not None for g in output_gradients))
+        explaining = _explain.enabled()
+        try:
+            flat_grad = compute(
+                tape_state, flat_targets, flat_sources, output_gradients,
+                flat_sources_raw, unconnected_gradients, retain=explaining,
+                all_watched=output_gradients is not None and any(
+                    g is not None for g in output_gradients))
+            if explaining:   # fasttape.explain_none(True): say why for a None
+                _explain.log_nones(tape_state, flat_targets, flat_sources_raw,
+                                   flat_grad)
+        finally:
+            if explaining and not self._persistent:
+                tape_state.core.release()
         if plain_sources is not None:
             cls = type(sources)
             if cls is list:
@@ -256,6 +266,16 @@ class GradientTape:
         flat_grad = composite_tensor_gradient.replace_flat_tensors_for_gradients(
             flat_sources_raw, flat_grad)
         return nest.pack_sequence_as(sources, flat_grad)
+
+    def explain(self, target, sources):
+        """Why would gradient(target, sources) be None for each source? A
+        nest like ``sources`` of fasttape.explain.Explanation (cause code,
+        message, op and line where known). On a persistent tape, or before
+        the first gradient() of a non-persistent one (which it leaves
+        usable)."""
+        if self._tape is None:
+            raise RuntimeError(_CONSUMED)
+        return _explain.explain(self._tape, target, sources)
 
     def _gradient_rows(self, target, flat_sources, unconnected_gradients,
                        batch):
