@@ -185,7 +185,7 @@ def _kind(code):
         fn = code.co_filename
         if fn.startswith(_HERE):
             k = _FASTTAPE
-        elif (fn.startswith(_LIBS) or fn.startswith("<")
+        elif (fn.startswith(_LIBS) or fn.startswith("<frozen")
               or "site-packages" in fn or "dist-packages" in fn):
             k = _LIB
         else:
@@ -278,8 +278,12 @@ def _conversion_hook(tensor):
 
 # -- the analysis ----------------------------------------------------------------------
 
+def _var_name(v):
+    return getattr(v, "path", None) or getattr(v, "name", None)
+
+
 def _name(x):
-    name = getattr(x, "name", None)
+    name = _var_name(x)
     if hasattr(x, "handle") and name:
         return f"Variable {name!r}"
     shape = getattr(x, "shape", None)
@@ -374,6 +378,19 @@ class _Analysis:
                     stack.append(i)
         return seen, ops, parent, leaves
 
+    def _descendants(self, sid):
+        """Tensor ids this tape recorded from ``sid`` (and ``sid``)."""
+        desc = {sid}
+        for k in range(len(self.op_in)):
+            if any(i in desc for i in self.op_in[k]):
+                desc.update(self.op_out[k])
+        lin = self.info.lineage
+        for o in sorted(lin or ()):   # recorded ops the trace has forgotten
+            e = lin[o]
+            if e.recorded and any(i in desc for i in e.inputs):
+                desc.add(o)
+        return desc
+
     def _producer_of(self, tensor_id):
         """(op type, line) of a tensor's producer, as far as known."""
         k = self.producer.get(tensor_id)
@@ -417,21 +434,31 @@ class _Analysis:
     # -- the source is not tracked by this tape -----------------------------
 
     def _other_tape(self, raw, sid):
+        """Another live tape recorded, from the source, a tensor the target
+        is computed from."""
+        ancestors = None
         for other in list(_TAPES):
             if other is self.ts or other.core.consumed \
                     or not other.core.is_watched(sid):
                 continue
-            if not all(other.core.is_watched(t) for t in self.target_ids):
+            if ancestors is None:
+                ancestors = self._walk(self.target_ids,
+                                       lineage=self.info.lineage is not None)[0]
+            theirs = _Analysis(other, [])
+            shared = theirs._descendants(sid) & ancestors
+            if not shared:
                 continue
-            if sid in _Analysis(other, self.targets).anc:
-                line = other.explain_info.events[0][2] \
-                    if other.explain_info.events else None
-                return Explanation(
-                    raw, OTHER_TAPE,
-                    "this tape does not track the source, but another tape "
-                    f"(entered at {line}) recorded the target from it: call "
-                    "gradient() on that tape, or compute the target inside "
-                    "this tape's `with` block", line=line)
+            events = other.explain_info.events
+            line = events[0][2] if events else None
+            via, via_line = theirs._producer_of(max(shared))
+            return Explanation(
+                raw, OTHER_TAPE,
+                "the source reaches the target only through ops recorded on "
+                f"another tape (entered at {line}; it recorded "
+                f"{via or 'a tensor'} the target is computed from), and this "
+                "tape does not track the source. Compute the target inside "
+                "one tape that sees the whole path (nest the tapes, or use "
+                "one tape for both)", op_type=via, line=line)
         return None
 
     def _unwatched(self, raw):
@@ -443,21 +470,21 @@ class _Analysis:
                     "the Variable has trainable=False (a frozen Keras layer "
                     "or weight): tapes watch only trainable variables. Call "
                     "tape.watch(v) inside the tape, or make it trainable",
-                    op_name=getattr(raw, "name", None), line=enter)
+                    op_name=_var_name(raw), line=enter)
             if not self.ts.watch_accessed_variables:
                 return Explanation(
                     raw, WATCH_ACCESSED_OFF,
                     "the tape was made with watch_accessed_variables=False "
                     f"(entered at {enter}) and the Variable was never "
                     "watched: call tape.watch(v) before using it",
-                    op_name=getattr(raw, "name", None), line=enter)
+                    op_name=_var_name(raw), line=enter)
             return Explanation(
                 raw, VARIABLE_NOT_READ,
                 "the Variable was never read on the tape's thread while the "
                 f"tape (entered at {enter}) recorded: it is not used to "
                 "compute the target there (read before the `with` block, on "
                 "another thread, or not at all)",
-                op_name=getattr(raw, "name", None), line=enter)
+                op_name=_var_name(raw), line=enter)
         used = self._readers(raw._id)  # pylint: disable=protected-access
         if used:
             e = used[0]
@@ -691,15 +718,7 @@ class _Analysis:
     def _leaves(self, raw, sid, leaves, parent):
         """No op links the target to the source: look for the cut among the
         tensors the target's ops start from."""
-        desc = {sid}
-        for k in range(len(self.op_in)):
-            if any(i in desc for i in self.op_in[k]):
-                desc.update(self.op_out[k])
-        lin = self.info.lineage
-        for o in sorted(lin):   # recorded ops the trace has since forgotten
-            e = lin[o]
-            if e.recorded and any(i in desc for i in e.inputs):
-                desc.add(o)
+        desc = self._descendants(sid)
         for leaf in sorted(leaves):
             if self.core.is_watched(leaf):
                 continue
