@@ -87,6 +87,10 @@ class Explanation:
     line: str = None
     certain: bool = True
 
+    def __post_init__(self):
+        if self.line is not None:   # a _Where, formatted now
+            object.__setattr__(self, "line", str(self.line))
+
     def __str__(self):
         return f"{_name(self.source)}: {self.message} [{self.cause}]"
 
@@ -97,6 +101,7 @@ class Explanation:
 
 _enabled = os.environ.get("FASTTAPE_EXPLAIN_NONE", "") not in ("", "0")
 _hooks_on = False
+_is_trainable = None   # fasttape._callback.is_trainable, set with the hooks
 
 
 def enabled():
@@ -115,10 +120,11 @@ def explain_none(flag=True):
 
 
 def _set_hooks(on):
-    global _hooks_on
+    global _hooks_on, _is_trainable
     if on == _hooks_on:
         return
     from fasttape import _callback, _recording  # pylint: disable=import-outside-toplevel
+    _is_trainable = _callback.is_trainable
     _callback.set_lineage_hook(_lineage_hook if on else None)
     _recording.set_conversion_hook(_conversion_hook if on else None)
     _hooks_on = on
@@ -195,7 +201,7 @@ def _kind(code):
 
 
 def _caller():
-    """(the innermost user frame's "file:line", the name of the outermost
+    """(the innermost user frame's _Where, the name of the outermost
     fasttape function below it)."""
     try:
         f = sys._getframe(2)  # pylint: disable=protected-access
@@ -205,11 +211,19 @@ def _caller():
     while f is not None:
         k = _kind(f.f_code)
         if k == _USER:
-            return _fmt(f.f_code.co_filename, f.f_lineno), what
+            return _Where((f.f_code.co_filename, f.f_lineno)), what
         if k == _FASTTAPE:
             what = f.f_code.co_name
         f = f.f_back
     return None, what
+
+
+class _Where(tuple):
+    """(filename, line number), formatted only when shown."""
+    __slots__ = ()
+
+    def __str__(self):
+        return _fmt(*self)
 
 
 def _fmt(filename, lineno):
@@ -239,7 +253,6 @@ class _Lin:
 
 
 def _lineage_hook(tapes, op_type, inputs, outputs, stopped=False):
-    from fasttape._callback import is_trainable  # pylint: disable=import-outside-toplevel
     in_ids = out_ids = line = None
     for ts in tapes:
         info = ts.explain_info
@@ -257,7 +270,7 @@ def _lineage_hook(tapes, op_type, inputs, outputs, stopped=False):
         recorded = not stopped and core.is_watched(out_ids[0])
         cut = () if recorded or stopped else tuple([
             i for i, t in zip(in_ids, inputs)
-            if core.is_watched(i) and not is_trainable(t)])
+            if core.is_watched(i) and not _is_trainable(t)])
         entry = _Lin(op_type, in_ids, line, recorded, cut, stopped)
         for o in out_ids:
             lineage[o] = entry
