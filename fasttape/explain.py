@@ -35,6 +35,8 @@ import sysconfig
 import threading
 import weakref
 
+from tensorflow.python import pywrap_tfe
+
 _log = logging.getLogger("fasttape")
 
 # -- cause codes ------------------------------------------------------------------
@@ -156,9 +158,8 @@ def _info(tape_state):
     return info
 
 
-def _uid():
-    from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
-    return ops.uid()
+# The counter TF draws EagerTensor ids from (ops.uid(), without its Python layer).
+_uid = pywrap_tfe.TFE_Py_UID
 
 
 def note_event(tape_state, pushed):
@@ -182,13 +183,13 @@ _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LIBS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib",
                                                    "purelib", "platlib")})
 _USER, _FASTTAPE, _LIB = 0, 1, 2
-_kinds = {}   # code object -> _USER / _FASTTAPE / _LIB
+_kinds = {}   # file name -> _USER / _FASTTAPE / _LIB (a str's hash is cached)
 
 
 def _kind(code):
-    k = _kinds.get(code)
+    fn = code.co_filename
+    k = _kinds.get(fn)
     if k is None:
-        fn = code.co_filename
         if fn.startswith(_HERE):
             k = _FASTTAPE
         elif (fn.startswith(_LIBS) or fn.startswith("<frozen")
@@ -196,7 +197,7 @@ def _kind(code):
             k = _LIB
         else:
             k = _USER
-        _kinds[code] = k
+        _kinds[fn] = k
     return k
 
 
