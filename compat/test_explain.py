@@ -18,7 +18,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import unittest
+
 from tensorflow.python.eager import backprop as tf_backprop
+from tensorflow.python.framework import test_util
 
 import fasttape
 from fasttape import explain as ex
@@ -488,3 +491,62 @@ def test_environment_variable_turns_it_on():
     assert out.stdout.strip() == "None"
     assert "fasttape gradient is None for" in out.stderr
     assert "[source_not_watched]" in out.stderr and "Mul at <string>:5" in out.stderr
+
+
+# -- leaks ---------------------------------------------------------------------------
+
+def _explain_everything():
+    kernel = tf.Variable(tf.ones([4, 3]))
+    frozen = tf.Variable(tf.ones([3]), trainable=False)
+    w = tf.Variable([1.0, 2.0])
+    c = tf.constant([1.0, 2.0])
+    with GT(persistent=True) as tape:
+        h = tf.nn.relu(tf.constant(X) @ kernel) * frozen
+        k = tf.cast(tf.argmax(h, 1), tf.float32) * w[0]
+        r = tf.reduce_sum(tf.round(w) * tf.stop_gradient(w) * c)
+        n = tf.constant(h.numpy()) * 2.0
+        tape.watch(c)
+        with tape.stop_recording():
+            s = w * 2.0
+    after = h * 2.0
+    for target in (k, r, n, s, after):
+        for e in tape.explain(target, [w, c, kernel, frozen]):
+            str(e)
+    grads = tape.gradient(r, [w, c, kernel, frozen])
+    del tape, grads
+
+
+class _Checks(unittest.TestCase):
+    def runTest(self):  # pragma: no cover - never run as a test
+        pass
+
+
+@pytest.mark.parametrize("check", ["no_new_tensors", "no_garbage_created"])
+def test_explanations_leak_nothing(explaining, check):
+    _explain_everything()
+    tf.keras.backend.clear_session()
+    decorator = getattr(test_util, "assert_" + check)
+    decorator(lambda self: _explain_everything())(_Checks())
+
+
+def test_clear_caches_empties_the_frame_cache(explaining):
+    _explain_everything()
+    assert ex._kinds
+    fasttape.clear_caches()
+    assert not ex._kinds
+
+
+def test_inside_tf_function(explaining, caplog):
+    """Gradients taken while tracing: explained from the graph's trace."""
+    w = tf.Variable([1.0, 2.0])
+
+    @tf.function
+    def step(x):
+        with GT() as tape:
+            y = tf.reduce_sum(tf.round(w * x))
+        return tape.gradient(y, w)
+
+    with caplog.at_level(logging.WARNING, logger="fasttape"):
+        assert step(tf.constant([0.3, 0.6])) is None
+    msgs = [r.getMessage() for r in caplog.records if r.name == "fasttape"]
+    assert len(msgs) == 1 and "Round" in msgs[0], msgs

@@ -372,6 +372,7 @@ def clear_caches():
     VSPACE.clear_caches()
     _fast_grads.clear_caches()
     _compiled.CACHE.clear()
+    _explain.clear_caches()
 
 
 def _wrapped_clear_caches(self):

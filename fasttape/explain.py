@@ -201,6 +201,11 @@ def _kind(code):
     return k
 
 
+def clear_caches():
+    """fasttape.clear_caches(): forget the file names sorted so far."""
+    _kinds.clear()
+
+
 def _caller():
     """(the innermost user frame's _Where, the name of the outermost
     fasttape function below it)."""
@@ -331,8 +336,9 @@ def log_nones(tape_state, targets, sources_raw, grads):
         for s, g in zip(sources_raw, grads):
             if g is None:
                 try:
+                    # A string: a kept log record must not keep the source.
                     _log.warning("gradient is None for %s",
-                                 analysis.explain(s, handle(s)))
+                                 str(analysis.explain(s, handle(s))))
                 except Exception as exc:  # noqa: BLE001 - never break gradient()
                     _log.warning("gradient is None for %s (explanation "
                                  "failed: %r)", _name(s), exc)
