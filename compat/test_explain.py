@@ -223,23 +223,20 @@ def test_integer_path_without_lineage_says_it_cannot_tell():
 
 # -- the path is cut -------------------------------------------------------------
 
+def elementwise(GradientTape, op, explain=False):
+    """loss = sum(op(2 v) ** 2): the gradient by v (or its explanation)."""
+    v = tf.Variable([0.3, 1.7])
+    with GradientTape() as t:
+        loss = tf.reduce_sum(op(v * 2.0) ** 2)
+    return t.explain(loss, v) if explain else t.gradient(loss, v)
+
+
 def test_round_in_the_forward_pass(lineage):
-    w = tf.Variable([0.3, 1.7])
-    with GT() as tape:
-        r = tf.round(w * 2.0)  # round
-        loss = tf.reduce_sum(r * r)
-    e = tape.explain(loss, w)
+    e = elementwise(GT, lambda x: tf.round(x), explain=True)  # round
     assert e.cause == ex.NOT_DIFFERENTIABLE_OP and e.op_type == "Round"
     if lineage:
         assert at(e, "round")
-
-    def case(GradientTape):
-        v = tf.Variable([0.3, 1.7])
-        with GradientTape() as t:
-            rr = tf.round(v * 2.0)
-            l2 = tf.reduce_sum(rr * rr)
-        return t.gradient(l2, v)
-    tf_gives_none(case)
+    tf_gives_none(lambda GradientTape: elementwise(GradientTape, tf.round))
 
 
 def test_stop_gradient_on_a_dqn_target(lineage):
@@ -259,33 +256,30 @@ def test_stop_gradient_on_a_dqn_target(lineage):
 
 
 def test_op_registered_as_not_differentiable(lineage):
-    w = tf.Variable([1.0, 2.0, 3.0])
-    with GT() as tape:
-        s = tf.random.shuffle(w * 2.0)  # shuffle
-        loss = tf.reduce_sum(s * s)
-    e = tape.explain(loss, w)
+    e = elementwise(GT, lambda x: tf.random.shuffle(x), explain=True)  # shuffle
     assert e.cause == ex.NOT_DIFFERENTIABLE_OP and e.op_type == "RandomShuffle"
     assert "not differentiable" in e.message
     if lineage:
         assert at(e, "shuffle")
+    tf_gives_none(lambda GradientTape: elementwise(GradientTape,
+                                                   tf.random.shuffle))
+
+
+def test_op_with_no_registered_gradient_raises_as_in_tf(lineage):
+    """No None to explain: TF (and fasttape) raise LookupError; explain()
+    names the op."""
+    def snapshot(x):
+        return tf.raw_ops.Snapshot(input=x)  # snapshot
 
     def case(GradientTape):
-        v = tf.Variable([1.0, 2.0, 3.0])
-        with GradientTape() as t:
-            l2 = tf.reduce_sum(tf.random.shuffle(v * 2.0) ** 2)
-        return t.gradient(l2, v)
-    tf_gives_none(case)
-
-
-def test_op_with_no_registered_gradient_raises_as_in_tf():
-    """No None to explain: TF (and fasttape) raise LookupError."""
-    def case(GradientTape):
-        v = tf.Variable([1.0, 2.0])
-        with GradientTape() as t:
-            y = tf.raw_ops.Bucketize(input=v * 2.0, boundaries=[1.0])
-            l2 = tf.reduce_sum(tf.cast(y, tf.float32) * v)
-        return t.gradient(l2, v)
+        return elementwise(GradientTape, snapshot)
+    tf_result = run_case(case, "tf")
+    assert isinstance(tf_result.exc, LookupError), tf_result
     assert_parity(case)
+    e = elementwise(GT, snapshot, explain=True)
+    assert e.cause == ex.NO_GRADIENT and e.op_type == "Snapshot"
+    if lineage:
+        assert at(e, "snapshot")
 
 
 def test_stop_recording_block(lineage):

@@ -59,13 +59,14 @@ OTHER_TAPE = "other_tape"
 NOT_CONNECTED = "not_connected"
 TARGET_NOT_RECORDED = "target_not_recorded"    # ambiguous without lineage
 BACKWARD_RAISES = "backward_raises"
+NO_GRADIENT = "no_registered_gradient"    # gradient() raises LookupError
 
 CAUSES = (CONNECTED, SOURCE_NOT_WATCHED, VARIABLE_NOT_TRAINABLE,
           WATCH_ACCESSED_OFF, VARIABLE_NOT_READ, WATCHED_AFTER_USE,
           NON_DIFFERENTIABLE_DTYPE, STOP_GRADIENT, NOT_DIFFERENTIABLE_OP,
           STOP_RECORDING, TARGET_BEFORE_TAPE, TARGET_AFTER_TAPE,
           TARGET_OTHER_THREAD, CONVERTED_TO_NUMPY, OTHER_TAPE, NOT_CONNECTED,
-          TARGET_NOT_RECORDED, BACKWARD_RAISES)
+          TARGET_NOT_RECORDED, BACKWARD_RAISES, NO_GRADIENT)
 
 # Ops noted per tape in lineage mode, at most (then explanations say the
 # lineage was cut short).
@@ -312,6 +313,20 @@ def _name(x):
     return repr(x)
 
 
+def _at(raw, cause, message, op, certain=True):
+    """An explanation located at a lineage entry (its op type and line)."""
+    return Explanation(raw, cause, message, op_type=op.op_type, line=op.line,
+                       certain=certain)
+
+
+def _stop_gradient(raw, op_type, line):
+    return Explanation(
+        raw, STOP_GRADIENT,
+        f"the path is cut by tf.stop_gradient ({op_type} at {line}): nothing "
+        "flows back through it; remove it if the gradient should pass",
+        op_type=op_type, line=line)
+
+
 def explain(tape_state, target, sources):
     """Per source (a nest like ``sources``), an Explanation."""
     from tensorflow.python.eager import backprop, record  # pylint: disable=import-outside-toplevel
@@ -544,12 +559,31 @@ class _Analysis:
         path = sorted(desc & self.anc)
         from fasttape import _recording  # pylint: disable=import-outside-toplevel
         from fasttape._callback import output_meta  # pylint: disable=import-outside-toplevel
+        from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
         tmap = {t._id: t for t in self.targets}  # pylint: disable=protected-access
         try:
             grads = self.core.compute_gradient(
                 _recording.VSPACE, self.target_ids, path,
                 {i: output_meta(tmap[i]) for i in path if i in tmap},
                 None, True, True, [output_meta(t) for t in self.targets])
+        except LookupError as exc:
+            for k in path_ops:
+                try:
+                    ops._gradient_registry.lookup(self.op_type[k])  # pylint: disable=protected-access
+                except LookupError:
+                    op_type = self.op_type[k]
+                    line = self._line_of(self.op_out[k][0])
+                    return Explanation(
+                        raw, NO_GRADIENT,
+                        f"{op_type} (at {line}) on the path has no registered "
+                        "gradient: gradient() raises LookupError here (as "
+                        "TF's tape does) rather than give None. Register one "
+                        "(tf.RegisterGradient), or wrap the op in "
+                        "tf.custom_gradient", op_type=op_type, line=line)
+            return Explanation(
+                raw, BACKWARD_RAISES,
+                f"the backward pass over the path raises LookupError: {exc}",
+                certain=False)
         except Exception as exc:  # noqa: BLE001 - reported
             return Explanation(
                 raw, BACKWARD_RAISES,
@@ -578,11 +612,7 @@ class _Analysis:
         line = self._line_of(self.op_out[k][0])
         at = f" at {line}" if line else ""
         if op_type in ("StopGradient", "PreventGradient"):
-            return Explanation(
-                raw, STOP_GRADIENT,
-                f"the path is cut by tf.stop_gradient ({op_type}{at}): "
-                "nothing flows back through it; remove it if the gradient "
-                "should pass", op_type=op_type, line=line)
+            return _stop_gradient(raw, op_type, line)
         try:
             registered = ops._gradient_registry.lookup(op_type) is not None  # pylint: disable=protected-access
         except LookupError:
@@ -697,17 +727,12 @@ class _Analysis:
             if kind == "lin" and not op.recorded:
                 if op.stopped:
                     if op.op_type == "StopGradient":
-                        return Explanation(
-                            raw, STOP_GRADIENT,
-                            f"the path is cut by tf.stop_gradient (at "
-                            f"{op.line}): nothing flows back through it; "
-                            "remove it if the gradient should pass",
-                            op_type=op.op_type, line=op.line)
-                    return Explanation(
+                        return _stop_gradient(raw, op.op_type, op.line)
+                    return _at(
                         raw, STOP_RECORDING,
                         f"the path is cut by {op.op_type} (at {op.line}), run "
                         "while recording was stopped (record.stop_recording)",
-                        op_type=op.op_type, line=op.line)
+                        op)
                 if t in op.cut_inputs:
                     src, src_line = self._producer_of(t)
                     return Explanation(
@@ -720,17 +745,16 @@ class _Analysis:
                         "a straight-through estimator)",
                         op_type=src, line=src_line)
                 if t == sid and watch is not None:
-                    return Explanation(
+                    return _at(
                         raw, WATCHED_AFTER_USE,
                         f"the source was watched (at {watch[1]}) after "
                         f"{op.op_type} (at {op.line}) used it: that op was not "
                         "recorded; call tape.watch before using the tensor",
-                        op_type=op.op_type, line=op.line)
-                return Explanation(
+                        op)
+                return _at(
                     raw, NOT_CONNECTED,
                     f"{op.op_type} (at {op.line}) read a tensor the tape "
-                    "tracks but was not recorded", op_type=op.op_type,
-                    line=op.line, certain=False)
+                    "tracks but was not recorded", op, certain=False)
             t = child
         return Explanation(raw, NOT_CONNECTED, "no recorded op links the "
                            "target to the source", certain=False)
