@@ -708,6 +708,9 @@ class _Analysis:
             if out is not None:
                 return out
             if t not in lin and self._when(t)[0] == "recording":
+                converted = self._converted(raw, sid, t, None)
+                if converted is not None:
+                    return converted
                 return Explanation(
                     raw, TARGET_OTHER_THREAD,
                     f"the target was not computed by any op on the tape's "
@@ -759,6 +762,26 @@ class _Analysis:
         return Explanation(raw, NOT_CONNECTED, "no recorded op links the "
                            "target to the source", certain=False)
 
+    def _converted(self, raw, sid, tid, reader, desc=None):
+        """A conversion to NumPy/Python of a tensor recorded from the source,
+        before tensor ``tid`` (made from no op on this thread) appeared."""
+        if desc is None:
+            desc = self._descendants(sid)
+        for uid, converted, line in self.info.conversions:
+            if uid < tid and converted in desc:
+                src = self._producer_of(converted)[0] or "a tracked op"
+                read = (f", read by {reader.op_type} at {reader.line}"
+                        if reader is not None else "")
+                return Explanation(
+                    raw, CONVERTED_TO_NUMPY,
+                    f"the path is cut by a conversion to NumPy/Python at "
+                    f"{line} (of the output of {src}): the tape sees the value "
+                    f"come back as a new constant{read}. Keep the computation "
+                    "in TensorFlow ops",
+                    op_type=reader.op_type if reader is not None else None,
+                    line=line)
+        return None
+
     def _leaves(self, raw, sid, leaves, parent):
         """No op links the target to the source: look for the cut among the
         tensors the target's ops start from."""
@@ -775,18 +798,9 @@ class _Analysis:
                     return out
             if when != "recording":
                 continue
-            for uid, tid, line in self.info.conversions:
-                if uid < leaf and tid in desc:
-                    src = self._producer_of(tid)[0] or "a tracked op"
-                    return Explanation(
-                        raw, CONVERTED_TO_NUMPY,
-                        f"the path is cut by a conversion to NumPy/Python at "
-                        f"{line} (of the output of {src}): the tape sees the value come back as a new "
-                        "constant" + (f", read by {op.op_type} at {op.line}"
-                                      if op is not None else "") +
-                        ". Keep the computation in TensorFlow ops",
-                        op_type=op.op_type if op is not None else None,
-                        line=line)
+            converted = self._converted(raw, sid, leaf, op, desc)
+            if converted is not None:
+                return converted
         return Explanation(
             raw, NOT_CONNECTED,
             "the target does not depend on the source through any op the "
