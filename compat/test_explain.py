@@ -282,6 +282,19 @@ def test_op_with_no_registered_gradient_raises_as_in_tf(lineage):
         assert at(e, "snapshot")
 
 
+def test_cut_inside_a_tf_function_names_the_call(lineage):
+    @tf.function
+    def quantize(a):
+        return tf.round(a) * 3.0
+
+    e = elementwise(GT, quantize, explain=True)
+    assert e.cause == ex.NOT_DIFFERENTIABLE_OP
+    assert e.op_type.startswith("__forward_quantize") or \
+        e.op_type.startswith("__inference_quantize"), e.op_type
+    assert "own backward function" in e.message and "registered" not in e.message
+    tf_gives_none(lambda GradientTape: elementwise(GradientTape, quantize))
+
+
 def test_stop_recording_block(lineage):
     m = model()
     with GT() as tape:

@@ -374,6 +374,7 @@ class _Analysis:
         ins, outs = trace["input_ids"].tolist(), trace["output_ids"].tolist()
         in_off = trace["input_offsets"].tolist()
         out_off = trace["output_offsets"].tolist()
+        self.op_ids = trace["op_ids"].tolist()
         self.op_type = [types[t] for t in trace["op_type_index"].tolist()]
         self.op_in = [ins[in_off[k]:in_off[k + 1]] for k in range(len(in_off) - 1)]
         self.op_out = [outs[out_off[k]:out_off[k + 1]]
@@ -613,14 +614,19 @@ class _Analysis:
         at = f" at {line}" if line else ""
         if op_type in ("StopGradient", "PreventGradient"):
             return _stop_gradient(raw, op_type, line)
-        try:
-            registered = ops._gradient_registry.lookup(op_type) is not None  # pylint: disable=protected-access
-        except LookupError:
-            registered = False
-        why = ("its gradient function gives None for the input on the path "
-               "(its derivative is zero or undefined almost everywhere, "
-               "e.g. round, floor, sign)" if registered else
-               "it is registered as not differentiable")
+        payload = self.core.op(self.op_ids[k]).payload
+        if type(payload).__name__ == "PyBackward":
+            why = ("it was recorded with its own backward function (a "
+                   "tf.function call, tf.custom_gradient), which gives None "
+                   "for the input on the path: the cut is inside it (explain "
+                   "a tape inside the function, or run it eagerly with "
+                   "tf.config.run_functions_eagerly(True))")
+        elif ops._gradient_registry.lookup(op_type) is None:  # pylint: disable=protected-access
+            why = "it is registered as not differentiable"
+        else:
+            why = ("its gradient function gives None for the input on the "
+                   "path (its derivative is zero or undefined almost "
+                   "everywhere, e.g. round, floor, sign)")
         return Explanation(
             raw, NOT_DIFFERENTIABLE_OP,
             f"the path is cut by {op_type}{at}: {why}; use a differentiable "
