@@ -387,6 +387,19 @@ def test_explain_after_gradient_raises_like_gradient():
     assert str(explain_err.value) == str(gradient_err.value)
 
 
+def test_explain_inside_the_with_block_notes_none_of_its_own_ops(explaining):
+    w = tf.Variable([0.3, 1.7])
+    with GT(persistent=True) as tape:
+        loss = tf.reduce_sum(tf.round(w) * w)
+        r = tf.round(w)
+        before = dict(tape._tape.explain_info.lineage)
+        n_ops = tape._tape.core.num_ops
+        assert tape.explain(loss, w).cause == ex.CONNECTED
+        assert tape.explain(r, w).cause == ex.NOT_DIFFERENTIABLE_OP
+        assert tape._tape.explain_info.lineage == before
+        assert tape._tape.core.num_ops == n_ops
+
+
 def test_explanations_nest_like_sources():
     w, v = tf.Variable(1.0), tf.Variable(2.0, trainable=False)
     with GT(persistent=True) as tape:

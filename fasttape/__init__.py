@@ -21,6 +21,7 @@ _LAZY = {
     "hessian": ("fasttape.functional", "hessian"),
     "clear_caches": ("fasttape._recording", "clear_caches"),
     "explain_none": ("fasttape.explain", "explain_none"),
+    "Explanation": ("fasttape.explain", "Explanation"),
 }
 
 __all__ = sorted(_LAZY)

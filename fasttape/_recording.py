@@ -429,6 +429,7 @@ def uninstall():
         r for r in autograph_config.CONVERSION_RULES if r is not _AUTOGRAPH_RULE)
     _installed = False
     _uninstall_fast_path_wrapper()
+    _explain.take_hooks_out()
 
 
 def installed_hooks():

@@ -27,6 +27,7 @@ Where these facts cannot tell causes apart the explanation says so (cause
 ``target_not_recorded``) rather than guess.
 """
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -120,6 +121,12 @@ def explain_none(flag=True):
     previous, _enabled = _enabled, bool(flag)
     _set_hooks(_enabled)
     return previous
+
+
+def take_hooks_out():
+    """_recording.uninstall(): the hooks go; the next tape pushed while
+    explain_none is on puts them back."""
+    _set_hooks(False)
 
 
 def _set_hooks(on):
@@ -259,7 +266,16 @@ class _Lin:
         self.stopped = stopped        # ran under record.stop_recording()
 
 
+class _Busy(threading.local):
+    active = False   # explain() runs a backward pass: its ops are not noted
+
+
+_busy = _Busy()
+
+
 def _lineage_hook(tapes, op_type, inputs, outputs, stopped=False):
+    if _busy.active:
+        return
     in_ids = out_ids = line = None
     for ts in tapes:
         info = ts.explain_info
@@ -329,24 +345,36 @@ def _stop_gradient(raw, op_type, line):
 
 def explain(tape_state, target, sources):
     """Per source (a nest like ``sources``), an Explanation."""
-    from tensorflow.python.eager import backprop, record  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.eager import backprop  # pylint: disable=import-outside-toplevel
     from tensorflow.python.util import nest  # pylint: disable=import-outside-toplevel
     handle = backprop._handle_or_self  # pylint: disable=protected-access
     targets = [handle(t) for t in nest.flatten(target)]
     raw = nest.flatten(sources)
-    with record.stop_recording():   # a backward pass run here records nowhere
+    with _quiet():
         analysis = _Analysis(tape_state, targets)
         out = [analysis.explain(s, handle(s)) for s in raw]
     return nest.pack_sequence_as(sources, out)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """A backward pass run to explain is recorded by no tape nor noted."""
+    from tensorflow.python.eager import record  # pylint: disable=import-outside-toplevel
+    was, _busy.active = _busy.active, True
+    try:
+        with record.stop_recording():
+            yield
+    finally:
+        _busy.active = was
 
 
 def log_nones(tape_state, targets, sources_raw, grads):
     """gradient()'s hook while explain_none is on: log each None."""
     if len(sources_raw) != len(grads) or all(g is not None for g in grads):
         return
-    from tensorflow.python.eager import backprop, record  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.eager import backprop  # pylint: disable=import-outside-toplevel
     handle = backprop._handle_or_self  # pylint: disable=protected-access
-    with record.stop_recording():
+    with _quiet():
         analysis = _Analysis(tape_state, targets)
         for s, g in zip(sources_raw, grads):
             if g is None:
