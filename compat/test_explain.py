@@ -400,6 +400,39 @@ def test_explain_inside_the_with_block_notes_none_of_its_own_ops(explaining):
         assert tape._tape.core.num_ops == n_ops
 
 
+def test_a_tape_paused_in_a_long_loop_keeps_bounded_facts(monkeypatch):
+    monkeypatch.setattr(ex, "EVENT_LIMIT", 10)
+    w = tf.Variable(1.0)
+    with GT(persistent=True) as tape:
+        for _ in range(20):
+            with tape.stop_recording():
+                s = w * 2.0
+        y = w * 3.0
+    z = y * 2.0
+    assert len(tape._tape.explain_info.events) == 10
+    # Made after the last event kept: placed nowhere, no cause drawn from it.
+    e = tape.explain(z, w)
+    assert e.cause == ex.TARGET_NOT_RECORDED and not e.certain
+    assert "not known" in e.message
+    assert tape.explain(y, w).cause == ex.CONNECTED
+    del s
+
+
+def test_past_the_lineage_limit_no_cause_is_drawn_from_missing_ops(
+        explaining, monkeypatch):
+    monkeypatch.setattr(ex, "LINEAGE_LIMIT", 5)
+    w = tf.Variable([1.0, 2.0])
+    with GT() as tape:
+        h = w * 2.0
+        for _ in range(5):
+            h = h + 1.0
+        loss = tf.reduce_sum(tf.constant(h.numpy()) * 2.0)
+    assert tape._tape.explain_info.truncated
+    e = tape.explain(loss, w)
+    assert e.cause == ex.NOT_CONNECTED and not e.certain
+    assert "cut short" in e.message
+
+
 def test_explanations_nest_like_sources():
     w, v = tf.Variable(1.0), tf.Variable(2.0, trainable=False)
     with GT(persistent=True) as tape:

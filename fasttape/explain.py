@@ -72,6 +72,10 @@ CAUSES = (CONNECTED, SOURCE_NOT_WATCHED, VARIABLE_NOT_TRAINABLE,
 # Ops noted per tape in lineage mode, at most (then explanations say the
 # lineage was cut short).
 LINEAGE_LIMIT = 500_000
+# Pushes and pops (and watches) kept per tape, at most: a persistent tape
+# entered or paused in a long loop keeps the first ones, and tensors made
+# after the last one kept are placed nowhere (no cause drawn from them).
+EVENT_LIMIT = 100_000
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -174,14 +178,16 @@ def note_event(tape_state, pushed):
     """A push (tape enter, resume) or pop (exit, stop_recording) of a tape."""
     if _enabled and not _hooks_on:
         _set_hooks(True)   # FASTTAPE_EXPLAIN_NONE=1: from the first tape on
-    line, what = _caller()
-    _info(tape_state).events.append((_uid(), pushed, line, what))
+    events = _info(tape_state).events
+    if len(events) < EVENT_LIMIT:
+        line, what = _caller()
+        events.append((_uid(), pushed, line, what))
 
 
 def note_watch(tape_state, tensor_id):
     """tape.watch of a tensor or variable handle (id)."""
     watches = _info(tape_state).watches
-    if tensor_id not in watches:
+    if tensor_id not in watches and len(watches) < EVENT_LIMIT:
         watches[tensor_id] = (_uid(), _caller()[0])
 
 
@@ -308,6 +314,7 @@ def _conversion_hook(tensor):
     for ts in tapes:
         info = ts.explain_info
         if info is not None and info.lineage is not None \
+                and len(info.conversions) < LINEAGE_LIMIT \
                 and ts.core.is_watched(tid):
             info.conversions.append((_uid(), tid, _caller()[0]))
 
@@ -674,6 +681,8 @@ class _Analysis:
                 prev = ev[i - 1]
                 return ("recording" if prev[1] else "paused"), prev, ev[i]
         last = ev[-1]
+        if len(ev) >= EVENT_LIMIT:
+            return "unknown", last, None   # events past the limit not kept
         return ("recording" if last[1] else "after"), last, None
 
     def _outside(self, raw, tid, what):
@@ -717,9 +726,14 @@ class _Analysis:
                     "was computed: ops that used it before the watch were not "
                     "recorded; call tape.watch first", line=watch[1])
             if untracked:
+                where = ("was computed while the tape recorded, but"
+                         if self._when(untracked[0])[0] == "recording" else
+                         "is not recorded (when it was computed is not known: "
+                         "the tape was pushed and popped more than "
+                         f"{EVENT_LIMIT} times), and was not computed")
                 return Explanation(
                     raw, TARGET_NOT_RECORDED,
-                    "the target was computed while the tape recorded, but not "
+                    f"the target {where} "
                     "from anything the tape tracks. Without lineage the tape "
                     "cannot tell why: a conversion to NumPy/Python in the "
                     "middle (.numpy(), float()), a step through an integer "
@@ -741,7 +755,8 @@ class _Analysis:
             out = self._outside(raw, t, "target")
             if out is not None:
                 return out
-            if t not in lin and self._when(t)[0] == "recording":
+            if t not in lin and not self.info.truncated \
+                    and self._when(t)[0] == "recording":
                 converted = self._converted(raw, sid, t, None)
                 if converted is not None:
                     return converted
@@ -830,8 +845,8 @@ class _Analysis:
                 out = self._outside(raw, leaf, "tensor the target is computed from")
                 if out is not None and out.cause == STOP_RECORDING:
                     return out
-            if when != "recording":
-                continue
+            if when != "recording" or self.info.truncated:
+                continue   # (past the lineage limit a leaf may be any op's)
             converted = self._converted(raw, sid, leaf, op, desc)
             if converted is not None:
                 return converted
