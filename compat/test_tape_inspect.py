@@ -294,14 +294,23 @@ def test_to_dot_renders_with_graphviz(tmp_path):
 
 
 def test_to_dot_in_anomaly_mode_knows_every_shape():
+    """Off, the tape keeps no shape for a tensor no gradient reads (here
+    MatMul's output, read only by a Transpose); ops recorded in anomaly mode
+    carry every shape."""
     x = tf.constant([[1.0, 2.0]])
-    with fasttape.detect_anomaly():
-        with fasttape.GradientTape() as tape:
-            tape.watch(x)
-            h = tf.tanh(x + 1.0)        # AddV2's output dies: its shape is
-            y = tf.reduce_sum(h * h)    # known only from anomaly's record
-    nodes, _ = parse_dot(tape.to_dot())
-    for name, (_, label, _) in nodes.items():
-        if name.startswith("op"):
-            assert "\n" in label, label
-    del y
+    w = tf.constant([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+
+    def labels(anomaly_mode):
+        with fasttape.detect_anomaly(anomaly_mode):
+            with fasttape.GradientTape() as tape:
+                tape.watch(x)
+                y = tf.reduce_mean(tf.transpose(tf.matmul(x, w)))
+        nodes, _ = parse_dot(tape.to_dot())
+        del y
+        return {label.split("\n")[0]: label for name, (_, label, _)
+                in nodes.items() if name.startswith("op")}
+
+    assert labels(False)["MatMul"] == "MatMul"
+    on = labels(True)
+    assert on["MatMul"] == "MatMul\n(1, 3) float32"
+    assert on["Transpose"] == "Transpose\n(3, 1) float32"

@@ -295,6 +295,42 @@ def _tensor_shapes(core, entries):
     return shapes
 
 
+# Ops whose output 0 has the shape and dtype of their input 0: to_dot
+# passes a known shape across them (either way) where the tape saved neither.
+_SAME_SHAPE = frozenset({
+    "BiasAdd", "Identity", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu",
+    "Softplus", "Softsign", "Sigmoid", "Tanh", "Sin", "Cos", "Tan", "Exp",
+    "Log", "Log1p", "Expm1", "Neg", "Abs", "Square", "Sqrt", "Rsqrt",
+    "Reciprocal", "Erf", "Softmax", "LogSoftmax", "StopGradient",
+})
+
+
+def _propagate_shapes(entries, shapes, variables):
+    """Fill in shapes the tape did not keep: a variable read has its
+    variable's, and the ops of _SAME_SHAPE pass one between their first
+    input and their output."""
+    for _, entry in entries:
+        if entry.op_type == "ReadVariableOp" and entry.input_ids:
+            var = variables.get(entry.input_ids[0])
+            if var is not None and var.shape.rank is not None:
+                shapes.setdefault(entry.output_ids[0],
+                                  (tuple(var.shape.as_list()), var.dtype.name))
+    for _ in range(len(entries)):
+        changed = False
+        for _, entry in entries:
+            if entry.op_type not in _SAME_SHAPE or not entry.input_ids:
+                continue
+            i, o = entry.input_ids[0], entry.output_ids[0]
+            if i in shapes and o not in shapes:
+                shapes[o] = shapes[i]
+                changed = True
+            elif o in shapes and i not in shapes:
+                shapes[i] = shapes[o]
+                changed = True
+        if not changed:
+            break
+
+
 def _ids(structure):
     if structure is None:
         return []
@@ -357,6 +393,7 @@ def to_dot(tape_state, targets=None, sources=None, name="fasttape_trace"):
     core = tape_state.core
     entries = _ops(core)
     shapes = _tensor_shapes(core, entries)
+    _propagate_shapes(entries, shapes, tape_state.variables)
     target_ids, source_ids = _ids(targets), _ids(sources)
     on_path = (path_ops(entries, target_ids, source_ids)
                if target_ids and source_ids else set())

@@ -185,11 +185,18 @@ def user_stack(frame=None, limit=MAX_FRAMES):
     return tuple(out)
 
 
+_dtype_names = {}     # DataType enum -> name
+
+
 def _describe(t):
     """(shape tuple or None, dtype name) of a tensor."""
     try:
         if type(t) is ops.EagerTensor:
-            return t._shape_tuple(), t.dtype.name  # pylint: disable=protected-access
+            enum = t._datatype_enum()  # pylint: disable=protected-access
+            name = _dtype_names.get(enum)
+            if name is None:
+                name = _dtype_names[enum] = t.dtype.name
+            return t._shape_tuple(), name  # pylint: disable=protected-access
         shape = t.shape
         return (None if shape.rank is None else tuple(shape.as_list()),
                 t.dtype.name)
