@@ -2,7 +2,6 @@
 forward op, its shapes and the user's line that created it; off, nothing
 changes (TF's results, under both implementations)."""
 
-import contextlib
 import sys
 import unittest
 
@@ -21,15 +20,6 @@ from harness import assert_parity
 def _here():
     """The caller's line number (the next line is the one named)."""
     return sys._getframe(1).f_lineno + 1  # pylint: disable=protected-access
-
-
-@contextlib.contextmanager
-def _compiled_mode(mode):
-    previous = _compiled.set_mode(mode)
-    try:
-        yield
-    finally:
-        _compiled.set_mode(previous)
 
 
 @pytest.fixture(autouse=True)
@@ -197,7 +187,8 @@ def test_compiled_backward_is_bypassed():
             loss = tf.reduce_sum(y)
         return tape.gradient(loss, x)
 
-    with _compiled_mode("always"):
+    previous = _compiled.set_mode("always")
+    try:
         replayed = _compiled.CACHE.stats["replayed"]
         for _ in range(3):
             assert np.isnan(step().numpy()).any()
@@ -208,6 +199,8 @@ def test_compiled_backward_is_bypassed():
                 with pytest.raises(fasttape.AnomalyError):
                     step()
         assert _compiled.CACHE.stats["replayed"] == replayed
+    finally:
+        _compiled.set_mode(previous)
 
 
 def test_recorded_outside_anomaly_mode_says_so():

@@ -107,11 +107,12 @@ def test_summary_counts_python_backward_ops():
 
 def test_summary_and_to_dot_leave_gradients_as_tf():
     def case(GradientTape):
-        x = tf.constant([0.5, 1.5])
-        v = tf.Variable([2.0, 3.0])
+        w = tf.Variable([[2.0], [3.0]])
+        inputs = tf.constant([[0.5, 1.5], [1.0, -1.0]])
         with GradientTape(persistent=True) as tape:
-            tape.watch(x)
-            y = tf.reduce_sum(tf.sin(x) * v + x * x)
+            tape.watch(inputs)
+            y = tf.reduce_mean(tf.tanh(tf.matmul(inputs, w)) ** 2)
+        x, v = inputs, w
         if hasattr(tape, "summary"):
             tape.summary()
             tape.to_dot(y, [x, v])

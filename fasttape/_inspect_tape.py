@@ -246,24 +246,13 @@ def _fmt_shape(desc):
     return f"{'<unknown>' if shape is None else tuple(shape)} {dtype}"
 
 
-def _desc(t):
-    try:
-        if type(t) is ops.EagerTensor:
-            return t._shape_tuple(), t.dtype.name  # pylint: disable=protected-access
-        shape = t.shape
-        return (None if shape.rank is None else tuple(shape.as_list()),
-                t.dtype.name)
-    except Exception:  # pylint: disable=broad-except
-        return None
-
-
 def _tensor_shapes(core, entries):
     """tensor id -> (shape, dtype name), from whatever the tape knows:
     anomaly mode's records, output metadata, saved tensors, graph ops, and
     recorded outputs still alive."""
     shapes = {}
     for tid, t in core.live_outputs().items():
-        d = _desc(t)
+        d = anomaly.describe(t)
         if d is not None:
             shapes[tid] = d
     for _, entry in entries:
@@ -277,21 +266,21 @@ def _tensor_shapes(core, entries):
             if type(meta) is tuple and len(meta) == 2:
                 shapes.setdefault(tid, (meta[0], dtypes.as_dtype(meta[1]).name))
             elif meta is not None:
-                d = _desc(meta)
+                d = anomaly.describe(meta)
                 if d is not None:
                     shapes.setdefault(tid, d)
         if type(payload) is EagerOp:
             for tid, t in zip(list(in_ids) + list(out_ids), payload.saved):
                 if t is not None:
-                    d = _desc(t)
+                    d = anomaly.describe(t)
                     if d is not None:
                         shapes.setdefault(tid, d)
         elif type(payload) is GraphOp:
             op = payload.op
             for tid, t in zip(in_ids, op.inputs):
-                shapes.setdefault(tid, _desc(t))
+                shapes.setdefault(tid, anomaly.describe(t))
             for tid, t in zip(out_ids, op.outputs):
-                shapes.setdefault(tid, _desc(t))
+                shapes.setdefault(tid, anomaly.describe(t))
     return shapes
 
 

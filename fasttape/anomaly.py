@@ -188,7 +188,7 @@ def user_stack(frame=None, limit=MAX_FRAMES):
 _dtype_names = {}     # DataType enum -> name
 
 
-def _describe(t):
+def describe(t):
     """(shape tuple or None, dtype name) of a tensor."""
     try:
         if type(t) is ops.EagerTensor:
@@ -208,8 +208,8 @@ def _note(payload, op_type, inputs, outputs):
     """The recording hook (fasttape._callback) while the mode is on."""
     try:
         _RECORDS[payload] = _OpRecord(
-            op_type, tuple([_describe(t) for t in inputs]),
-            tuple([_describe(t) for t in outputs]),
+            op_type, tuple([describe(t) for t in inputs]),
+            tuple([describe(t) for t in outputs]),
             user_stack(sys._getframe(1)))  # pylint: disable=protected-access
     except TypeError:   # a payload that takes no weak reference
         pass
