@@ -15,7 +15,7 @@ from tensorflow.python.framework import op_callbacks
 import fasttape
 from fasttape import bench
 
-from harness import assert_parity
+from harness import assert_leaks_nothing, assert_parity
 
 
 def _nbytes(t):
@@ -315,3 +315,15 @@ def test_to_dot_in_anomaly_mode_knows_every_shape():
     on = labels(True)
     assert on["MatMul"] == "MatMul\n(1, 3) float32"
     assert on["Transpose"] == "Transpose\n(3, 1) float32"
+
+
+def _inspected_step():
+    tape, x, v, loss, keep = _branchy()
+    str(tape.summary())
+    tape.to_dot(loss, [x, v])
+    tape.gradient(loss, [x, v])
+    del keep
+
+
+def test_summary_and_to_dot_leak_nothing():
+    assert_leaks_nothing(_inspected_step)
