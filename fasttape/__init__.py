@@ -20,6 +20,9 @@ _LAZY = {
     "hvp": ("fasttape.functional", "hvp"),
     "hessian": ("fasttape.functional", "hessian"),
     "clear_caches": ("fasttape._recording", "clear_caches"),
+    "detect_anomaly": ("fasttape.anomaly", "detect_anomaly"),
+    "is_anomaly_enabled": ("fasttape.anomaly", "is_anomaly_enabled"),
+    "AnomalyError": ("fasttape.anomaly", "AnomalyError"),
 }
 
 __all__ = sorted(_LAZY)
