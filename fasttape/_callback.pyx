@@ -31,6 +31,7 @@ cdef extern from "Python.h":
 from fasttape._saved import saved_indices
 
 cdef object _is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
+cdef object _uid = pywrap_tfe.TFE_Py_UID
 cdef object _EagerTensor = ops.EagerTensor
 cdef object _BaseVariable = resource_variable_ops.BaseResourceVariable
 
@@ -109,9 +110,13 @@ cdef class TapeState:
     cdef public dict variables          # handle id -> variable
     cdef public long long nesting_id    # set at every push (see _recording)
     cdef public object explain_info     # fasttape.explain's facts (None: none kept)
+    # TF's unique-id counter when the tape was made: tensors with a greater
+    # _id were made after it (tape.summary() tells them apart).
+    cdef readonly long long first_uid
     cdef object __weakref__
 
     def __init__(self, bint persistent, bint watch_accessed_variables):
+        self.first_uid = _uid()
         self.core = GradientTapeCore(persistent)
         self.persistent = persistent
         self.watch_accessed_variables = watch_accessed_variables
@@ -231,6 +236,18 @@ cdef tuple _keep(inputs, in_mask, outputs, out_mask):
     return tuple(kept)
 
 
+# Anomaly mode's note-taker (fasttape.anomaly sets it while the mode is on):
+# called as hook(payload, op_type, inputs, outputs) for every op recorded on
+# a tape; None (the default) costs one pointer test per recorded op.
+cdef object _anomaly_hook = None
+
+
+def set_anomaly_hook(hook):
+    """Set (a callable) or clear (None) anomaly mode's per-op hook."""
+    global _anomaly_hook
+    _anomaly_hook = hook
+
+
 def record(op_type, inputs, outputs, int kind, attrs=None, backward=None,
            forward=None, bint to_tapes=True, bint to_accumulators=True):
     """Record an op on every active tape that watches one of its inputs, and
@@ -313,6 +330,10 @@ cdef int _record(st, op_type, inputs, outputs, int kind, attrs, backward,
         for tp in tapes:
             (<TapeState>tp).core.record_operation(
                 op_type, ids, out_ids, meta, payload, trainable, objs)
+        if _anomaly_hook is not None:
+            # Anomaly mode (fasttape.anomaly): where in the user's code
+            # this op ran. One C-level test per recorded op when off.
+            _anomaly_hook(payload, op_type, inputs, outputs)
     if accs:
         if kind == EAGER_OP:
             payload = EagerOp(attrs, tuple(inputs) + tuple(outputs), n_in)

@@ -38,6 +38,8 @@ import weakref
 
 from tensorflow.python import pywrap_tfe
 
+from fasttape import anomaly as _anomaly
+
 _log = logging.getLogger("fasttape")
 
 # -- cause codes ------------------------------------------------------------------
@@ -194,20 +196,22 @@ def note_watch(tape_state, tensor_id):
 # -- the user's line -------------------------------------------------------------------
 
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_LIBS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib",
-                                                   "purelib", "platlib")})
+_STDLIB = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
 _USER, _FASTTAPE, _LIB = 0, 1, 2
 _kinds = {}   # file name -> _USER / _FASTTAPE / _LIB (a str's hash is cached)
 
 
 def _kind(code):
+    """Whose code: fasttape's, a library's (as anomaly mode decides, which
+    names the same user lines, plus the standard library: contextlib runs
+    ``with tape.stop_recording():``), or the user's."""
     fn = code.co_filename
     k = _kinds.get(fn)
     if k is None:
         if fn.startswith(_HERE):
             k = _FASTTAPE
-        elif (fn.startswith(_LIBS) or fn.startswith("<frozen")
-              or "site-packages" in fn or "dist-packages" in fn):
+        elif (fn.startswith(_STDLIB) or fn.startswith("<frozen")
+              or _anomaly.is_library(fn)):
             k = _LIB
         else:
             k = _USER

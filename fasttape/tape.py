@@ -33,8 +33,10 @@ from tensorflow.python.util import nest
 from tensorflow.python.util import tf_contextlib
 
 from fasttape import _compiled
+from fasttape import _inspect_tape
 from fasttape import _recording
 from fasttape import explain as _explain
+from fasttape import anomaly as _anomaly
 from fasttape._callback import is_trainable, output_meta
 _handle_or_self = backprop._handle_or_self  # pylint: disable=protected-access
 
@@ -68,6 +70,11 @@ def compute(tape_state, flat_targets, flat_sources, output_gradients,
         t._id: output_meta(t)  # pylint: disable=protected-access
         for t in flat_sources if t._id in targets_set}  # pylint: disable=protected-access
     core, vspace = tape_state.core, _recording.VSPACE
+    checking = _anomaly.ENABLED
+    if checking:
+        # Anomaly mode: the eager pass (never a compiled one), each op's
+        # input gradients checked for NaN/Inf.
+        vspace = _anomaly.checking_vspace(vspace)
     target_meta = [output_meta(t) for t in flat_targets]
 
     def eager_pass():
@@ -75,9 +82,12 @@ def compute(tape_state, flat_targets, flat_sources, output_gradients,
             vspace, target_ids, source_ids, sources_that_are_targets,
             output_gradients, True, retain, target_meta, all_watched)
 
-    grads = _compiled.gradient(core, vspace, target_ids, source_ids,
-                               sources_that_are_targets, output_gradients,
-                               retain, target_meta, eager_pass, all_watched)
+    if checking:
+        grads = eager_pass()
+    else:
+        grads = _compiled.gradient(core, vspace, target_ids, source_ids,
+                                   sources_that_are_targets, output_gradients,
+                                   retain, target_meta, eager_pass, all_watched)
     if unconnected_gradients == UnconnectedGradients.ZERO:
         grads = [default_gradient.zeros_like(flat_sources_raw[i])
                  if g is None else g for i, g in enumerate(grads)]
@@ -169,6 +179,19 @@ class GradientTape:
         self._pop_tape()
         self._tape = None
         self._push_tape()
+
+    def summary(self):
+        """What this tape holds for its backward pass: a TapeSummary (ops,
+        saved tensors and bytes by op type, watched tensors and variables);
+        ``print(tape.summary())`` shows it as a table."""
+        return _inspect_tape.summary(self._tape)
+
+    def to_dot(self, targets=None, sources=None):
+        """The recorded trace as Graphviz DOT text: ops with their output
+        shapes, watched tensors and variables; with ``targets`` and
+        ``sources``, the ops and edges on a path from the sources to the
+        targets drawn in red."""
+        return _inspect_tape.to_dot(self._tape, targets, sources)
 
     def watched_variables(self):
         """Returns variables watched by this tape in order of construction."""
