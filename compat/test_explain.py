@@ -18,16 +18,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import unittest
-
 from tensorflow.python.eager import backprop as tf_backprop
-from tensorflow.python.framework import test_util
 
 import fasttape
 from fasttape import explain as ex
 from fasttape import tape as ft_tape
 
-from harness import assert_parity, captured_log_first_n, compare, run_case
+from harness import (assert_leaks_nothing, assert_parity, captured_log_first_n,
+                     compare, run_case)
 
 GT = fasttape.GradientTape
 
@@ -569,17 +567,8 @@ def _explain_everything():
     del tape, grads
 
 
-class _Checks(unittest.TestCase):
-    def runTest(self):  # pragma: no cover - never run as a test
-        pass
-
-
-@pytest.mark.parametrize("check", ["no_new_tensors", "no_garbage_created"])
-def test_explanations_leak_nothing(explaining, check):
-    _explain_everything()
-    tf.keras.backend.clear_session()
-    decorator = getattr(test_util, "assert_" + check)
-    decorator(lambda self: _explain_everything())(_Checks())
+def test_explanations_leak_nothing(explaining):
+    assert_leaks_nothing(_explain_everything)
 
 
 def test_clear_caches_empties_the_frame_cache(explaining):
