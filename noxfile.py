@@ -15,6 +15,8 @@ checks that pyproject.toml's extras say the same.
 
 import ast
 import os
+import re
+import tomllib
 
 import nox
 
@@ -34,6 +36,16 @@ def _supported_releases():
     (major, oldest), (major_newest, newest) = bounds["OLDEST"], bounds["NEWEST"]
     assert major == major_newest, bounds
     return [f"{major}.{minor}" for minor in range(oldest, newest + 1)]
+
+
+def _test_tools():
+    """The test extra of pyproject.toml without TensorFlow and tf_keras
+    (each session pins its release): pytest, hypothesis for the fuzzer..."""
+    with open(os.path.join(HERE, "pyproject.toml"), "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["test"]
+    return [r for r in extra
+            if re.split(r"[<>=!~ \[]", r, maxsplit=1)[0].lower().replace("_", "-")
+            not in ("tensorflow", "tf-keras")]
 
 
 TF_RELEASES = _supported_releases()
@@ -57,7 +69,7 @@ nox.options.sessions = [f"tf-{v}" for v in TF_RELEASES] + ["full"]
 def _release_session(release):
     @nox.session(name=f"tf-{release}", python=PYTHON)
     def session(s):
-        s.install(f"tensorflow-cpu=={release}.*", f"tf-keras=={release}.*", "pytest")
+        s.install(f"tensorflow-cpu=={release}.*", f"tf-keras=={release}.*", *_test_tools())
         s.install("-e", ".")
         s.run("python", "-c", "import tensorflow as tf, tf_keras; "
               "print('tensorflow', tf.__version__, 'tf_keras', tf_keras.__version__)",

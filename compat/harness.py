@@ -9,6 +9,7 @@ type.
 """
 
 import contextlib
+import unittest
 
 import numpy as np
 import tensorflow as tf
@@ -16,6 +17,7 @@ from absl import logging as absl_logging
 from tensorflow.core.function.polymorphism import function_cache
 from tensorflow.python.eager import forwardprop as tf_forwardprop
 from tensorflow.python.eager.polymorphic_function import tracing_compilation
+from tensorflow.python.framework import test_util
 from tensorflow.python.platform import tf_logging
 
 import fasttape
@@ -176,3 +178,23 @@ def fresh_tf_jvp_trace_state(monkeypatch, trace_count):
             tf_forwardprop._jvp_helper_wrapper, name=old.name,
             reduce_retracing=old.reduce_retracing, function_cache=cache))
     monkeypatch.setattr(tf_forwardprop, "_TRACE_COUNT", trace_count)
+
+
+class _LeakChecks(unittest.TestCase):
+    """The ``self`` TF's leak decorators expect (they call self.assertEqual)."""
+
+    def runTest(self):  # pragma: no cover - never run as a test
+        pass
+
+
+def assert_leaks_nothing(step):
+    """Run ``step()`` once to warm up, then under TF's
+    ``assert_no_new_tensors`` and ``assert_no_garbage_created``."""
+    step()
+
+    def body(self):
+        del self
+        step()
+
+    test_util.assert_no_new_tensors(body)(_LeakChecks())
+    test_util.assert_no_garbage_created(body)(_LeakChecks())

@@ -302,6 +302,17 @@ MISFIT_SEED_SKIPPED_SCALAR = Program(
             Node("add", (0, 1))))
 
 
+# A misfit scalar seed through x / y, x unwatched: fasttape's RealDiv fast
+# rule once skipped x's gradient and returned y's where TF raises (fixed in
+# _fast_grads.py; test_misfit_seed_through_realdiv_with_an_unwatched_numerator
+# in test_reliability_backward.py). Found by a long run.
+MISFIT_SEED_REALDIV = Program(
+    dtype="float32", mode="gradient", targets=(2,), sources=(1,),
+    seeds="wrong_shape:scalar",
+    values=(Input("const", (1, 1, 2), watched=False), Input("const", ()),
+            Node("div", (0, 1))))
+
+
 # The known Variable-into-tf.function fault where the oracle abstains (a tie
 # of maximum between two equal sin(v0)); found by a long run.
 VARIABLE_INTO_FUNCTION_TIE = Program(
@@ -320,6 +331,7 @@ VARIABLE_INTO_FUNCTION_TIE = Program(
 @example(program=UNWATCHED_SOURCE_WRONG_SEED)
 @example(program=MISFIT_SEED_SKIPPED_SCALAR)
 @example(program=VARIABLE_INTO_FUNCTION_TIE)
+@example(program=MISFIT_SEED_REALDIV)
 def test_fuzz_tf_against_fasttape(program):
     if program in _PASSED:
         # Another draw gave the same program: rejected, so that examples

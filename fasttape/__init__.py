@@ -20,6 +20,11 @@ _LAZY = {
     "hvp": ("fasttape.functional", "hvp"),
     "hessian": ("fasttape.functional", "hessian"),
     "clear_caches": ("fasttape._recording", "clear_caches"),
+    "explain_none": ("fasttape.explain", "explain_none"),
+    "Explanation": ("fasttape.explain", "Explanation"),
+    "detect_anomaly": ("fasttape.anomaly", "detect_anomaly"),
+    "is_anomaly_enabled": ("fasttape.anomaly", "is_anomaly_enabled"),
+    "AnomalyError": ("fasttape.anomaly", "AnomalyError"),
 }
 
 __all__ = sorted(_LAZY)

@@ -36,6 +36,7 @@ cdef extern from "Python.h":
 from fasttape._saved import saved_indices
 
 cdef object _is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
+cdef object _uid = pywrap_tfe.TFE_Py_UID
 cdef object _EagerTensor = ops.EagerTensor
 cdef object _BaseVariable = resource_variable_ops.BaseResourceVariable
 
@@ -113,14 +114,20 @@ cdef class TapeState:
     cdef readonly bint watch_accessed_variables
     cdef public dict variables          # handle id -> variable
     cdef public long long nesting_id    # set at every push (see _recording)
+    cdef public object explain_info     # fasttape.explain's facts (None: none kept)
+    # TF's unique-id counter when the tape was made: tensors with a greater
+    # _id were made after it (tape.summary() tells them apart).
+    cdef readonly long long first_uid
     cdef object __weakref__
 
     def __init__(self, bint persistent, bint watch_accessed_variables):
+        self.first_uid = _uid()
         self.core = GradientTapeCore(persistent)
         self.persistent = persistent
         self.watch_accessed_variables = watch_accessed_variables
         self.variables = {}
         self.nesting_id = 0
+        self.explain_info = None
 
     def watch_variable(self, variable):
         hid = variable.handle._id
@@ -240,6 +247,18 @@ cdef tuple _keep(inputs, in_mask, outputs, out_mask):
     return tuple(kept)
 
 
+# Anomaly mode's note-taker (fasttape.anomaly sets it while the mode is on):
+# called as hook(payload, op_type, inputs, outputs) for every op recorded on
+# a tape; None (the default) costs one pointer test per recorded op.
+cdef object _anomaly_hook = None
+
+
+def set_anomaly_hook(hook):
+    """Set (a callable) or clear (None) anomaly mode's per-op hook."""
+    global _anomaly_hook
+    _anomaly_hook = hook
+
+
 def record(op_type, inputs, outputs, int kind, attrs=None, backward=None,
            forward=None, bint to_tapes=True, bint to_accumulators=True):
     """Record an op on every active tape that watches one of its inputs, and
@@ -324,6 +343,10 @@ cdef int _record(st, op_type, inputs, outputs, int kind, attrs, backward,
         for tp in tapes:
             (<TapeState>tp).core.record_operation(
                 op_type, ids, out_ids, meta, payload, trainable, objs)
+        if _anomaly_hook is not None:
+            # Anomaly mode (fasttape.anomaly): where in the user's code
+            # this op ran. One C-level test per recorded op when off.
+            _anomaly_hook(payload, op_type, inputs, outputs)
     if accs:
         if kind == EAGER_OP:
             payload = EagerOp(attrs, tuple(inputs) + tuple(outputs), n_in)
@@ -380,6 +403,20 @@ cdef _tangent_shape_error(acc, op_type, inputs, exc):
                 f"{exc.message}") from exc
 
 
+# fasttape.explain's lineage hook, set only while fasttape.explain_none(True):
+# called after each op this thread runs while it has tapes (recorded or not).
+cdef object _lineage_hook = None
+
+
+cdef object _str(op_type):
+    return op_type.decode() if type(op_type) is bytes else op_type
+
+
+def set_lineage_hook(hook):
+    global _lineage_hook
+    _lineage_hook = hook
+
+
 def op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
     """Records one op given as TF's op callbacks see it. Called for the ops
     no wrapped fast path records: the fallback path (``execute.execute``),
@@ -390,6 +427,10 @@ def op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
     if not st.tapes and not st.accumulators:
         return None
     if st.in_callback or not outputs or _is_stopped():
+        if _lineage_hook is not None and st.tapes and outputs \
+                and not st.in_callback:
+            # Run under record.stop_recording() (tf.stop_gradient does).
+            _lineage_hook(st.tapes, _str(op_type), inputs, outputs, True)
         return None
     if type(op_type) is bytes:
         op_type = op_type.decode()
@@ -398,6 +439,8 @@ def op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
         _record(st, op_type, inputs, outputs,
                 EAGER_OP if graph is None else GRAPH_OP, attrs, None, None,
                 True, True)
+        if _lineage_hook is not None and st.tapes:
+            _lineage_hook(st.tapes, op_type, inputs, outputs)
     finally:
         st.in_callback = False
     return None
@@ -549,7 +592,12 @@ def fast_path_execute(*args):
     read is seen (TF reads them inside C++, where nothing else would), and
     the op is recorded from its arguments once it has run."""
     st = state
-    if (not st.tapes and not st.accumulators) or _is_stopped():
+    if not st.tapes and not st.accumulators:
+        return _RAW_FAST_PATH(*args)
+    if _is_stopped():
+        if _lineage_hook is not None and st.tapes and not st.in_callback:
+            # explain_none: op_callback notes it as run while stopped.
+            return _capture(st, args)
         return _RAW_FAST_PATH(*args)
     op_name = args[1]
     layout = _layout(op_name)
@@ -595,8 +643,15 @@ def fast_path_execute(*args):
             converted = True            # TF converts it (or raises)
     if new_args is not None:
         args = tuple(new_args)
-    if st.in_callback or not _may_record(st, ids):
+    if st.in_callback:
+        return _RAW_FAST_PATH(*args)
+    if not _may_record(st, ids):
         # (An input TF converts is a new tensor no tape watches.)
+        if _lineage_hook is not None and st.tapes:
+            # explain_none: the lineage notes every op this thread runs
+            # while a tape records, recorded or not (op_callback does,
+            # given the inputs TF converted).
+            return _capture(st, args)
         return _RAW_FAST_PATH(*args)
     if converted:
         return _capture(st, args)
@@ -621,6 +676,8 @@ def fast_path_execute(*args):
     try:
         _record(st, op_name, inputs, outputs, EAGER_OP, attrs, None, None,
                 True, True, ids)
+        if _lineage_hook is not None and st.tapes:
+            _lineage_hook(st.tapes, op_name, inputs, outputs)
     finally:
         st.in_callback = False
     return result

@@ -382,6 +382,29 @@ cdef class GradientTapeCore:
         """Recorded outputs the tape holds a death weakref on."""
         return self.ref_ids.size()
 
+    def watched_ids(self):
+        """Ids the tape tracks without a recorded producer (watched
+        tensors and variable handles), ascending."""
+        self.collect_deaths()
+        cdef list out = []
+        for kv in self.tensor_tape:
+            if kv.second == -1:
+                out.append(kv.first)
+        out.sort()
+        return out
+
+    def live_outputs(self):
+        """{tensor id: tensor} for the recorded outputs that are still
+        alive and that the tape holds a death weakref on (for inspection:
+        their shapes and dtypes)."""
+        self.collect_deaths()
+        cdef dict out = {}
+        for kv in self.ref_ids:
+            obj = (<object>(<PyObject*>kv.first))()
+            if obj is not None:
+                out[kv.second] = obj
+        return out
+
     cpdef delete_trace(self, int64_t tensor_id):
         """The framework dropped its last reference to a tensor: forget the
         ops that no live tensor depends on any more (tape.h's DeleteTrace,

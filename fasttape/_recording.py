@@ -45,11 +45,13 @@ from tensorflow.python.eager import record
 from tensorflow.python.eager import tape as tf_tape
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.framework import op_def_library
+from tensorflow.python.framework import ops
 from tensorflow.python.ops import gradients_util
 from tensorflow.python.ops.parallel_for import pfor as pfor_lib
 
 from fasttape import _callback
 from fasttape import _compiled
+from fasttape import explain as _explain
 from fasttape import _core
 from fasttape import _fast_grads
 from fasttape._tf_vspace import TFVSpace
@@ -156,10 +158,12 @@ def _pop(stack, item, error):
 
 def push_tape(tape_state):
     _push(_state.tapes, tape_state)
+    _explain.note_event(tape_state, True)
 
 
 def pop_tape(tape_state):
     _pop(_state.tapes, tape_state, "Tape is not recording.")
+    _explain.note_event(tape_state, False)
 
 
 def push_accumulator(acc_state):
@@ -376,6 +380,7 @@ def clear_caches():
     _fast_grads.clear_caches()
     _callback.clear_layouts()
     _compiled.CACHE.clear()
+    _explain.clear_caches()
 
 
 def _wrapped_clear_caches(self):
@@ -435,6 +440,7 @@ def uninstall():
     _installed = False
     _uninstall_fast_path_wrapper()
     _disarm_execute()
+    _explain.take_hooks_out()
 
 
 def installed_hooks():
@@ -463,6 +469,26 @@ def _install_fast_path_wrapper():
 def _uninstall_fast_path_wrapper():
     if pywrap_tfe.TFE_Py_FastPathExecute is _fast_path_execute:
         pywrap_tfe.TFE_Py_FastPathExecute = _original_fast_path
+
+
+# -- fasttape.explain: NumPy conversions while explain_none(True) ------------------
+
+_original_numpy = ops._EagerTensorBase._numpy  # pylint: disable=protected-access
+
+
+def set_conversion_hook(hook):
+    """hook(tensor) before every conversion of an eager tensor to NumPy or
+    Python (``.numpy()``, ``np.asarray``, ``float()``...: all go through
+    ``_EagerTensorBase._numpy``); None takes the wrapper out."""
+    base = ops._EagerTensorBase  # pylint: disable=protected-access
+    if hook is None:
+        base._numpy = _original_numpy
+        return
+
+    def _numpy(self):
+        hook(self)
+        return _original_numpy(self)
+    base._numpy = _numpy
 
 
 # -- the drop-in class swap -----------------------------------------------------

@@ -33,7 +33,10 @@ from tensorflow.python.util import nest
 from tensorflow.python.util import tf_contextlib
 
 from fasttape import _compiled
+from fasttape import _inspect_tape
 from fasttape import _recording
+from fasttape import explain as _explain
+from fasttape import anomaly as _anomaly
 from fasttape._callback import is_trainable, output_meta
 _handle_or_self = backprop._handle_or_self  # pylint: disable=protected-access
 
@@ -67,6 +70,11 @@ def compute(tape_state, flat_targets, flat_sources, output_gradients,
         t._id: output_meta(t)  # pylint: disable=protected-access
         for t in flat_sources if t._id in targets_set}  # pylint: disable=protected-access
     core, vspace = tape_state.core, _recording.VSPACE
+    checking = _anomaly.ENABLED
+    if checking:
+        # Anomaly mode: the eager pass (never a compiled one), each op's
+        # input gradients checked for NaN/Inf.
+        vspace = _anomaly.checking_vspace(vspace)
     target_meta = [output_meta(t) for t in flat_targets]
 
     def eager_pass():
@@ -74,9 +82,12 @@ def compute(tape_state, flat_targets, flat_sources, output_gradients,
             vspace, target_ids, source_ids, sources_that_are_targets,
             output_gradients, True, retain, target_meta, all_watched)
 
-    grads = _compiled.gradient(core, vspace, target_ids, source_ids,
-                               sources_that_are_targets, output_gradients,
-                               retain, target_meta, eager_pass, all_watched)
+    if checking:
+        grads = eager_pass()
+    else:
+        grads = _compiled.gradient(core, vspace, target_ids, source_ids,
+                                   sources_that_are_targets, output_gradients,
+                                   retain, target_meta, eager_pass, all_watched)
     if unconnected_gradients == UnconnectedGradients.ZERO:
         grads = [default_gradient.zeros_like(flat_sources_raw[i])
                  if g is None else g for i, g in enumerate(grads)]
@@ -149,6 +160,7 @@ class GradientTape:
                     pywrap_tfe.TFE_Py_VariableWatcherVariableAccessed(var)
             else:
                 self._tape.core.watch(t._id)  # pylint: disable=protected-access
+            _explain.note_watch(self._tape, _handle_or_self(t)._id)  # pylint: disable=protected-access
 
     @tf_contextlib.contextmanager
     def stop_recording(self):
@@ -167,6 +179,19 @@ class GradientTape:
         self._pop_tape()
         self._tape = None
         self._push_tape()
+
+    def summary(self):
+        """What this tape holds for its backward pass: a TapeSummary (ops,
+        saved tensors and bytes by op type, watched tensors and variables);
+        ``print(tape.summary())`` shows it as a table."""
+        return _inspect_tape.summary(self._tape)
+
+    def to_dot(self, targets=None, sources=None):
+        """The recorded trace as Graphviz DOT text: ops with their output
+        shapes, watched tensors and variables; with ``targets`` and
+        ``sources``, the ops and edges on a path from the sources to the
+        targets drawn in red."""
+        return _inspect_tape.to_dot(self._tape, targets, sources)
 
     def watched_variables(self):
         """Returns variables watched by this tape in order of construction."""
@@ -242,11 +267,19 @@ class GradientTape:
             # Consumed even if the backward pass raises, as in TF.
             self._watched_variables = tape_state.watched_variables()
             self._tape = None
-        flat_grad = compute(
-            tape_state, flat_targets, flat_sources, output_gradients,
-            flat_sources_raw, unconnected_gradients,
-            all_watched=output_gradients is not None and any(
-                g is not None for g in output_gradients))
+        explaining = _explain.enabled()
+        try:
+            flat_grad = compute(
+                tape_state, flat_targets, flat_sources, output_gradients,
+                flat_sources_raw, unconnected_gradients, retain=explaining,
+                all_watched=output_gradients is not None and any(
+                    g is not None for g in output_gradients))
+            if explaining:   # fasttape.explain_none(True): say why for a None
+                _explain.log_nones(tape_state, flat_targets, flat_sources_raw,
+                                   flat_grad)
+        finally:
+            if explaining and not self._persistent:
+                tape_state.core.release()
         if plain_sources is not None:
             cls = type(sources)
             if cls is list:
@@ -256,6 +289,16 @@ class GradientTape:
         flat_grad = composite_tensor_gradient.replace_flat_tensors_for_gradients(
             flat_sources_raw, flat_grad)
         return nest.pack_sequence_as(sources, flat_grad)
+
+    def explain(self, target, sources):
+        """Why would gradient(target, sources) be None for each source? A
+        nest like ``sources`` of fasttape.explain.Explanation (cause code,
+        message, op and line where known). On a persistent tape, or before
+        the first gradient() of a non-persistent one (which it leaves
+        usable)."""
+        if self._tape is None:
+            raise RuntimeError(_CONSUMED)
+        return _explain.explain(self._tape, target, sources)
 
     def _gradient_rows(self, target, flat_sources, unconnected_gradients,
                        batch):

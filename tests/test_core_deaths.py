@@ -196,3 +196,25 @@ def test_plan_and_export_see_a_stable_tape(vs):
     code, entries = tp.plan([y.id], [x.id])
     assert [e.op_type for e in entries] == ["sin", "mul"]
     assert tp.export_trace()["op_types"] == ["sin", "mul"]
+
+
+def test_watched_ids_and_live_outputs_for_inspection(vs):
+    """What tape.summary()/to_dot() read: the watched ids (producer -1),
+    ascending, and the recorded outputs still alive, by id."""
+    x, w = T(0.5), T(2.0)
+    tp = GradientTapeCore(True)
+    tp.watch(w.id)
+    tp.watch(x.id)
+    y = rec(tp, "sin", nv.sin, x)
+    z = rec(tp, "mul", nv.mul, y, w)
+    assert tp.watched_ids() == sorted([x.id, w.id])
+    assert tp.live_outputs() == {y.id: y, z.id: z}
+    y_id, z_id = y.id, z.id
+    del y                       # saved by z's op (the payload keeps it)
+    assert set(tp.live_outputs()) == {y_id, z_id}
+    v = rec(tp, "sin", nv.sin, z)
+    del v                       # died unread: forgotten at once
+    assert set(tp.live_outputs()) == {y_id, z_id}
+    del z
+    assert tp.live_outputs() == {} and tp.num_ops == 0
+    assert tp.watched_ids() == sorted([x.id, w.id])
