@@ -12,8 +12,8 @@ registered gradient functions; from then on the whole backward pass is one
 function call instead of hundreds of eager dispatches.
 
 When a pass is built (``auto``). Building costs far more than running the
-pass eagerly (tracing plus TF's instantiation: about 3 ms per backward op
-here, 25x TF's whole backward of a 400-op chain), and
+pass eagerly (tracing plus TF's instantiation: about 2 ms per backward op
+here, 20-25x TF's whole backward of a 400-op chain), and
 ``TFE_ContextClearCaches`` (``tf.random.set_seed``,
 ``keras.utils.set_random_seed``, ``clear_kernel_cache``) drops the
 instantiated kernels of every traced function, so a cached pass pays
@@ -60,6 +60,7 @@ import time
 import numpy as np
 
 from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.eager import def_function
 from tensorflow.python.eager import execute
@@ -82,12 +83,13 @@ _MAX_COUNTS = 4096       # keys seen but not built, remembered
 
 HORIZON = 200            # gradient calls expected ahead, at the least
 # Build cost model (seconds), until builds in this process are measured:
-# a fixed part plus a part per backward op (measured on this project's CPU:
-# 20 ops 54 ms, 100 ops 315 ms, 400 ops 2.5 s), of which instantiation (the
-# first call) is about 40%; a compiled pass took about 35% of the eager time.
+# a fixed part plus a part per backward op (measured on this project's CPU,
+# chains of sin * x: 20 ops 29 ms, 100 ops 218 ms, 400 ops 0.65 s), of which
+# instantiation (the first call) is 10-25%; a compiled pass took about 35%
+# of the eager pass's time.
 _BUILD_FIXED = 0.005
-_BUILD_PER_ENTRY = 0.003
-_INSTANTIATION_SHARE = 0.4
+_BUILD_PER_ENTRY = 0.002
+_INSTANTIATION_SHARE = 0.15
 _COMPILED_SHARE = 0.35
 _LEARNING = 0.5          # weight of each new measurement in the estimates
 
@@ -298,7 +300,8 @@ class _Compiled:
     It runs on TF's single-threaded executor (kernels inline on the calling
     thread: no hand-off to sleeping inter-op threads, which costs more than
     the small kernels of a backward pass) unless that executor refuses the
-    graph (asynchronous or control-flow kernels): then on the default one.
+    graph (asynchronous or control-flow kernels): then on the default one;
+    and it is instantiated without Grappler (see use_executor).
     """
 
     def __init__(self, function, kinds):
@@ -316,6 +319,14 @@ class _Compiled:
     def use_executor(self, executor_type):
         attrs = dict(context.context().function_call_options.as_attrs())
         attrs["executor_type"] = executor_type
+        # Without Grappler: it took about half of the build (instantiation
+        # of a 400-op pass: 1.0 s with it, 0.2 s without; again after each
+        # re-seed) and the passes replayed no slower without it (the bench's
+        # fixed-shape workloads, CPU).
+        config = config_pb2.ConfigProto()
+        config.ParseFromString(attrs["config_proto"])
+        config.graph_options.rewrite_options.disable_meta_optimizer = True
+        attrs["config_proto"] = config.SerializeToString(deterministic=True)
         self.executor_type = executor_type
         self.attrs = tuple(x for kv in attrs.items() for x in kv)
 
