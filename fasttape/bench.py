@@ -79,8 +79,7 @@ def _dense_stack(tf, sizes, batch, seed):
     x = tf.constant(rng.normal(size=(batch, sizes[0])).astype("float32"))
     labels = tf.constant(rng.integers(0, sizes[-1], batch))
 
-    def forward():
-        h = x
+    def forward(h=x, labels=labels):
         for i in range(0, len(params), 2):
             h = tf.nn.bias_add(tf.matmul(h, params[i]), params[i + 1])
             if i + 2 < len(params):
@@ -114,20 +113,27 @@ def _embedding(tf):
     return _grad_case(forward, [table, w])
 
 
-def _rnn(tf):
-    rng = np.random.default_rng(3)
+def _rnn_cell(tf, seed, max_length):
+    """The tanh RNN cell's parameters, and ``run(length)``: the loss after
+    ``length`` steps (at most ``max_length``) over a batch of 8."""
+    rng = np.random.default_rng(seed)
     wx = tf.Variable(rng.normal(0, 0.3, (16, 32)).astype("float32"))
     wh = tf.Variable(rng.normal(0, 0.3, (32, 32)).astype("float32"))
     b = tf.Variable(np.zeros(32, "float32"))
-    xs = tf.constant(rng.normal(size=(40, 8, 16)).astype("float32"))
+    xs = tf.constant(rng.normal(size=(max_length, 8, 16)).astype("float32"))
 
-    def forward():
+    def run(length):
         h = tf.zeros((8, 32))
-        for t in range(40):
+        for t in range(length):
             h = tf.tanh(tf.matmul(xs[t], wx) + tf.matmul(h, wh) + b)
         return tf.reduce_sum(h * h)
 
-    return _grad_case(forward, [wx, wh, b])
+    return [wx, wh, b], run
+
+
+def _rnn(tf):
+    params, run = _rnn_cell(tf, 3, 40)
+    return _grad_case(lambda: run(40), params)
 
 
 def _cnn(tf):
@@ -267,20 +273,8 @@ def _variable_case(forward_at, sequence, sources):
 
 def _varlen_rnn(tf):
     """The rnn cell over sequences whose length changes every step."""
-    rng = np.random.default_rng(9)
-    wx = tf.Variable(rng.normal(0, 0.3, (16, 32)).astype("float32"))
-    wh = tf.Variable(rng.normal(0, 0.3, (32, 32)).astype("float32"))
-    b = tf.Variable(np.zeros(32, "float32"))
-    xs = tf.constant(rng.normal(size=(48, 8, 16)).astype("float32"))
-
-    def forward_at(length):
-        h = tf.zeros((8, 32))
-        for t in range(length):
-            h = tf.tanh(tf.matmul(xs[t], wx) + tf.matmul(h, wh) + b)
-        return tf.reduce_sum(h * h)
-
-    return _variable_case(forward_at, _Sequence(_lengths(10, 8, 48)),
-                          [wx, wh, b])
+    params, run = _rnn_cell(tf, 9, 48)
+    return _variable_case(run, _Sequence(_lengths(10, 8, 48)), params)
 
 
 def _varlen_attention(tf):
@@ -318,13 +312,7 @@ def _last_batch(tf):
                for i in range(0, 1000, 64)]
 
     def forward_at(i):
-        h, y = batches[i]
-        for k in range(0, len(params), 2):
-            h = tf.nn.bias_add(tf.matmul(h, params[k]), params[k + 1])
-            if k + 2 < len(params):
-                h = tf.nn.relu(h)
-        return tf.reduce_mean(
-            tf.nn.sparse_softmax_cross_entropy_with_logits(y, h))
+        return forward(*batches[i])   # the MLP's loss on batch i
 
     return _variable_case(forward_at, _Sequence(range(len(batches))), params)
 
