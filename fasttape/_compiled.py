@@ -17,21 +17,24 @@ here, 20-25x TF's whole backward of a 400-op chain), and
 ``TFE_ContextClearCaches`` (``tf.random.set_seed``,
 ``keras.utils.set_random_seed``, ``clear_kernel_cache``) drops the
 instantiated kernels of every traced function, so a cached pass pays
-instantiation again on its next call. So the cache weighs costs, per key:
-a key seen once is never built; from its second use it is built only if
-``saving * rate * horizon >= build cost``, where ``saving`` is the eager
-time it measured for that key times the share compiled passes saved so
-far, less the expected re-instantiation per use (kernel-cache clears per
-gradient call over the key's uses per call, capped at one per use),
-``rate`` is the key's uses per gradient call since it was first seen, and
-``horizon`` is the number of gradient calls expected ahead (as many as
-were made so far, at least ``HORIZON``). Build and instantiation costs
-are estimated per backward op from the builds measured in this process. A
-fixed-shape training loop (rate 1) builds at its second step, as before;
-a shape that comes back once in twenty steps, or after every re-seed, stays
-eager. A built pass whose kernels were dropped is called again only where
-the uses expected before the next clear pay for its re-instantiation; else
-that step runs eagerly.
+instantiation again on its next call. So the cache weighs costs, per key
+(``_Cache.worth_building``): a key seen once is never built; from its
+second use it is built only if ``saving * uses ahead >= build cost``.
+``saving`` is the fastest eager pass measured for the key times the share a
+compiled pass saves (``1 - _COMPILED_SHARE``), less the re-instantiation
+expected per use (kernel-cache clears since the key was first seen, per
+use of it, at most one). ``uses ahead`` is, for a steady key (used back
+to back, or at the same gap twice: a loop over one or a few shapes), its
+uses per gradient call times ``HORIZON`` calls (or its age, if longer),
+and for any other key as many uses again as it has had (ski rental: an
+irregular key is built once what compiling would have saved reaches the
+build cost). The build cost is estimated per backward op from the builds
+measured in this process. So a fixed-shape loop still builds at its
+second step, while a sequence length drawn every step, or a shape used
+once per re-seed, stays eager until it has paid for itself. A built pass
+whose kernels were dropped is called again (``worth_instantiating``) only
+where the uses expected before the next clear pay for its
+re-instantiation; else that step runs eagerly.
 
 Nothing silently wrong: a pass is compiled only when every op was run
 eagerly (no custom_gradient or tf.function payloads, whose Python closures
@@ -85,8 +88,9 @@ HORIZON = 200            # gradient calls expected ahead, at the least
 # Build cost model (seconds), until builds in this process are measured:
 # a fixed part plus a part per backward op (measured on this project's CPU,
 # chains of sin * x: 20 ops 29 ms, 100 ops 218 ms, 400 ops 0.65 s), of which
-# instantiation (the first call) is 10-25%; a compiled pass took about 35%
-# of the eager pass's time.
+# instantiation (the first call) is 10-25%. A compiled pass took about 35%
+# of the eager pass's time on the bench's workloads (learning it from the
+# passes built would let one small pass's ratio decide for every other).
 _BUILD_FIXED = 0.005
 _BUILD_PER_ENTRY = 0.002
 _INSTANTIATION_SHARE = 0.15
@@ -144,7 +148,6 @@ class _Cache:
         self.build_seconds = 0.0  # spent building (tracing + first calls)
         self.per_entry = _BUILD_PER_ENTRY
         self.instantiation_share = _INSTANTIATION_SHARE
-        self.compiled_share = _COMPILED_SHARE
 
     def kernels_cleared(self):
         """TF dropped the instantiated kernels of every traced function."""
@@ -178,12 +181,6 @@ class _Cache:
             self.instantiation_share += _LEARNING * (
                 first_call_seconds / total - self.instantiation_share)
 
-    def learn_speed(self, eager_seconds, compiled_seconds):
-        """Learn from passes that are kept (faster than eager)."""
-        if 0 < compiled_seconds < eager_seconds != float("inf"):
-            share = compiled_seconds / eager_seconds
-            self.compiled_share += _LEARNING * (share - self.compiled_share)
-
     def worth_building(self, seen, n_entries):
         """Should a key seen as ``seen`` (this use counted) be built now?"""
         if seen.uses < 2:
@@ -191,7 +188,7 @@ class _Cache:
         if not self.keep_faster:
             return True
         build = self.build_estimate(n_entries)
-        saving = (seen.eager_seconds * (1.0 - self.compiled_share)
+        saving = (seen.eager_seconds * (1.0 - _COMPILED_SHARE)
                   - build * self.instantiation_share
                   * self.instantiations_per_use(seen))
         return saving * self.uses_ahead(seen) >= build
@@ -617,7 +614,6 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
                     compiled_seconds = min(compiled_seconds,
                                            time.perf_counter() - start)
                 slower = compiled_seconds >= eager_seconds
-                cache.learn_speed(eager_seconds, compiled_seconds)
                 compiled.saving = eager_seconds - compiled_seconds
         except Exception as e:  # pylint: disable=broad-except
             why, compiled = f"it failed: {e!r}", None
