@@ -442,16 +442,18 @@ def test_a_key_seen_once_is_never_built():
     assert not cache.worth_building(seen, 1)
 
 
-def test_a_steady_key_is_built_at_its_second_use():
-    """A fixed-shape loop (back-to-back uses) is expected to go on for
-    HORIZON calls: a 400-op pass that saves 13 ms a step is built at once."""
+def test_a_steady_key_is_built_at_its_third_use():
+    """A fixed-shape loop (uses at equal gaps) is expected to go on for
+    HORIZON calls: a 400-op pass that saves 13 ms a step is built once two
+    gaps are equal; one back-to-back repeat is not enough."""
     cache = _cache()
     seen = _compiled._Seen(0, cache.epoch)
     seen.eager_seconds = 0.02
     _used(cache, seen, [0, 1])
-    assert seen.steady
-    assert cache.worth_building(seen, 400)
-    # ... and a loop over a few keys (A, B, A, B: the same gap twice) too.
+    assert not seen.steady and not cache.worth_building(seen, 400)
+    _used(cache, seen, [2])
+    assert seen.steady and cache.worth_building(seen, 400)
+    # ... and a loop over a few keys (A, B, A, B, A: the same gap twice) too.
     seen = _compiled._Seen(0, cache.epoch)
     seen.eager_seconds = 0.02
     _used(cache, seen, [0, 2])
@@ -560,10 +562,10 @@ def test_lengths_that_never_repeat_are_never_built(weighing_costs):
     assert stats == {"new_keys": 6, "eager": 6}, stats
 
 
-def test_a_fixed_shape_loop_is_still_built_at_its_second_step(weighing_costs):
+def test_a_fixed_shape_loop_is_built_at_its_third_step(weighing_costs):
     stats = _rnn_steps([30] * 5)
     assert stats.get("built", 0) + stats.get("slower", 0) == 1, stats
-    assert stats["eager"] == 1, stats
+    assert stats["eager"] == 2, stats
 
 
 def test_reseeding_is_counted_through_tfs_clear_caches(weighing_costs, monkeypatch):

@@ -23,18 +23,18 @@ second use it is built only if ``saving * uses ahead >= build cost``.
 ``saving`` is the fastest eager pass measured for the key times the share a
 compiled pass saves (``1 - _COMPILED_SHARE``), less the re-instantiation
 expected per use (kernel-cache clears since the key was first seen, per
-use of it, at most one). ``uses ahead`` is, for a steady key (used back
-to back, or at the same gap twice: a loop over one or a few shapes), its
+use of it, at most one). ``uses ahead`` is, for a steady key (its last two
+gaps equal: a loop over one shape, or a few in turn), its
 uses per gradient call times ``HORIZON`` calls (or its age, if longer),
 and for any other key as many uses again as it has had (ski rental: an
 irregular key is built once what compiling would have saved reaches the
 build cost). The build cost is estimated per backward op from the builds
-measured in this process. So a fixed-shape loop still builds at its
-second step, while a sequence length drawn every step, or a shape used
-once per re-seed, stays eager until it has paid for itself. A built pass
-whose kernels were dropped is called again (``worth_instantiating``) only
-where the uses expected before the next clear pay for its
-re-instantiation; else that step runs eagerly.
+measured in this process. So a fixed-shape loop builds at its third
+step (it built at its second before), while a sequence length drawn every
+step, or a shape used once per re-seed, stays eager until it has paid for
+itself. A built pass whose kernels were dropped is called again
+(``worth_instantiating``) only where the uses expected before the next
+clear pay for its re-instantiation; else that step runs eagerly.
 
 Nothing silently wrong: a pass is compiled only when every op was run
 eagerly (no custom_gradient or tf.function payloads, whose Python closures
@@ -117,11 +117,12 @@ class _Seen:
         self.eager_seconds = float("inf")
 
     def use(self, call):
-        """Count a use at gradient call ``call``. Steady: back to back, or
-        at the same distance as the use before (a loop over a few keys)."""
+        """Count a use at gradient call ``call``. Steady: its last two gaps
+        are equal (a loop over one key, or a few in turn). One back-to-back
+        repeat is not enough: a length drawn at random repeats so often."""
         if self.uses:
             gap = call - self.last
-            self.steady = gap == 1 or gap == self.gap
+            self.steady = gap == self.gap
             self.gap = gap
         self.uses += 1
         self.last = call
