@@ -524,8 +524,11 @@ def test_cost_estimates_learn_from_measured_builds():
     cache.learn_build(100, 0.5, 0.5)
     assert cache.per_entry > _compiled._BUILD_PER_ENTRY
     assert cache.build_seconds == 1.0
-    assert cache.instantiation_share == pytest.approx(
-        (_compiled._INSTANTIATION_SHARE + 0.5) / 2)
+    assert cache.instantiation_share > _compiled._INSTANTIATION_SHARE
+    # Pooled: one odd small pass (a slow moment) moves them little.
+    per_entry = cache.per_entry
+    cache.learn_build(4, 1.0, 0.0)
+    assert per_entry < cache.per_entry < 2 * per_entry
 
 
 @pytest.fixture

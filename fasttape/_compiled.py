@@ -95,7 +95,7 @@ _BUILD_FIXED = 0.005
 _BUILD_PER_ENTRY = 0.002
 _INSTANTIATION_SHARE = 0.15
 _COMPILED_SHARE = 0.35
-_LEARNING = 0.5          # weight of each new measurement in the estimates
+_PRIOR_ENTRIES = 100     # weight of the defaults, in backward ops built
 
 _FAILED = "failed"
 
@@ -147,6 +147,9 @@ class _Cache:
     def _reset_estimates(self):
         self.calls = 0           # gradient calls that got a key
         self.build_seconds = 0.0  # spent building (tracing + first calls)
+        self.instantiation_seconds = 0.0   # of which first calls
+        self.built_entries = 0
+        self.builds_measured = 0
         self.per_entry = _BUILD_PER_ENTRY
         self.instantiation_share = _INSTANTIATION_SHARE
 
@@ -174,13 +177,22 @@ class _Cache:
         return min(1.0, (self.epoch - seen.epoch) / seen.uses)
 
     def learn_build(self, n_entries, trace_seconds, first_call_seconds):
+        """Pool a measured build into the estimates: seconds per backward op
+        and the share of instantiation, over all builds so far and a prior
+        worth _PRIOR_ENTRIES ops at the defaults (pooled, so that one odd
+        pass, or one slow moment of a loaded machine, does not decide)."""
         total = trace_seconds + first_call_seconds
         self.build_seconds += total
-        per_entry = max(total - _BUILD_FIXED, 0.0) / max(n_entries, 1)
-        self.per_entry += _LEARNING * (per_entry - self.per_entry)
-        if total > 0:
-            self.instantiation_share += _LEARNING * (
-                first_call_seconds / total - self.instantiation_share)
+        self.instantiation_seconds += first_call_seconds
+        self.built_entries += n_entries
+        self.builds_measured += 1
+        variable = self.build_seconds - _BUILD_FIXED * self.builds_measured
+        self.per_entry = ((_BUILD_PER_ENTRY * _PRIOR_ENTRIES + max(variable, 0.0))
+                          / (_PRIOR_ENTRIES + self.built_entries))
+        prior = _BUILD_PER_ENTRY * _PRIOR_ENTRIES
+        self.instantiation_share = (
+            (_INSTANTIATION_SHARE * prior + self.instantiation_seconds)
+            / (prior + self.build_seconds))
 
     def worth_building(self, seen, n_entries):
         """Should a key seen as ``seen`` (this use counted) be built now?"""
