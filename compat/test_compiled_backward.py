@@ -9,6 +9,7 @@ compiled path really ran (or, where it must not, that it did not).
 """
 
 import contextlib
+import types
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import tensorflow as tf
 
 import fasttape
 from fasttape import _compiled
+from fasttape import _recording
 from harness import assert_same
 
 STEPS = 4
@@ -416,3 +418,224 @@ def test_cache_keeps_no_tensor_of_the_steps():
             gc.collect()
             assert all(r() is None for r in refs)
         assert _compiled.CACHE.stats["replayed"] == 1
+
+
+# -- when auto builds: the cost model (see _compiled's docstring) ---------------------
+
+def _cache(calls=0):
+    cache = _compiled._Cache("auto")
+    cache.calls = calls
+    return cache
+
+
+def _used(cache, seen, calls):
+    for call in calls:
+        cache.calls = call
+        seen.use(call)
+
+
+def test_a_key_seen_once_is_never_built():
+    cache = _cache()
+    seen = _compiled._Seen(0, cache.epoch)
+    _used(cache, seen, [0])
+    seen.eager_seconds = 10.0        # however slow its eager pass
+    assert not cache.worth_building(seen, 1)
+
+
+def test_a_steady_key_is_built_at_its_third_use():
+    """A fixed-shape loop (uses at equal gaps) is expected to go on for
+    HORIZON calls: a 400-op pass that saves 13 ms a step is built once two
+    gaps are equal; one back-to-back repeat is not enough."""
+    cache = _cache()
+    seen = _compiled._Seen(0, cache.epoch)
+    seen.eager_seconds = 0.02
+    _used(cache, seen, [0, 1])
+    assert not seen.steady and not cache.worth_building(seen, 400)
+    _used(cache, seen, [2])
+    assert seen.steady and cache.worth_building(seen, 400)
+    # ... and a loop over a few keys (A, B, A, B, A: the same gap twice) too.
+    seen = _compiled._Seen(0, cache.epoch)
+    seen.eager_seconds = 0.02
+    _used(cache, seen, [0, 2])
+    assert not seen.steady and not cache.worth_building(seen, 400)
+    _used(cache, seen, [4])
+    assert seen.steady and cache.worth_building(seen, 400)
+
+
+def test_an_irregular_key_waits_until_its_uses_paid_for_the_build():
+    """A key whose uses come at irregular gaps (a sequence length drawn
+    each step) is expected to be used as often again as so far: it is
+    built once its uses, times what compiling saves each, reach the
+    estimated build cost (0.805 s for 400 ops; 12 ms saved per use)."""
+    cache = _cache()
+    seen = _compiled._Seen(0, cache.epoch)
+    seen.eager_seconds = 0.02
+    call, gap, built_at = 0, 1, None
+    for use in range(1, 200):
+        _used(cache, seen, [call])
+        if use > 2:
+            assert not seen.steady
+        if cache.worth_building(seen, 400):
+            built_at = use
+            break
+        gap = 3 if gap != 3 else 5
+        call += gap
+    saving = min(0.02 * (1 - _compiled._COMPILED_SHARE),
+                 400 * _compiled._SAVING_PER_ENTRY)
+    build = _compiled._BUILD_FIXED + 400 * _compiled._BUILD_PER_ENTRY
+    assert built_at == int(np.ceil(build / saving))
+
+
+def test_kernel_cache_clears_count_as_instantiations():
+    """A key used once per re-seed (each use instantiates its pass again)
+    is never built, however steady; one re-seed per 100 uses is fine."""
+    cache = _cache()
+    seen = _compiled._Seen(0, cache.epoch)
+    seen.eager_seconds = 0.02
+    for call in range(10):
+        cache.kernels_cleared()
+        _used(cache, seen, [call])
+        assert not cache.worth_building(seen, 400)
+    cache = _cache()
+    seen = _compiled._Seen(0, cache.epoch)
+    seen.eager_seconds = 0.02
+    _used(cache, seen, range(100))
+    cache.kernels_cleared()
+    assert cache.worth_building(seen, 400)
+
+
+def test_a_cleared_pass_is_instantiated_only_where_it_pays():
+    cache = _cache()
+    compiled = types.SimpleNamespace(seen=_compiled._Seen(0, cache.epoch),
+                                     saving=0.01, instantiation_seconds=0.5)
+    _used(cache, compiled.seen, range(100))
+    cache.kernels_cleared()      # one clear in 100 uses: 100 uses ahead
+    assert cache.worth_instantiating(compiled)
+    for call in range(100, 110):  # now a clear before every use
+        cache.kernels_cleared()
+        _used(cache, compiled.seen, [call])
+    # 110 uses over 11 clears: 10 uses ahead save 0.1 s, less than 0.5 s.
+    assert not cache.worth_instantiating(compiled)
+    compiled.instantiation_seconds = 0.05
+    assert cache.worth_instantiating(compiled)
+
+
+def test_cost_estimates_learn_from_measured_builds():
+    cache = _cache()
+    cache.learn_build(100, 0.5, 0.5)
+    assert cache.per_entry > _compiled._BUILD_PER_ENTRY
+    assert cache.build_seconds == 1.0
+    assert cache.instantiation_share > _compiled._INSTANTIATION_SHARE
+    # Pooled: one odd small pass (a slow moment) moves them little.
+    per_entry = cache.per_entry
+    cache.learn_build(4, 1.0, 0.0)
+    assert per_entry < cache.per_entry < 2 * per_entry
+
+
+@pytest.fixture
+def weighing_costs(monkeypatch):
+    # fasttape's hooks go in with its first tape; these tests re-seed first.
+    _recording.install()
+    monkeypatch.setattr(_compiled.CACHE, "keep_faster", True)
+    with _in_mode("auto"):
+        yield _compiled.CACHE
+
+
+def _rnn_steps(lengths, reseed=False):
+    """A tanh RNN over the given lengths, TF and fasttape compared."""
+    rng = np.random.default_rng(3)
+    w = tf.constant(rng.normal(0, 0.3, (4, 4)).astype("float32"))
+
+    def program(Tape, step):
+        if reseed:
+            tf.random.set_seed(step)
+        x = _f32(_rng(step), 2, 4)
+        with Tape() as t:
+            t.watch(w)
+            h = x
+            for _ in range(lengths[step]):
+                h = tf.tanh(tf.matmul(h, w))
+            y = tf.reduce_sum(h * h)
+        return t.gradient(y, w)
+
+    return _run(program, steps=len(lengths))
+
+
+def test_lengths_that_never_repeat_are_never_built(weighing_costs):
+    stats = _rnn_steps([3, 4, 5, 6, 7, 8])
+    assert stats == {"new_keys": 6, "eager": 6}, stats
+
+
+def test_a_fixed_shape_loop_is_built_at_its_third_step(weighing_costs):
+    stats = _rnn_steps([30] * 5)
+    assert stats.get("built", 0) + stats.get("slower", 0) == 1, stats
+    assert stats["eager"] == 2, stats
+
+
+def test_reseeding_is_counted_through_tfs_clear_caches(weighing_costs, monkeypatch):
+    """tf.random.set_seed calls TFE_ContextClearCaches, which fasttape's
+    hook counts (without the hook it is not)."""
+    from tensorflow.python import pywrap_tfe
+    from tensorflow.python.eager import context
+    context.ensure_initialized()   # (before, set_seed clears nothing)
+    epoch = weighing_costs.epoch
+    tf.random.set_seed(1)
+    assert weighing_costs.epoch == epoch + 1
+    monkeypatch.setattr(pywrap_tfe, "TFE_ContextClearCaches",
+                        _recording._originals["TFE_ContextClearCaches"])  # pylint: disable=protected-access
+    tf.random.set_seed(2)
+    assert weighing_costs.epoch == epoch + 1
+
+
+def test_a_loop_reseeded_every_step_is_never_built(weighing_costs):
+    stats = _rnn_steps([30] * 5, reseed=True)
+    assert stats.get("kernel_clears") == 10, stats   # TF's step and fasttape's
+    assert not stats.get("built") and stats["eager"] == 5, stats
+
+
+def test_a_cleared_pass_runs_eagerly_or_is_instantiated_again(weighing_costs, monkeypatch):
+    """Parity either way, and the counters say which ran."""
+    monkeypatch.setattr(_compiled.CACHE, "keep_faster", False)
+    _run(chain, steps=2)
+    (compiled,) = _compiled.CACHE.compiled.values()
+    monkeypatch.setattr(_compiled.CACHE, "keep_faster", True)
+    compiled.saving, compiled.instantiation_seconds = 1e-9, 10.0
+    tf.random.set_seed(0)
+    stats = _run(chain, steps=1)
+    assert stats == {"eager_after_clear": 1}, stats
+    compiled.saving, compiled.instantiation_seconds = 1.0, 0.1
+    stats = _run(chain, steps=2)
+    assert stats == {"reinstantiated": 1, "replayed": 2}, stats
+
+
+def test_keys_remembered_are_bounded_and_emptied(weighing_costs, monkeypatch):
+    monkeypatch.setattr(_compiled, "_MAX_COUNTS", 3)
+    _rnn_steps([1, 2, 3, 4, 5])
+    assert 0 < len(_compiled.CACHE.seen) <= 3
+    assert _compiled.CACHE.calls == 5
+    fasttape.clear_caches()
+    assert not _compiled.CACHE.seen and not _compiled.CACHE.stats
+    assert _compiled.CACHE.calls == 0
+
+
+# -- the bench's variable-shape workloads: every step's gradients as TF's ------------
+
+@pytest.mark.parametrize("name", ["varlen_rnn", "varlen_attention",
+                                  "last_batch", "policy_gradient"])
+def test_variable_shape_workloads_match_tf(mode, name):
+    from fasttape import bench
+
+    class Impl:
+        def __init__(self, Tape):
+            self.GradientTape = Tape
+
+    _, record = bench.BY_NAME[name].make(tf)
+    tf_impl, ft_impl = Impl(tf.GradientTape), Impl(fasttape.GradientTape)
+    steps = 18 if name == "last_batch" else 8
+    _compiled.CACHE.stats.clear()
+    for step in range(steps):
+        assert_same(record(tf_impl)(), record(ft_impl)(), path=f"step {step}")
+    stats = _compiled.CACHE.stats
+    assert not stats.get("failed"), stats
+    if mode == "always" or name == "last_batch":
+        assert stats.get("replayed"), stats

@@ -191,11 +191,29 @@ def repeated_steps(GT, FA):
     return results
 
 
+def changing_shapes_reseeded(GT, FA):
+    """Steps whose length changes and comes back, with re-seeds between
+    some (TFE_ContextClearCaches): the compiled cache counts keys, builds,
+    drops kernels and re-instantiates."""
+    w = tf.Variable(_x(3, 3))
+    results = []
+    for step, n in enumerate([2, 3, 2, 2, 3, 2]):
+        if step % 3 == 0:
+            tf.random.set_seed(step)
+        with GT() as t:
+            h = _x(n, 3, seed=step)
+            for _ in range(n):
+                h = tf.tanh(tf.matmul(h, w))
+            y = tf.reduce_sum(h)
+        results.append(t.gradient(y, w))
+    return results
+
+
 SCENARIOS = [plain, persistent_nested, output_gradients, unconnected_zero,
              variables_gather, custom_gradient, function_inside_tape,
              tape_inside_function, jacobian_eager, jacobian_in_tape_scope,
              jacobian_pfor_function, forward_mode, forward_over_reverse,
-             keras_step, repeated_steps]
+             keras_step, repeated_steps, changing_shapes_reseeded]
 
 
 class _Checks(unittest.TestCase):

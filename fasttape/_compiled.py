@@ -4,11 +4,38 @@ Training loops record the same program step after step. The core's
 ``plan`` gives the shape of a backward pass (which ops, how they connect)
 and ``backward_signature`` the rest of what it depends on besides tensor
 values (op types, attrs, dtypes and shapes of the tensors each gradient
-reads). Together they key a cache. The second time a key is seen (``auto``),
+reads). Together they key a cache. When a key has been seen often enough
+that compiling it should pay (``auto``: see "When a pass is built" below),
 the pass is traced once into a graph function by running the core's own
 backward loop over symbolic stand-ins of the saved tensors, with TF's
 registered gradient functions; from then on the whole backward pass is one
 function call instead of hundreds of eager dispatches.
+
+When a pass is built (``auto``). Building costs far more than running the
+pass eagerly (tracing plus TF's instantiation: about 2 ms per backward op
+here, 20-25x TF's whole backward of a 400-op chain), and
+``TFE_ContextClearCaches`` (``tf.random.set_seed``,
+``keras.utils.set_random_seed``, ``clear_kernel_cache``) drops the
+instantiated kernels of every traced function, so a cached pass pays
+instantiation again on its next call. So the cache weighs costs, per key
+(``_Cache.worth_building``): a key seen once is never built; from its
+second use it is built only if ``saving * uses ahead >= build cost``.
+``saving`` is the fastest eager pass measured for the key times the share a
+compiled pass saves (``1 - _COMPILED_SHARE``), at most ``_SAVING_PER_ENTRY``
+per backward op (the dispatch compiling saves), less the re-instantiation
+expected per use (kernel-cache clears since the key was first seen, per
+use of it, at most one). ``uses ahead`` is, for a steady key (its last two
+gaps equal: a loop over one shape, or a few in turn), its
+uses per gradient call times ``HORIZON`` calls (or its age, if longer),
+and for any other key as many uses again as it has had (ski rental: an
+irregular key is built once what compiling would have saved reaches the
+build cost). The build cost is estimated per backward op from the builds
+measured in this process. So a fixed-shape loop builds at its third
+step (it built at its second before), while a sequence length drawn every
+step, or a shape used once per re-seed, stays eager until it has paid for
+itself. A built pass whose kernels were dropped is called again
+(``worth_instantiating``) only where the uses expected before the next
+clear pay for its re-instantiation; else that step runs eagerly.
 
 Nothing silently wrong: a pass is compiled only when every op was run
 eagerly (no custom_gradient or tf.function payloads, whose Python closures
@@ -21,8 +48,8 @@ eager pass is used whenever anything would record the backward pass
 (higher-order gradients), while profiling (per-op-type entries), outside
 eager mode, and on more than one device.
 
-``FASTTAPE_COMPILED_BACKWARD``: ``auto`` (default: compile a key on its
-second use), ``always`` (on its first use), ``off``, or ``verify`` (for
+``FASTTAPE_COMPILED_BACKWARD``: ``auto`` (default: compile a key when its
+costs say so, never on its first use), ``always`` (on its first use), ``off``, or ``verify`` (for
 tests: as ``always``, but a pass that cannot be compiled or disagrees raises
 AssertionError, and the compiled result is returned on the first use too,
 so parity tests compare it with TF's).
@@ -37,6 +64,7 @@ import time
 import numpy as np
 
 from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.eager import def_function
 from tensorflow.python.eager import execute
@@ -55,9 +83,55 @@ from fasttape._tf_vspace import TFVSpace
 
 MODES = ("auto", "always", "off", "verify")
 _MAX_ENTRIES = 64        # compiled functions kept (least recently used dropped)
-_MAX_COUNTS = 4096       # keys seen once, remembered
+_MAX_COUNTS = 4096       # keys seen but not built, remembered
+
+HORIZON = 200            # gradient calls expected ahead, at the least
+# Build cost model (seconds), until builds in this process are measured:
+# a fixed part plus a part per backward op (measured on this project's CPU,
+# chains of sin * x: 20 ops 29 ms, 100 ops 218 ms, 400 ops 0.65 s), of which
+# instantiation (the first call) is 10-25%. A compiled pass took about 35%
+# of the eager pass's time on the bench's workloads (learning it from the
+# passes built would let one small pass's ratio decide for every other).
+_BUILD_FIXED = 0.005
+_BUILD_PER_ENTRY = 0.002
+_INSTANTIATION_SHARE = 0.15
+_COMPILED_SHARE = 0.35
+_PRIOR_ENTRIES = 100     # weight of the defaults, in backward ops built
+# What compiling saves is Python's dispatch per op, not the kernels' work:
+# at most this per backward op (chain of sin * x: 16 ms eager against 3 ms
+# compiled for 400 ops, 33 us an op); compute-bound passes (attention over
+# long sequences) save less than _COMPILED_SHARE says.
+_SAVING_PER_ENTRY = 30e-6
 
 _FAILED = "failed"
+
+
+class _Seen:
+    """What the cache knows about a key: its uses, the gradient calls it
+    was first and last seen at and the gap between its last two uses, the
+    kernel-cache epoch it was first seen in, and its fastest eager pass."""
+
+    __slots__ = ("uses", "first", "last", "gap", "steady", "epoch",
+                 "eager_seconds")
+
+    def __init__(self, call, epoch):
+        self.uses = 0
+        self.first = self.last = call
+        self.gap = 0
+        self.steady = False
+        self.epoch = epoch
+        self.eager_seconds = float("inf")
+
+    def use(self, call):
+        """Count a use at gradient call ``call``. Steady: its last two gaps
+        are equal (a loop over one key, or a few in turn). One back-to-back
+        repeat is not enough: a length drawn at random repeats so often."""
+        if self.uses:
+            gap = call - self.last
+            self.steady = gap == self.gap
+            self.gap = gap
+        self.uses += 1
+        self.last = call
 
 
 class _Cache:
@@ -65,9 +139,91 @@ class _Cache:
         self.set_mode(mode)
         self.lock = threading.Lock()
         self.compiled = collections.OrderedDict()   # key -> _Compiled or _FAILED
-        self.seen = {}                              # key -> times seen
+        self.seen = {}                              # key -> _Seen
         self.stats = collections.Counter()          # replayed / built / ...
-        self.keep_faster = True   # False (tests): keep compiled passes even if slower
+        # False (tests): every key is built at its second use and kept,
+        # even where its costs say it does not pay, or it is slower.
+        self.keep_faster = True
+        # Kernel-cache clears (TFE_ContextClearCaches) since the process
+        # started: a compiled pass last instantiated in an earlier epoch
+        # is instantiated again by its next call.
+        self.epoch = 0
+        self._reset_estimates()
+
+    def _reset_estimates(self):
+        self.calls = 0           # gradient calls that got a key
+        self.build_seconds = 0.0  # spent building (tracing + first calls)
+        self.instantiation_seconds = 0.0   # of which first calls
+        self.built_entries = 0
+        self.builds_measured = 0
+        self.per_entry = _BUILD_PER_ENTRY
+        self.instantiation_share = _INSTANTIATION_SHARE
+
+    def kernels_cleared(self):
+        """TF dropped the instantiated kernels of every traced function."""
+        self.epoch += 1
+        self.stats["kernel_clears"] += 1
+
+    def build_estimate(self, n_entries):
+        return _BUILD_FIXED + self.per_entry * n_entries
+
+    def uses_ahead(self, seen):
+        """The uses of a key expected from now on: at its rate of use since
+        it was first seen, over as many gradient calls as it has been seen
+        for (a key is likely to last as long again) or, for a steady key
+        (a fixed-shape loop), HORIZON calls if that is longer."""
+        age = self.calls - seen.first + 1
+        if seen.steady:
+            return seen.uses / age * max(HORIZON, age)
+        return seen.uses
+
+    def instantiations_per_use(self, seen):
+        """Kernel-cache clears since the key was first seen, per use of it
+        (each costs a re-instantiation of its pass), at most one."""
+        return min(1.0, (self.epoch - seen.epoch) / seen.uses)
+
+    def learn_build(self, n_entries, trace_seconds, first_call_seconds):
+        """Pool a measured build into the estimates: seconds per backward op
+        and the share of instantiation, over all builds so far and a prior
+        worth _PRIOR_ENTRIES ops at the defaults (pooled, so that one odd
+        pass, or one slow moment of a loaded machine, does not decide)."""
+        total = trace_seconds + first_call_seconds
+        self.build_seconds += total
+        self.instantiation_seconds += first_call_seconds
+        self.built_entries += n_entries
+        self.builds_measured += 1
+        variable = self.build_seconds - _BUILD_FIXED * self.builds_measured
+        self.per_entry = ((_BUILD_PER_ENTRY * _PRIOR_ENTRIES + max(variable, 0.0))
+                          / (_PRIOR_ENTRIES + self.built_entries))
+        prior = _BUILD_PER_ENTRY * _PRIOR_ENTRIES
+        self.instantiation_share = (
+            (_INSTANTIATION_SHARE * prior + self.instantiation_seconds)
+            / (prior + self.build_seconds))
+
+    def worth_building(self, seen, n_entries):
+        """Should a key seen as ``seen`` (this use counted) be built now?"""
+        if seen.uses < 2:
+            return False
+        if not self.keep_faster:
+            return True
+        build = self.build_estimate(n_entries)
+        saving = (min(seen.eager_seconds * (1.0 - _COMPILED_SHARE),
+                      _SAVING_PER_ENTRY * n_entries)
+                  - build * self.instantiation_share
+                  * self.instantiations_per_use(seen))
+        return saving * self.uses_ahead(seen) >= build
+
+    def worth_instantiating(self, compiled):
+        """Should a pass whose kernels were dropped be called (and so
+        instantiated again) now, or this step run eagerly?"""
+        if not self.keep_faster:
+            return True
+        seen = compiled.seen
+        ahead = self.uses_ahead(seen)
+        clears = self.epoch - seen.epoch
+        if clears:
+            ahead = min(ahead, seen.uses / clears)   # before the next clear
+        return compiled.saving * ahead >= compiled.instantiation_seconds
 
     def set_mode(self, mode):
         if mode not in MODES:
@@ -80,9 +236,15 @@ class _Cache:
             self.compiled.clear()
             self.seen.clear()
             self.stats.clear()
+            self._reset_estimates()
 
 
 CACHE = _Cache(os.environ.get("FASTTAPE_COMPILED_BACKWARD", "auto"))
+
+
+def kernels_cleared():
+    """Called by fasttape's wrapper of ``TFE_ContextClearCaches``."""
+    CACHE.kernels_cleared()
 
 
 def set_mode(mode):
@@ -155,7 +317,8 @@ class _Compiled:
     It runs on TF's single-threaded executor (kernels inline on the calling
     thread: no hand-off to sleeping inter-op threads, which costs more than
     the small kernels of a backward pass) unless that executor refuses the
-    graph (asynchronous or control-flow kernels): then on the default one.
+    graph (asynchronous or control-flow kernels): then on the default one;
+    and it is instantiated without Grappler (see use_executor).
     """
 
     def __init__(self, function, kinds):
@@ -164,10 +327,23 @@ class _Compiled:
         self.name = function.name.decode()
         self.num_outputs = len(function.function_type.flat_outputs)
         self.use_executor("SINGLE_THREADED_EXECUTOR")
+        # For the cache's decisions (see _Cache.worth_instantiating).
+        self.epoch = CACHE.epoch   # kernel-cache epoch of its instantiation
+        self.seen = _Seen(0, self.epoch)   # its uses (see _Cache.uses_ahead)
+        self.saving = 0.0          # seconds per call against the eager pass
+        self.instantiation_seconds = 0.0
 
     def use_executor(self, executor_type):
         attrs = dict(context.context().function_call_options.as_attrs())
         attrs["executor_type"] = executor_type
+        # Without Grappler: it took about half of the build (instantiation
+        # of a 400-op pass: 1.0 s with it, 0.2 s without; again after each
+        # re-seed) and the passes replayed no slower without it (the bench's
+        # fixed-shape workloads, CPU).
+        config = config_pb2.ConfigProto()
+        config.ParseFromString(attrs["config_proto"])
+        config.graph_options.rewrite_options.disable_meta_optimizer = True
+        attrs["config_proto"] = config.SerializeToString(deterministic=True)
         self.executor_type = executor_type
         self.attrs = tuple(x for kv in attrs.items() for x in kv)
 
@@ -374,28 +550,53 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
         compiled = cache.compiled.get(key)
     except TypeError:       # an attr value that cannot be a key
         return _skipped(eager_pass)
+    cache.calls += 1
     if compiled is _FAILED:
         return _skipped(eager_pass)
     if compiled is not None:
         cache.compiled.move_to_end(key)
+        compiled.seen.use(cache.calls)
+        cleared = compiled.epoch != cache.epoch
+        if (cleared and cache.mode == "auto"
+                and not cache.worth_instantiating(compiled)):
+            # Its kernels were dropped (a re-seed): instantiating them
+            # again would cost more than the uses expected before the next
+            # clear save.
+            cache.stats["eager_after_clear"] += 1
+            return eager_pass()
         feeds += [g for g in output_gradients or () if g is not None]
-        grads = compiled(feeds)
+        if cleared:
+            start = time.perf_counter()
+            grads = compiled(feeds)
+            compiled.instantiation_seconds = time.perf_counter() - start
+            compiled.epoch = cache.epoch
+            cache.stats["reinstantiated"] += 1
+        else:
+            grads = compiled(feeds)
         if not (core.persistent or retain):
             core.release()
         cache.stats["replayed"] += 1
         return grads
-    seen = cache.seen.get(key, 0) + 1
-    if cache.mode == "auto" and seen < 2:
+    seen = cache.seen.get(key)
+    if seen is None:
         if len(cache.seen) >= _MAX_COUNTS:
             cache.seen.clear()
-        cache.seen[key] = seen
+        seen = cache.seen[key] = _Seen(cache.calls, cache.epoch)
+        cache.stats["new_keys"] += 1
+    seen.use(cache.calls)
+    if cache.mode == "auto" and not cache.worth_building(seen, len(entries)):
         cache.stats["eager"] += 1
-        return eager_pass()
+        start = time.perf_counter()
+        grads = eager_pass()
+        seen.eager_seconds = min(seen.eager_seconds,
+                                 time.perf_counter() - start)
+        return grads
     cache.seen.pop(key, None)
     verify = cache.mode == "verify"
     # Build while the payloads are alive, then run the eager pass (which
     # may release them) and check the two agree.
     why = None
+    start = time.perf_counter()
     try:
         compiled = _build(core, entries, feeds, target_ids, source_ids,
                           sources_that_are_targets, output_gradients,
@@ -404,24 +605,36 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             why = "the trace captured an eager tensor"
     except Exception as e:  # pylint: disable=broad-except
         why, compiled = f"tracing failed: {e!r}", None
+    trace_seconds = time.perf_counter() - start
     start = time.perf_counter()
     grads = eager_pass()
-    eager_seconds = time.perf_counter() - start
+    eager_seconds = min(seen.eager_seconds, time.perf_counter() - start)
     replayed = None
     slower = False
     if compiled is not None:
         feeds += [g for g in output_gradients or () if g is not None]
         try:
+            start = time.perf_counter()
             replayed = compiled.first_call(feeds)
+            first_call_seconds = time.perf_counter() - start
+            cache.learn_build(len(entries), trace_seconds, first_call_seconds)
+            compiled.instantiation_seconds = first_call_seconds
+            compiled.seen = seen
             if not _same(grads, replayed):
                 why, compiled = "it disagrees with the eager pass", None
             elif not verify and cache.keep_faster:
                 # Small passes run faster op by op than through a function
                 # call: keep whichever is faster (the first call above paid
-                # for instantiation, so time a second one).
-                start = time.perf_counter()
-                compiled(feeds)
-                slower = time.perf_counter() - start >= eager_seconds
+                # for instantiation, so time warm calls: the faster of two
+                # against the fastest eager pass seen for this key).
+                compiled_seconds = float("inf")
+                for _ in range(2):
+                    start = time.perf_counter()
+                    compiled(feeds)
+                    compiled_seconds = min(compiled_seconds,
+                                           time.perf_counter() - start)
+                slower = compiled_seconds >= eager_seconds
+                compiled.saving = eager_seconds - compiled_seconds
         except Exception as e:  # pylint: disable=broad-except
             why, compiled = f"it failed: {e!r}", None
     if why is not None:

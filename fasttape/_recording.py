@@ -22,6 +22,8 @@ All of fasttape's changes to TensorFlow live in this module:
     put back while anything records;
   - a wrapper of ``context.Context._clear_caches`` that also empties
     fasttape's caches (``clear_caches``), as TF's leak checkers expect;
+  - a wrapper of ``pywrap_tfe.TFE_ContextClearCaches`` (``tf.random.set_seed``)
+    that tells the compiled-backward cache its passes' kernels were dropped;
   - the drop-in swap of TF's classes (``swap_classes``/``restore_classes``).
 ``install()`` puts the hooks in, ``uninstall()`` takes every one out.
 
@@ -388,6 +390,14 @@ def _wrapped_clear_caches(self):
     clear_caches()
 
 
+def _wrapped_context_clear_caches(context_handle):
+    # tf.random.set_seed, keras.utils.set_random_seed, clear_kernel_cache:
+    # every traced function's kernels go, so each compiled backward pass is
+    # instantiated again by its next call; the cache weighs that cost.
+    _originals["TFE_ContextClearCaches"](context_handle)
+    _compiled.kernels_cleared()
+
+
 _HOOKS = (
     (record, "record_operation", _wrapped_record_operation),
     (record, "record_operation_backprop_only",
@@ -405,6 +415,7 @@ _HOOKS = (
     (op_def_library, "_apply_op_helper", _wrapped_apply_op_helper),
     (pfor_lib, "_create_op", _wrapped_pfor_create_op),
     (context.Context, "_clear_caches", _wrapped_clear_caches),
+    (pywrap_tfe, "TFE_ContextClearCaches", _wrapped_context_clear_caches),
 )
 
 # AutoGraph must not try to convert fasttape's own (partly compiled) code

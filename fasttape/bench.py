@@ -33,11 +33,17 @@ class Workload:
     returns the gradients (or JVPs). ``impl`` has ``GradientTape`` and
     ``ForwardAccumulator`` (TF's or fasttape's)."""
 
-    def __init__(self, name, make, description, max_repeats=None):
+    def __init__(self, name, make, description, max_repeats=None,
+                 variable=False):
         self.name = name
         self.make = make
         self.description = description
         self.max_repeats = max_repeats
+        # Shapes change from step to step: timed from the first step (no
+        # warm-up), VARIABLE_STEPS steps at least, judged by the mean (total)
+        # time, builds of compiled passes included, and also run with the
+        # compiled backward off.
+        self.variable = variable
 
 
 def _grad_case(forward, sources, watch=()):
@@ -92,8 +98,7 @@ def _dense_stack(tf, sizes, batch, seed):
     x = tf.constant(rng.normal(size=(batch, sizes[0])).astype("float32"))
     labels = tf.constant(rng.integers(0, sizes[-1], batch))
 
-    def forward():
-        h = x
+    def forward(h=x, labels=labels):
         for i in range(0, len(params), 2):
             h = tf.nn.bias_add(tf.matmul(h, params[i]), params[i + 1])
             if i + 2 < len(params):
@@ -127,20 +132,27 @@ def _embedding(tf):
     return _grad_case(forward, [table, w])
 
 
-def _rnn(tf):
-    rng = np.random.default_rng(3)
+def _rnn_cell(tf, seed, max_length):
+    """The tanh RNN cell's parameters, and ``run(length)``: the loss after
+    ``length`` steps (at most ``max_length``) over a batch of 8."""
+    rng = np.random.default_rng(seed)
     wx = tf.Variable(rng.normal(0, 0.3, (16, 32)).astype("float32"))
     wh = tf.Variable(rng.normal(0, 0.3, (32, 32)).astype("float32"))
     b = tf.Variable(np.zeros(32, "float32"))
-    xs = tf.constant(rng.normal(size=(40, 8, 16)).astype("float32"))
+    xs = tf.constant(rng.normal(size=(max_length, 8, 16)).astype("float32"))
 
-    def forward():
+    def run(length):
         h = tf.zeros((8, 32))
-        for t in range(40):
+        for t in range(length):
             h = tf.tanh(tf.matmul(xs[t], wx) + tf.matmul(h, wh) + b)
         return tf.reduce_sum(h * h)
 
-    return _grad_case(forward, [wx, wh, b])
+    return [wx, wh, b], run
+
+
+def _rnn(tf):
+    params, run = _rnn_cell(tf, 3, 40)
+    return _grad_case(lambda: run(40), params)
 
 
 def _cnn(tf):
@@ -231,6 +243,126 @@ def _jacobian(tf):
     return forward, record
 
 
+# -- shapes that change from step to step ---------------------------------------
+
+VARIABLE_STEPS = 60
+
+
+class _Sequence:
+    """The values a variable workload's steps go through: the n-th call by
+    each caller (``impl``, or None for the floor) gets the n-th value, so
+    TF's and fasttape's steps see the same shapes in the same order."""
+
+    def __init__(self, values):
+        self.values = list(values)
+        self.calls = {}
+
+    def next(self, caller):
+        n = self.calls.get(id(caller), 0)
+        self.calls[id(caller)] = n + 1
+        return self.values[n % len(self.values)]
+
+
+def _lengths(seed, low, high, distinct=20, steps=VARIABLE_STEPS):
+    """Sequence lengths as text gives them: ``distinct`` lengths between
+    ``low`` and ``high``, drawn with Zipf-like weights (a few common
+    lengths, a long tail), ``steps`` draws."""
+    rng = np.random.default_rng(seed)
+    choices = np.sort(rng.choice(np.arange(low, high + 1), distinct,
+                                 replace=False))
+    weights = 1.0 / np.arange(1, distinct + 1)
+    rng.shuffle(weights)
+    return [int(n) for n in rng.choice(choices, steps, p=weights / weights.sum())]
+
+
+def _variable_case(forward_at, sequence, sources):
+    """A gradient workload whose n-th step runs ``forward_at(value)`` for
+    the n-th value of ``sequence``."""
+    def forward():
+        return forward_at(sequence.next(None))
+
+    def record(impl):
+        value = sequence.next(impl)
+        with impl.GradientTape() as tape:
+            loss = forward_at(value)
+        return lambda: tape.gradient(loss, sources)
+
+    return forward, record
+
+
+def _varlen_rnn(tf):
+    """The rnn cell over sequences whose length changes every step."""
+    params, run = _rnn_cell(tf, 9, 48)
+    return _variable_case(run, _Sequence(_lengths(10, 8, 48)), params)
+
+
+def _varlen_attention(tf):
+    """One self-attention layer (4 heads of 16) over a batch of 8 sequences
+    whose length changes every step."""
+    rng = np.random.default_rng(11)
+    d, heads = 64, 4
+    wq, wk, wv, wo = (tf.Variable(rng.normal(0, d ** -0.5, (d, d)).astype("float32"))
+                      for _ in range(4))
+    xs = tf.constant(rng.normal(size=(8, 128, d)).astype("float32"))
+
+    def split(h, n):
+        return tf.transpose(tf.reshape(h, (8, n, heads, d // heads)), (0, 2, 1, 3))
+
+    def forward_at(n):
+        x = xs[:, :n]
+        q, k, v = (split(tf.matmul(x, w), n) for w in (wq, wk, wv))
+        att = tf.nn.softmax(tf.matmul(q, k, transpose_b=True) / 4.0)
+        h = tf.reshape(tf.transpose(tf.matmul(att, v), (0, 2, 1, 3)), (8, n, d))
+        return tf.reduce_mean(tf.square(tf.matmul(h, wo) + x))
+
+    return _variable_case(forward_at, _Sequence(_lengths(12, 16, 128)),
+                          [wq, wk, wv, wo])
+
+
+def _last_batch(tf):
+    """Training epochs over 1,000 examples in batches of 64: 15 full
+    batches, then one of 40."""
+    forward, _ = _dense_stack(tf, [64, 64, 64, 10], 1, 13)
+    params = forward.params
+    rng = np.random.default_rng(13)
+    data = rng.normal(size=(1000, 64)).astype("float32")
+    labels = rng.integers(0, 10, 1000)
+    batches = [(tf.constant(data[i:i + 64]), tf.constant(labels[i:i + 64]))
+               for i in range(0, 1000, 64)]
+
+    def forward_at(i):
+        return forward(*batches[i])   # the MLP's loss on batch i
+
+    return _variable_case(forward_at, _Sequence(range(len(batches))), params)
+
+
+def _policy_gradient(tf):
+    """REINFORCE-like: per episode ``tf.random.set_seed(episode)`` (which
+    drops the kernels of every traced function), then a rollout of a
+    variable number of steps sampling actions from a small policy, and
+    the gradient of sum(log pi(a_t) * return_t)."""
+    rng = np.random.default_rng(14)
+    w1 = tf.Variable(rng.normal(0, 0.3, (8, 32)).astype("float32"))
+    b1 = tf.Variable(np.zeros(32, "float32"))
+    w2 = tf.Variable(rng.normal(0, 0.3, (32, 4)).astype("float32"))
+    obs = tf.constant(rng.normal(size=(64, 1, 8)).astype("float32"))
+    returns = tf.constant(rng.normal(size=(64,)).astype("float32"))
+    episodes = _Sequence(list(enumerate(_lengths(15, 10, 40))))
+
+    def forward_at(episode):
+        seed, length = episode
+        tf.random.set_seed(seed)
+        loss = 0.0
+        for t in range(length):
+            logits = tf.matmul(tf.nn.relu(tf.matmul(obs[t], w1) + b1), w2)
+            action = tf.random.categorical(logits, 1)[:, 0]
+            logp = tf.reduce_sum(tf.nn.log_softmax(logits) * tf.one_hot(action, 4))
+            loss = loss - logp * returns[t]
+        return loss
+
+    return _variable_case(forward_at, episodes, [w1, b1, w2])
+
+
 WORKLOADS = [
     Workload("chain", _chain, "200-step elementwise chain y = sin(y) * x, 2x2"),
     Workload("mlp_small", _mlp_small, "MLP step: 3 dense layers of 64, batch 32"),
@@ -246,6 +378,14 @@ WORKLOADS = [
     Workload("recording", _recording,
              f"recording cost: {RECORDING_OPS} chained tf.sin, 2x2 "
              f"(rec / {RECORDING_OPS} = per op)"),
+    Workload("varlen_rnn", _varlen_rnn, "rnn cell over 8-48 steps, 20 lengths "
+             "(Zipf-like), a new length each step", variable=True),
+    Workload("varlen_attention", _varlen_attention, "self-attention, 4 heads, "
+             "batch 8, 20 sequence lengths 16-128", variable=True),
+    Workload("last_batch", _last_batch, "MLP epochs of 1,000 examples, batch "
+             "64: the 16th batch has 40", variable=True),
+    Workload("policy_gradient", _policy_gradient, "REINFORCE rollouts of 10-40 "
+             "steps, tf.random.set_seed per episode", variable=True),
 ]
 BY_NAME = {w.name: w for w in WORKLOADS}
 
@@ -324,7 +464,37 @@ def _counts(workload, repeats, warmup):
     """(repeats, warmup) as run for ``workload``."""
     if workload.max_repeats:
         return min(repeats, workload.max_repeats), min(warmup, 1)
+    if workload.variable:
+        return max(repeats, VARIABLE_STEPS), 0
     return repeats, warmup
+
+
+def _step_compiled_off(record, impl):
+    from fasttape import _compiled
+    previous = _compiled.set_mode("off")
+    try:
+        return _step(record, impl)
+    finally:
+        _compiled.set_mode(previous)
+
+
+class _Builds:
+    """Times fasttape's steps and notes the first that built a compiled
+    pass (or tried to: built, slower or failed)."""
+
+    KINDS = ("built", "slower", "failed")
+
+    def __init__(self):
+        self.stats = _compiled_stats()
+        self.first_ms = None
+
+    def step(self, record, impl):
+        before = sum(self.stats[k] for k in self.KINDS)
+        seconds, result = _time(_step, record, impl)
+        if self.first_ms is None and sum(
+                self.stats[k] for k in self.KINDS) > before:
+            self.first_ms = seconds * 1e3
+        return seconds, result
 
 
 def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
@@ -334,37 +504,63 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
     ``_counts`` gives them): the progress bar."""
     tf_impl = _Impl(tf.GradientTape, tf.autodiff.ForwardAccumulator)
     ft_impl = _Impl(fasttape.GradientTape, fasttape.ForwardAccumulator)
+    # Arms of their own (variable workloads give each caller its own run
+    # through their sequence): recording only, and the compiled backward off.
+    rec_tf_impl = _Impl(tf.GradientTape, tf.autodiff.ForwardAccumulator)
+    rec_ft_impl = _Impl(fasttape.GradientTape, fasttape.ForwardAccumulator)
+    off_impl = _Impl(fasttape.GradientTape, fasttape.ForwardAccumulator)
     forward, record = workload.make(tf)
-    equal = check_equal(tf, _step(record, tf_impl), _step(record, ft_impl))
+    stats = _compiled_stats()
+    stats_before = dict(stats)
+    build_seconds_before = _compiled_cache().build_seconds
+    builds = _Builds()
+    # First steps: fasttape's first (so it pays for creating the kernels of
+    # the ops both run), then TF's.
+    ft_first, ft_result = builds.step(record, ft_impl)
+    tf_first, tf_result = _time(_step, record, tf_impl)
+    equal = check_equal(tf, tf_result, ft_result)
+    off_first = None
+    if workload.variable:
+        off_first = _time(_step_compiled_off, record, off_impl)[0]
+        forward()   # the floor, at the same place in the sequence
     repeats, warmup = _counts(workload, repeats, warmup)
     for _ in range(warmup):
         forward()
         _step(record, tf_impl)
-        _step(record, ft_impl)
+        builds.step(record, ft_impl)
         tick()
     # Checked again in the steady state: after warm-up, fasttape replays
     # compiled backward passes.
-    equal = equal and check_equal(tf, _step(record, tf_impl),
-                                  _step(record, ft_impl))
-    mem_tf = held_bytes(tf, record, tf_impl)
-    mem_ft = held_bytes(tf, record, ft_impl)
+    # (Variable workloads: not here, where it would take a step of their
+    # sequence from the timed ones.)
+    if not workload.variable:
+        equal = equal and check_equal(tf, _step(record, tf_impl),
+                                      builds.step(record, ft_impl)[1])
+    mem_tf = held_bytes(tf, record, rec_tf_impl)
+    mem_ft = held_bytes(tf, record, rec_ft_impl)
     tick()
-    times = {k: [] for k in ("floor", "rec_tf", "rec_ft", "tf", "ft")}
-    stats = _compiled_stats()
+    times = {k: [] for k in ("floor", "rec_tf", "rec_ft", "tf", "ft", "off")}
     replayed_before = stats["replayed"]
+    timed_before = dict(stats)
     for _ in range(repeats):
         times["floor"].append(_time(forward)[0])
-        times["rec_tf"].append(_time(record, tf_impl)[0])
-        times["rec_ft"].append(_time(record, ft_impl)[0])
+        times["rec_tf"].append(_time(record, rec_tf_impl)[0])
+        times["rec_ft"].append(_time(record, rec_ft_impl)[0])
         times["tf"].append(_time(_step, record, tf_impl)[0])
         if profiler is not None:
             profiler.enable()
-        times["ft"].append(_time(_step, record, ft_impl)[0])
+        times["ft"].append(builds.step(record, ft_impl)[0])
         if profiler is not None:
             profiler.disable()
+        if workload.variable:
+            times["off"].append(_time(_step_compiled_off, record, off_impl)[0])
         tick()
     replayed = stats["replayed"] - replayed_before
-    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    timed = {k: stats[k] - timed_before.get(k, 0) for k in stats}
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items() if v}
+    mean = {k: statistics.fmean(v) * 1e3 for k, v in times.items() if v}
+    gradient_calls = sum(timed.get(k, 0) for k in (
+        "replayed", "eager", "eager_after_clear", "built", "slower", "failed"))
     return {
         "workload": workload.name,
         "description": workload.description,
@@ -382,12 +578,41 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
         # one compiled function each, or op by op.
         "backward": ("compiled" if replayed >= repeats
                      else "eager" if replayed == 0 else "mixed"),
+        "variable_shapes": workload.variable,
+        # Means (totals / steps) of the timed steps: for variable workloads,
+        # the builds of compiled passes are among them.
+        "tf_mean_ms": mean["tf"],
+        "fasttape_mean_ms": mean["ft"],
+        "mean_ratio": mean["ft"] / mean["tf"],
+        "fasttape_off_mean_ms": mean.get("off"),
+        "fasttape_off_ms": med.get("off"),
+        "mean_ratio_to_off": (mean["ft"] / mean["off"]) if "off" in mean else None,
+        # First steps (item 3): fasttape's very first step, the first step of
+        # fasttape's that built a compiled pass (None: none did), TF's first.
+        "tf_first_ms": tf_first * 1e3,
+        "fasttape_first_ms": ft_first * 1e3,
+        "fasttape_off_first_ms": off_first and off_first * 1e3,
+        "fasttape_build_step_ms": builds.first_ms,
+        "build_seconds": _compiled_cache().build_seconds - build_seconds_before,
+        "builds": sum(stats[k] - stats_before.get(k, 0) for k in _Builds.KINDS),
+        # The compiled-pass cache over the timed steps: distinct new keys,
+        # passes replayed / run eagerly / built, kernel-cache clears.
+        "cache": {k: v for k, v in timed.items() if v},
+        "hit_rate": (timed.get("replayed", 0) / gradient_calls
+                     if gradient_calls else None),
+        "steps_ms": ({k: [round(t * 1e3, 3) for t in v]
+                      for k, v in times.items() if v}
+                     if workload.variable else None),
     }
 
 
-def _compiled_stats():
+def _compiled_cache():
     from fasttape import _compiled
-    return _compiled.CACHE.stats
+    return _compiled.CACHE
+
+
+def _compiled_stats():
+    return _compiled_cache().stats
 
 
 def format_table(rows):
@@ -402,6 +627,33 @@ def format_table(rows):
             f"{r['record_overhead_tf_ms']:>7.2f} {r['record_overhead_fasttape_ms']:>7.2f} "
             f"{_kib(r['held_bytes_tf']):>8} {_kib(r['held_bytes_fasttape']):>8}  "
             f"{r['backward']:<11}  {'equal' if r['grads_equal'] else 'DIFFER'}")
+    return "\n".join(lines)
+
+
+def format_cache_table(rows):
+    """First steps, builds of compiled passes and the cache's churn; for
+    variable-shape workloads, mean step times against TF's and against
+    fasttape with the compiled backward off."""
+    head = (f"{'workload':<16} {'tf 1st':>7} {'ft 1st':>7} {'ft build':>8}"
+            f" {'builds':>6} {'build s':>7} {'keys':>5} {'hits':>5}"
+            f" {'tf mean':>8} {'ft mean':>8} {'off mean':>8} {'m ratio':>7}"
+            f" {'ft/off':>6}")
+    lines = [head, "-" * len(head)]
+
+    def opt(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
+    for r in rows:
+        cache = r["cache"]
+        lines.append(
+            f"{r['workload']:<16} {r['tf_first_ms']:>7.1f} "
+            f"{r['fasttape_first_ms']:>7.1f} "
+            f"{opt(r['fasttape_build_step_ms'], '>8.1f')} {r['builds']:>6} "
+            f"{r['build_seconds']:>7.2f} {cache.get('new_keys', 0):>5} "
+            f"{opt(r['hit_rate'] and 100 * r['hit_rate'], '>4.0f')}% "
+            f"{r['tf_mean_ms']:>8.2f} {r['fasttape_mean_ms']:>8.2f} "
+            f"{opt(r['fasttape_off_mean_ms'], '>8.2f')} {r['mean_ratio']:>7.2f} "
+            f"{opt(r['mean_ratio_to_off'], '>6.2f')}")
     return "\n".join(lines)
 
 
@@ -614,6 +866,16 @@ def main(argv=None):
                   f"{r['record_overhead_tf_ms'] / RECORDING_OPS * 1e3:.2f} us, "
                   f"fasttape {r['record_overhead_fasttape_ms'] / RECORDING_OPS * 1e3:.2f} us "
                   f"({r['record_overhead_fasttape_ms'] / r['record_overhead_tf_ms']:.2f}x TF's)")
+    print()
+    print(format_cache_table(rows))
+    print("\nms; 1st = each tape's first step (fasttape's runs first); ft "
+          "build = fasttape's first step that\nbuilt a compiled backward pass "
+          "(- = none did); builds and build s (tracing + first calls): whole\n"
+          "run; keys (distinct new pass keys) and hits (replayed passes / "
+          "gradient calls): timed steps.\nmean = mean step time over the "
+          "timed steps (builds included); off = fasttape with the compiled\n"
+          "backward off (variable-shape workloads); m ratio = ft mean / tf "
+          "mean; ft/off = ft mean / off mean.")
     if profiler is not None:
         print("(--profile: fasttape's steps ran under cProfile, where backward "
               "passes run op by op so\nthat each op type shows; their times "
