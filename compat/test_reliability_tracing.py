@@ -496,9 +496,11 @@ _FEWER_SEEDS_UNDER_TF = textwrap.dedent("""
 
 
 def test_fewer_output_gradients_than_targets_differs_on_purpose():
-    """TF 2.21 crashes the process (a segmentation fault in its C++ tape,
-    run here in a subprocess); fasttape raises ValueError. Fails the day
-    TF no longer crashes."""
+    """TF 2.21 reads past its list of output gradients: it usually crashes
+    the process (a segmentation fault in its C++ tape, run here in a
+    subprocess), and now and then (1 run in 8, measured) returns a result
+    made with whatever it read. fasttape raises ValueError. Fails the day
+    TF raises an error of its own (fasttape should then raise its type)."""
     ft_out = harness.run_case(lambda T: _two_targets(T, [tf.ones([2])]),
                               "fasttape")
     assert type(ft_out.exc) is ValueError, ft_out
@@ -507,8 +509,10 @@ def test_fewer_output_gradients_than_targets_differs_on_purpose():
     proc = subprocess.run([sys.executable, "-c", _FEWER_SEEDS_UNDER_TF],
                           capture_output=True, text=True, timeout=600,
                           check=False)
-    assert proc.returncode < 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
-    assert "RESULT" not in proc.stdout and "RAISED" not in proc.stdout
+    crashed = proc.returncode < 0
+    returned = proc.returncode == 0 and "RESULT" in proc.stdout
+    assert crashed or returned, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert "RAISED" not in proc.stdout, proc.stdout
 
 
 # -- issue 14 item 7: a missing second-order gradient under a pfor jacobian ----
