@@ -442,23 +442,18 @@ def test_a_key_seen_once_is_never_built():
     assert not cache.worth_building(seen, 1)
 
 
-def test_a_steady_key_is_built_at_its_third_use():
+@pytest.mark.parametrize("gap", [1, 2], ids=["one_key", "two_keys_in_turn"])
+def test_a_steady_key_is_built_at_its_third_use(gap):
     """A fixed-shape loop (uses at equal gaps) is expected to go on for
     HORIZON calls: a 400-op pass that saves 13 ms a step is built once two
-    gaps are equal; one back-to-back repeat is not enough."""
+    gaps are equal; one repeat is not enough. The same for a loop over a
+    few keys (A, B, A, B, A: the same gap twice)."""
     cache = _cache()
     seen = _compiled._Seen(0, cache.epoch)
     seen.eager_seconds = 0.02
-    _used(cache, seen, [0, 1])
+    _used(cache, seen, [0, gap])
     assert not seen.steady and not cache.worth_building(seen, 400)
-    _used(cache, seen, [2])
-    assert seen.steady and cache.worth_building(seen, 400)
-    # ... and a loop over a few keys (A, B, A, B, A: the same gap twice) too.
-    seen = _compiled._Seen(0, cache.epoch)
-    seen.eager_seconds = 0.02
-    _used(cache, seen, [0, 2])
-    assert not seen.steady and not cache.worth_building(seen, 400)
-    _used(cache, seen, [4])
+    _used(cache, seen, [2 * gap])
     assert seen.steady and cache.worth_building(seen, 400)
 
 
