@@ -12,7 +12,6 @@ one module that patches TF.
 
 import gc as _gc
 import itertools
-import threading
 
 from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python import pywrap_tfe
@@ -26,10 +25,16 @@ from tensorflow.python.ops import resource_variable_ops
 
 cimport cython
 from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
+from libc.stdint cimport int64_t
+from libcpp.vector cimport vector
 
 from fasttape._core cimport GradientTapeCore, ForwardAccumulatorCore
 
 cdef extern from "Python.h":
+    PyObject* PyThreadState_GetDict()
+    PyObject* PyDict_GetItem(object, object)   # borrowed, or NULL
     void PyObject_GC_UnTrack(void*)
     int PyObject_IS_GC(object)
     int PyObject_GC_IsTracked(object)
@@ -58,16 +63,22 @@ PY_BACKWARD = 2
 
 # -- backward payloads (what a recorded op keeps for its backward pass) --------
 
+@cython.no_gc
 cdef class EagerOp:
     """An op run eagerly: its attrs and the inputs/outputs its gradient reads
     (None in place of the others), kept in one tuple: few objects per
-    recorded op means fewer garbage-collector passes while recording."""
+    recorded op means fewer garbage-collector passes while recording.
+    (Attrs and tensors only: no reference cycle can pass through it, so the
+    garbage collector never tracks it, nor, the core then decides, the
+    op's entry.)"""
     cdef readonly tuple attrs
     cdef readonly tuple saved           # inputs then outputs
     cdef readonly Py_ssize_t num_inputs
     cdef object __weakref__
 
-    def __cinit__(self, attrs, tuple saved, Py_ssize_t num_inputs):
+    def __init__(self, attrs, tuple saved, Py_ssize_t num_inputs):
+        # (The fast-path recorder makes them with EagerOp.__new__ and sets
+        # the fields itself: no argument parsing.)
         self.attrs = tuple(attrs) if attrs is not None else ()
         self.saved = saved
         self.num_inputs = num_inputs
@@ -142,28 +153,71 @@ cdef class TapeState:
 
 # -- per-thread state -----------------------------------------------------------
 
-class State(threading.local):
-    """Per-thread recording state."""
+@cython.final
+cdef class ThreadState:
+    """Per-thread recording state (current() gives this thread's). A C-level
+    object kept in the thread's own dict: the recorder reads it a dozen
+    times per op, and a threading.local's attributes cost ~50 ns each."""
+    cdef public list tapes             # recording TapeStates, innermost last
+    cdef public list accumulators      # recording AccumulatorStates
+    cdef public bint in_callback       # re-entry guard
+    # The fast-path wrapper lets TF's C++ convert an op's Python-value
+    # inputs and hands the op to TF's op-callback machinery for that one
+    # call (see _capture): set while that call runs.
+    cdef public bint capturing
+    # While an accumulator computes a JVP: only tapes older than it
+    # (nesting id < nesting_limit), accumulators not younger (<=), and
+    # whatever is pushed during the computation (nesting id >
+    # nesting_floor, e.g. the GradientTape inside TF's own
+    # _FusedBatchNormGradGrad once patch() is on) see the ops it runs.
+    cdef public long long nesting_limit
+    cdef public long long nesting_floor
 
-    def __init__(self):
-        super().__init__()
-        self.tapes = []            # recording TapeStates, innermost last
-        self.accumulators = []     # recording AccumulatorStates
-        self.in_callback = False   # re-entry guard
-        # The fast-path wrapper lets TF's C++ convert an op's Python-value
-        # inputs and hands the op to TF's op-callback machinery for that one
-        # call (see _capture): set while that call runs.
+    def __cinit__(self):
+        self.tapes = []
+        self.accumulators = []
+        self.in_callback = False
         self.capturing = False
-        # While an accumulator computes a JVP: only tapes older than it
-        # (nesting id < nesting_limit), accumulators not younger (<=), and
-        # whatever is pushed during the computation (nesting id >
-        # nesting_floor, e.g. the GradientTape inside TF's own
-        # _FusedBatchNormGradGrad once patch() is on) see the ops it runs.
         self.nesting_limit = NO_LIMIT
         self.nesting_floor = NO_LIMIT
 
 
-state = State()
+cdef object _STATE_KEY = "fasttape._callback.ThreadState"
+cdef ThreadState _shared_state = None   # tests only: see share_state
+
+
+cdef inline ThreadState _current():
+    cdef PyObject* d
+    cdef PyObject* p
+    if _shared_state is not None:
+        return _shared_state
+    d = PyThreadState_GetDict()
+    if d != NULL:
+        p = PyDict_GetItem(<object>d, _STATE_KEY)
+        if p != NULL:
+            return <ThreadState>p
+    return _new_state()
+
+
+cdef ThreadState _new_state():
+    cdef PyObject* d = PyThreadState_GetDict()
+    if d == NULL:
+        raise RuntimeError("fasttape: no Python thread state")
+    st = ThreadState()
+    (<dict><object>d)[_STATE_KEY] = st
+    return st
+
+
+def current():
+    """This thread's recording state (a ThreadState)."""
+    return _current()
+
+
+def share_state(st):
+    """Tests only: make every thread use one ThreadState (st), or each its
+    own again (None); shows why the state must be per thread."""
+    global _shared_state
+    _shared_state = st
 
 
 cdef inline int _enum(t) except? -1:
@@ -230,21 +284,20 @@ cdef object _mask(indices, Py_ssize_t n):
     return tuple([i in wanted for i in range(n)])
 
 
-cdef tuple _keep(inputs, in_mask, outputs, out_mask):
+cdef tuple _keep(list inputs, in_mask, list outputs, out_mask):
     """inputs + outputs, with None where a mask says the gradient does not
-    read them."""
-    cdef list kept = []
-    if in_mask is None:
-        kept.extend(inputs)
-    else:
-        for v, m in zip(inputs, in_mask):
-            kept.append(v if m else None)
-    if out_mask is None:
-        kept.extend(outputs)
-    else:
-        for v, m in zip(outputs, out_mask):
-            kept.append(v if m else None)
-    return tuple(kept)
+    read them (one tuple, built in place)."""
+    cdef Py_ssize_t n_in = len(inputs), n_out = len(outputs), i
+    cdef tuple kept = PyTuple_New(n_in + n_out)
+    for i in range(n_in):
+        v = inputs[i] if in_mask is None or (<tuple>in_mask)[i] else None
+        Py_INCREF(v)
+        PyTuple_SET_ITEM(kept, i, v)
+    for i in range(n_out):
+        v = outputs[i] if out_mask is None or (<tuple>out_mask)[i] else None
+        Py_INCREF(v)
+        PyTuple_SET_ITEM(kept, n_in + i, v)
+    return kept
 
 
 # Anomaly mode's note-taker (fasttape.anomaly sets it while the mode is on):
@@ -267,11 +320,11 @@ def record(op_type, inputs, outputs, int kind, attrs=None, backward=None,
     kind: EAGER_OP (attrs given), GRAPH_OP, or PY_BACKWARD (backward and
     optionally forward functions given, as record.record_operation takes).
     """
-    _record(state, op_type, inputs, outputs, kind, attrs, backward, forward,
+    _record(_current(), op_type, inputs, outputs, kind, attrs, backward, forward,
             to_tapes, to_accumulators)
 
 
-cdef int _record(st, op_type, inputs, outputs, int kind, attrs, backward,
+cdef int _record(ThreadState st, op_type, inputs, outputs, int kind, attrs, backward,
                  forward, bint to_tapes, bint to_accumulators,
                  list ids=None) except -1:
     cdef long long limit = st.nesting_limit
@@ -323,14 +376,13 @@ cdef int _record(st, op_type, inputs, outputs, int kind, attrs, backward,
     if tapes:
         if kind == EAGER_OP:
             in_mask, out_mask, mortal = _masks(op_type, n_in, len(outputs))
-            saved = _keep(inputs, in_mask, outputs, out_mask)
+            saved = _keep(list(inputs), in_mask, list(outputs), out_mask)
             payload = EagerOp(attrs, saved, n_in)
             # Attrs and tensors only: no reference cycle can pass through
             # these, so the garbage collector need not track them (nor, the
             # core then decides, the op's entry): two to three fewer
             # tracked objects per recorded op.
             PyObject_GC_UnTrack(<PyObject*>saved)
-            PyObject_GC_UnTrack(<PyObject*>payload)
         elif kind == GRAPH_OP:
             payload = GraphOp(outputs[0].op, n_in)
         else:
@@ -423,7 +475,7 @@ def op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
     graph ops built while tracing (``op_def_library._apply_op_helper``,
     pfor's ``_create_op``) and a fast-path op with Python-value inputs
     (through TF's callback list, for that one call: see _capture)."""
-    st = state
+    cdef ThreadState st = _current()
     if not st.tapes and not st.accumulators:
         return None
     if st.in_callback or not outputs or _is_stopped():
@@ -483,7 +535,7 @@ cdef object _read(v):
         for var in ((v,) if override is _default_get_variables else override(v)):
             _tape_variable_accessed(var)
             _watcher_variable_accessed(var)
-            for tp in <list>state.tapes:
+            for tp in _current().tapes:
                 if (<TapeState>tp).watch_accessed_variables:
                     (<TapeState>tp).watch_variable(var)
     handle = v.handle
@@ -541,7 +593,12 @@ cdef class _Layout:
     cdef tuple type_attrs           # per input argument: its type attr, or None (fixed type)
     cdef tuple list_attrs           # per input argument: its number or type-list attr, or None
     cdef bint all_single            # no list inputs
+    cdef Py_ssize_t n_typed         # input arguments with a type attr
     cdef tuple out_lists            # per output argument: a list?
+    # _masks for the arity last seen ((n_in << 32) | n_out; -1: none yet)
+    cdef long long mask_key
+    cdef object in_mask, out_mask
+    cdef bint mortal
 
     def __init__(self, op_def):
         kinds, type_attrs, list_attrs = [], [], []
@@ -561,8 +618,10 @@ cdef class _Layout:
         self.type_attrs = tuple(type_attrs)
         self.list_attrs = tuple(list_attrs)
         self.all_single = all(k == _SINGLE for k in kinds)
+        self.n_typed = sum(1 for t in type_attrs if t is not None)
         self.out_lists = tuple([bool(a.number_attr or a.type_list_attr)
                                 for a in op_def.output_arg])
+        self.mask_key = -1
 
 
 cdef dict _layouts = {}     # op type -> _Layout, or False (not in TF's registry)
@@ -591,7 +650,7 @@ def fast_path_execute(*args):
     recording thread: Variables among the inputs are read here, where the
     read is seen (TF reads them inside C++, where nothing else would), and
     the op is recorded from its arguments once it has run."""
-    st = state
+    cdef ThreadState st = _current()
     if not st.tapes and not st.accumulators:
         return _RAW_FAST_PATH(*args)
     if _is_stopped():
@@ -608,7 +667,7 @@ def fast_path_execute(*args):
     if len(args) < _INPUT_START + n_in:
         return _RAW_FAST_PATH(*args)    # TF raises its own error
     cdef list inputs = []
-    cdef list ids = []
+    cdef vector[int64_t] ids
     cdef bint converted = False         # some input TF's C++ will convert
     cdef list new_args = None
     cdef int kind
@@ -626,7 +685,7 @@ def fast_path_execute(*args):
                     converted = True
                     continue
             inputs.append(a)
-            ids.append(a._id)
+            ids.push_back(a._id)
         elif type(a) is list or type(a) is tuple:
             if any([_is_variable(x) for x in a]):
                 a = [_read(x) if _is_variable(x) else x for x in a]
@@ -636,7 +695,7 @@ def fast_path_execute(*args):
             for x in a:
                 if _eager(x):
                     inputs.append(x)
-                    ids.append(x._id)
+                    ids.push_back(x._id)
                 else:
                     converted = True
         else:
@@ -671,11 +730,20 @@ def fast_path_execute(*args):
                 outputs.append(result[i])
     if not outputs:
         return result
-    attrs = _attrs(lay, args, inputs)
+    # One DataType enum per input: the inferred attrs and the trainable
+    # test both read it.
+    cdef vector[int] enums
+    for t in inputs:
+        enums.push_back((<object>t)._datatype_enum())
+    attrs = _attrs(lay, args, enums)
     st.in_callback = True
     try:
-        _record(st, op_name, inputs, outputs, EAGER_OP, attrs, None, None,
-                True, True, ids)
+        if st.accumulators:
+            _record(st, op_name, inputs, outputs, EAGER_OP, attrs, None, None,
+                    True, True, [i for i in ids])
+        else:
+            _record_eager(st, lay, op_name, inputs, ids, enums, outputs,
+                          attrs)
         if _lineage_hook is not None and st.tapes:
             _lineage_hook(st.tapes, op_name, inputs, outputs)
     finally:
@@ -683,14 +751,84 @@ def fast_path_execute(*args):
     return result
 
 
-cdef tuple _attrs(_Layout lay, tuple args, list inputs):
+cdef inline bint _trainable_enum(int enum):
+    # _TRAINABLE, as C: half, bfloat16, float, double, complex64/128, resource
+    return (enum == 1 or enum == 2 or enum == 8 or enum == 14 or enum == 18
+            or enum == 19 or enum == 20)
+
+
+cdef int _record_eager(ThreadState st, _Layout lay, op_name, list inputs,
+                       vector[int64_t]& ids, vector[int]& enums,
+                       list outputs, tuple attrs) except -1:
+    """_record for the fast path's common case, with no accumulator active:
+    an eagerly run op, its ids held in C++ and each tape asked once."""
+    cdef long long limit = st.nesting_limit, floor = st.nesting_floor
+    cdef vector[char] trainable
+    cdef char flag
+    cdef Py_ssize_t i, n_in = len(inputs), n_out = len(outputs)
+    for i in range(n_in):
+        if enums[i] == _VARIANT:
+            flag = is_trainable(inputs[i])
+        else:
+            flag = _trainable_enum(enums[i])
+        trainable.push_back(flag)   # (through a variable: see _core.should_record)
+    cdef object first = None           # the tapes that record it (mostly one)
+    cdef list more = None
+    cdef TapeState ts
+    for tp in st.tapes:
+        ts = <TapeState>tp
+        if (ts.nesting_id < limit or ts.nesting_id > floor) \
+                and ts.core.tracks_any(ids, &trainable):
+            if first is None:
+                first = ts
+            elif more is None:
+                more = [ts]
+            else:
+                more.append(ts)
+    if first is None:
+        return 0
+    cdef vector[int64_t] out_ids
+    for t in outputs:
+        out_ids.push_back((<object>t)._id)
+    # A single-output op never needs zeros for a missing output gradient (it
+    # runs only when its one output has a gradient), and a target's ones are
+    # made from the target itself: skip the metadata then.
+    cdef tuple meta = (_NO_META if n_out == 1
+                       else tuple([output_meta(t) for t in outputs]))
+    cdef long long key = (n_in << 32) | n_out
+    if lay.mask_key != key:
+        lay.in_mask, lay.out_mask, lay.mortal = _masks(op_name, n_in, n_out)
+        lay.mask_key = key
+    cdef EagerOp payload = EagerOp.__new__(EagerOp)
+    payload.attrs = attrs
+    payload.saved = _keep(inputs, lay.in_mask, outputs, lay.out_mask)
+    payload.num_inputs = n_in
+    # Attrs and tensors only: no reference cycle can pass through these, so
+    # the garbage collector need not track them (nor, the core then decides,
+    # the op's entry): two to three fewer tracked objects per recorded op.
+    PyObject_GC_UnTrack(<PyObject*>payload.saved)
+    # Eager outputs: each tape forgets the op once they all die unread (TF's
+    # EagerTensor dealloc calls DeleteTrace).
+    objs = outputs if lay.mortal else None
+    (<TapeState>first).core.record_ids(op_name, ids, out_ids, meta, payload,
+                                       objs)
+    if more is not None:
+        for tp in more:
+            (<TapeState>tp).core.record_ids(op_name, ids, out_ids, meta,
+                                            payload, objs)
+    if _anomaly_hook is not None:
+        _anomaly_hook(payload, op_name, inputs, outputs)
+    return 0
+
+
+cdef tuple _attrs(_Layout lay, tuple args, vector[int]& enums):
     """The attrs TF's C++ fast path gives its op callbacks (see
     RunCallbacks in pywrap_tfe_src.cc): the non-inferred ones as passed,
     then those inferred from each input argument. A recorded op keeps them
     until the tape ends: when they hold nothing the garbage collector
     tracks (names, numbers), neither is the tuple tracked (its passes over
     what a long forward pass records cost more than recording it)."""
-    cdef tuple attrs = _inferred_attrs(lay, args, inputs)
+    cdef tuple attrs = _inferred_attrs(lay, args, enums)
     for a in attrs:
         if PyObject_IS_GC(a) and PyObject_GC_IsTracked(a):
             return attrs
@@ -698,16 +836,28 @@ cdef tuple _attrs(_Layout lay, tuple args, list inputs):
     return attrs
 
 
-cdef tuple _inferred_attrs(_Layout lay, tuple args, list inputs):
+cdef tuple _inferred_attrs(_Layout lay, tuple args, vector[int]& enums):
     cdef Py_ssize_t n_in = lay.n_in, i, n, k = 0
+    cdef Py_ssize_t start = _INPUT_START + n_in, given
+    cdef tuple out
     if lay.all_single:
-        attrs = list(args[_INPUT_START + n_in:])
+        given = len(args) - start
+        out = PyTuple_New(given + 2 * lay.n_typed)
+        for i in range(given):
+            v = args[start + i]
+            Py_INCREF(v)
+            PyTuple_SET_ITEM(out, i, v)
+        k = given
         for i in range(n_in):
             name = lay.type_attrs[i]
             if name is not None:
-                attrs.append(name)
-                attrs.append((<object>inputs[i])._datatype_enum())
-        return tuple(attrs)
+                Py_INCREF(name)
+                PyTuple_SET_ITEM(out, k, name)
+                v = enums[i]
+                Py_INCREF(v)
+                PyTuple_SET_ITEM(out, k + 1, v)
+                k += 2
+        return out
     attrs = list(args[_INPUT_START + n_in:])
     for i in range(n_in):
         kind = lay.kinds[i]
@@ -715,7 +865,7 @@ cdef tuple _inferred_attrs(_Layout lay, tuple args, list inputs):
         if kind == _SINGLE:
             if name is not None:
                 attrs.append(name)
-                attrs.append((<object>inputs[k])._datatype_enum())
+                attrs.append(enums[k])
             k += 1
             continue
         n = len(args[_INPUT_START + i])
@@ -724,33 +874,35 @@ cdef tuple _inferred_attrs(_Layout lay, tuple args, list inputs):
             attrs.append(n)
             if n > 0 and name is not None:
                 attrs.append(name)
-                attrs.append((<object>inputs[k])._datatype_enum())
+                attrs.append(enums[k])
         else:
             attrs.append(lay.list_attrs[i])
-            attrs.append(tuple([(<object>inputs[j])._datatype_enum()
-                                for j in range(k, k + n)]))
+            attrs.append(tuple([enums[j] for j in range(k, k + n)]))
         k += n
     return tuple(attrs)
 
 
-cdef bint _may_record(st, list ids) except -1:
+cdef bint _may_record(ThreadState st, vector[int64_t]& ids) except -1:
     """Does some active tape or accumulator watch one of these inputs?
     (dtypes aside: _record checks them.)"""
     cdef long long limit = st.nesting_limit
     cdef TapeState ts
-    for tp in <list>st.tapes:
+    for tp in st.tapes:
         ts = <TapeState>tp
         if (ts.nesting_id < limit or ts.nesting_id > st.nesting_floor) \
-                and ts.core.should_record(ids, None):
+                and ts.core.tracks_any(ids, NULL):
             return True
-    for a in <list>st.accumulators:
+    if not st.accumulators:
+        return False
+    id_list = [i for i in ids]
+    for a in st.accumulators:
         if (a.nesting_id <= limit or a.nesting_id > st.nesting_floor) \
-                and (<ForwardAccumulatorCore>a.core).should_record(ids, None):
+                and (<ForwardAccumulatorCore>a.core).should_record(id_list, None):
             return True
     return False
 
 
-cdef object _capture(st, args):
+cdef object _capture(ThreadState st, args):
     """Run a fast-path op whose inputs TF's C++ converts (Python numbers,
     NumPy arrays, sequences): the converted tensors are seen only by TF's
     op callbacks, so fasttape's is put in this thread's callback list for
@@ -771,7 +923,7 @@ cdef object _capture(st, args):
 
 def _capture_callback(op_type, inputs, attrs, outputs, op_name=None,
                       graph=None):
-    st = state
+    cdef ThreadState st = _current()
     if not st.capturing:
         return None
     st.capturing = False

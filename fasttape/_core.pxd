@@ -67,7 +67,14 @@ cdef class GradientTapeCore:
                                    outputs=*) except -2
     cpdef delete_trace(self, int64_t tensor_id)
     cdef int _delete_trace(self, int64_t tensor_id) except -1
-    cdef int64_t _append(self, op_type, input_ids, output_ids,
+    cdef bint tracks_any(self, const vector[int64_t]& ids,
+                         const vector[char]* trainable)
+    cdef int64_t record_ids(self, op_type, const vector[int64_t]& input_ids,
+                            const vector[int64_t]& output_ids,
+                            tuple output_meta, payload, outputs) except -2
+    cdef int _check_open(self) except -1
+    cdef int64_t _append(self, op_type, const vector[int64_t]& input_ids,
+                         const vector[int64_t]& output_ids,
                          tuple output_meta, payload, outputs) except -2
     cdef int _watch_deaths(self, OpEntry entry, outputs) except -1
     cdef int _drain_deaths(self) except -1

@@ -211,17 +211,26 @@ cdef class GradientTapeCore:
     cpdef bint should_record(self, input_ids, trainable=None):
         """True when some input is tracked and (per ``trainable``, one bool
         per input, all True when None) of a differentiable dtype."""
-        cdef Py_ssize_t i = 0
-        cdef int64_t tid
+        cdef vector[int64_t] ids
+        cdef vector[char] flags
+        cdef char flag
+        _fill(ids, input_ids)
         if trainable is None:
-            for tid in input_ids:
-                if self.tensor_tape.find(tid) != self.tensor_tape.end():
-                    return True
-            return False
-        for tid in input_ids:
-            if self.tensor_tape.find(tid) != self.tensor_tape.end() and trainable[i]:
+            return self.tracks_any(ids, NULL)
+        for t in trainable:
+            flag = 1 if t else 0    # (a literal in push_back: Cython 3 gets it wrong)
+            flags.push_back(flag)
+        return self.tracks_any(ids, &flags)
+
+    cdef bint tracks_any(self, const vector[int64_t]& ids,
+                         const vector[char]* trainable):
+        """should_record for a recorder that holds its ids in C++ (trainable:
+        one flag per id, or NULL for all)."""
+        cdef size_t i
+        for i in range(ids.size()):
+            if self.tensor_tape.find(ids[i]) != self.tensor_tape.end() and (
+                    trainable == NULL or deref(trainable)[i]):
                 return True
-            i += 1
         return False
 
     cpdef int64_t record_operation(self, op_type, input_ids, output_ids,
@@ -239,17 +248,26 @@ cdef class GradientTapeCore:
         Objects that take no weakref, and None entries (the framework knows
         the output cannot die first: its op's payload holds it), are kept
         track of until the tape ends."""
-        cdef int64_t op_id
-        if self.consumed:
-            raise RuntimeError(
-                "This non-persistent tape has already computed its gradients; "
-                "it records nothing more.")
+        self._check_open()
         if not self.should_record(input_ids, trainable):
             return -1
         if len(output_meta) != len(output_ids):
             raise ValueError(
                 f"record_operation({op_type!r}): {len(output_ids)} output ids "
                 f"but {len(output_meta)} output metadata entries")
+        cdef vector[int64_t] in_ids, out_ids
+        _fill(in_ids, input_ids)
+        _fill(out_ids, output_ids)
+        return self.record_ids(op_type, in_ids, out_ids, output_meta, payload,
+                               outputs)
+
+    cdef int64_t record_ids(self, op_type, const vector[int64_t]& input_ids,
+                            const vector[int64_t]& output_ids,
+                            tuple output_meta, payload, outputs) except -2:
+        """record_operation for a recorder that holds its ids in C++ and has
+        checked should_record (tracks_any) itself."""
+        cdef int64_t op_id
+        self._check_open()
         # Busy: a tensor death (a weakref callback, run by the garbage
         # collector on an allocation below) is queued, not applied mid-way.
         self.busy += 1
@@ -262,13 +280,21 @@ cdef class GradientTapeCore:
             self._drain_deaths()
         return op_id
 
-    cdef int64_t _append(self, op_type, input_ids, output_ids,
+    cdef int _check_open(self) except -1:
+        if self.consumed:
+            raise RuntimeError(
+                "This non-persistent tape has already computed its gradients; "
+                "it records nothing more.")
+        return 0
+
+    cdef int64_t _append(self, op_type, const vector[int64_t]& input_ids,
+                         const vector[int64_t]& output_ids,
                          tuple output_meta, payload, outputs) except -2:
         self.pruned_valid = False
         cdef OpEntry entry = OpEntry.__new__(OpEntry)
         entry.op_type = op_type
-        _fill(entry.input_ids, input_ids)
-        _fill(entry.output_ids, output_ids)
+        entry.input_ids = input_ids
+        entry.output_ids = output_ids
         entry.output_meta = output_meta
         entry.payload = payload
         if not PyObject_GC_IsTracked(payload):

@@ -61,7 +61,7 @@ from fasttape._tf_vspace import TFVSpace
 
 def _anything_recording():
     """Would an op run now be recorded by some tape or accumulator?"""
-    st = _state
+    st = _current()
     return bool(st.tapes or st.accumulators) or not pywrap_tfe.TFE_Py_TapeSetIsEmpty()
 
 
@@ -83,7 +83,7 @@ def could_record():
     some tape (TF's or fasttape's) records on this thread, not stopped."""
     if _is_stopped():
         return False
-    return bool(_state.tapes) or not pywrap_tfe.TFE_Py_TapeSetIsEmpty()
+    return bool(_current().tapes) or not pywrap_tfe.TFE_Py_TapeSetIsEmpty()
 
 
 TapeState = _callback.TapeState
@@ -117,14 +117,14 @@ def _forget_tangent(acc_ref, tid, _):
         acc.refs.pop(tid, None)
 
 
-_state = _callback.state
+_current = _callback.current     # this thread's ThreadState
 is_trainable = _callback.is_trainable
 _live_lock = _threading.Lock()
 _live_tapes = 0                    # recording tapes over all threads
 
 
 def recording_tapes():
-    return _state.tapes
+    return _current().tapes
 
 
 # -- the tape stack -------------------------------------------------------------
@@ -159,21 +159,21 @@ def _pop(stack, item, error):
 
 
 def push_tape(tape_state):
-    _push(_state.tapes, tape_state)
+    _push(_current().tapes, tape_state)
     _explain.note_event(tape_state, True)
 
 
 def pop_tape(tape_state):
-    _pop(_state.tapes, tape_state, "Tape is not recording.")
+    _pop(_current().tapes, tape_state, "Tape is not recording.")
     _explain.note_event(tape_state, False)
 
 
 def push_accumulator(acc_state):
-    _push(_state.accumulators, acc_state)
+    _push(_current().accumulators, acc_state)
 
 
 def pop_accumulator(acc_state):
-    _pop(_state.accumulators, acc_state, "Accumulator is not recording.")
+    _pop(_current().accumulators, acc_state, "Accumulator is not recording.")
 
 
 # -- recording ------------------------------------------------------------------
@@ -181,7 +181,7 @@ def pop_accumulator(acc_state):
 def _record_python_backward(op_type, output_tensors, input_tensors,
                             backward_function, forward_function=None,
                             to_tapes=True, to_accumulators=True):
-    st = _state
+    st = _current()
     if (not st.tapes and not st.accumulators) or _is_stopped():
         return
     inputs = [_handle_or_self(t) for t in input_tensors]
@@ -227,7 +227,7 @@ def _wrapped_could_possibly_record():
     # record.stop_recording(). Saying True there made a ConcreteFunction
     # call mark its graph's variables accessed, and a function traced with
     # a since-deleted Variable then failed (recompute_grad's forward).
-    st = _state
+    st = _current()
     return (((bool(st.tapes) or bool(st.accumulators)) and not _is_stopped())
             or _originals["could_possibly_record"]())
 
@@ -235,7 +235,7 @@ def _wrapped_could_possibly_record():
 def _watching(tensors, accumulators=False):
     """The active fasttape tapes (or accumulators) that would record an op
     on ``tensors``."""
-    st = _state
+    st = _current()
     items = st.accumulators if accumulators else st.tapes
     if not items or _is_stopped():
         return []
@@ -280,7 +280,7 @@ def _wrapped_pfor_create_op(op_type, inputs, op_dtypes, attrs=None):
     tape around a pfor jacobian inside a tf.function misses them and
     silently gives None or zeros."""
     op = _originals["_create_op"](op_type, inputs, op_dtypes, attrs)
-    st = _state
+    st = _current()
     if (st.tapes or st.accumulators) and op.outputs:
         _callback.op_callback(op.type, tuple(op.inputs), None,
                               tuple(op.outputs), op.name, op.graph)
@@ -288,7 +288,7 @@ def _wrapped_pfor_create_op(op_type, inputs, op_dtypes, attrs=None):
 
 
 def _watch_accessed(variables):
-    tapes = _state.tapes
+    tapes = _current().tapes
     if not tapes or _is_stopped():
         return
     for v in variables:
@@ -313,7 +313,7 @@ def _wrapped_apply_op_helper(op_type_name, name=None, **keywords):
     """Graph ops built while tracing, where TF calls its op callbacks (the
     other places it does build ops without inputs: Const, Placeholder)."""
     result = _originals["_apply_op_helper"](op_type_name, name=name, **keywords)
-    st = _state
+    st = _current()
     if (st.tapes or st.accumulators) and not context.context().invoking_op_callbacks:
         # (Ops a TF op callback builds are not shown to callbacks.)
         op, outputs = result[2], result[3]

@@ -311,7 +311,7 @@ def _lineage_hook(tapes, op_type, inputs, outputs, stopped=False):
 
 def _conversion_hook(tensor):
     from fasttape import _callback  # pylint: disable=import-outside-toplevel
-    tapes = _callback.state.tapes
+    tapes = _callback.current().tapes
     if not tapes:
         return
     tid = tensor._id  # pylint: disable=protected-access

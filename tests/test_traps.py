@@ -618,11 +618,9 @@ def test_threads_each_with_own_tape():
         assert _thread_result_ok(i, r), (i, r)
 
 
-def test_threads_need_thread_local_state(monkeypatch):
+def test_threads_need_thread_local_state(shared_state):
     # One recording state shared by all threads (as if it weren't
-    # thread-local): as the main thread already registered its op callback,
-    # the new threads don't, and every tape watches every thread's variables.
-    _shared_state(monkeypatch, callback_added=True)
+    # thread-local): every tape watches every thread's variables.
     results = _run_threads()
     assert not all(_thread_result_ok(i, r) for i, r in enumerate(results))
 
@@ -652,36 +650,20 @@ def test_ops_in_other_thread_not_recorded():
     close(tf_reference(_cross_thread_body), [3.0, 3.0])
 
 
-def _shared_state(monkeypatch, callback_added):
-    """Replace fasttape's per-thread recording state by one object shared by
-    all threads. callback_added=None: it always reads False, so every thread
-    still registers its op callback (TF ignores a duplicate)."""
-    class Shared:
-        pass
-
-    if callback_added is None:
-        Shared.callback_added = property(lambda self: False,
-                                         lambda self, value: None)
-    shared = Shared()
-    shared.__dict__.update(tapes=[], accumulators=[], in_callback=False,
-                           capturing=False, nesting_limit=1 << 62)
-    if callback_added is not None:
-        shared.callback_added = callback_added
-    patched = 0
-    for module in list(vars(fasttape).values()) + [_recording]:
-        if not getattr(module, "__name__", "").startswith("fasttape."):
-            continue
-        for name in ("_state", "state"):
-            if isinstance(getattr(module, name, None), threading.local):
-                monkeypatch.setattr(module, name, shared)
-                patched += 1
-    if not patched:
-        pytest.skip("fasttape's per-thread state is not a module attribute")
-    return shared
+@pytest.fixture
+def shared_state():
+    """fasttape's per-thread recording state replaced by one ThreadState
+    shared by all threads, for the test's duration."""
+    from fasttape import _callback
+    shared = _callback.ThreadState()
+    _callback.share_state(shared)
+    try:
+        yield shared
+    finally:
+        _callback.share_state(None)
 
 
-def test_ops_in_other_thread_need_thread_local_state(monkeypatch):
-    _shared_state(monkeypatch, callback_added=None)
+def test_ops_in_other_thread_need_thread_local_state(shared_state):
     # The other thread's op leaks onto this thread's tape.
     close(_cross_thread_body(GradientTape), [3.0 + 2.0, 3.0 + 4.0])
 
