@@ -443,18 +443,31 @@ def test_a_key_seen_once_is_never_built():
 
 
 @pytest.mark.parametrize("gap", [1, 2], ids=["one_key", "two_keys_in_turn"])
-def test_a_steady_key_is_built_at_its_third_use(gap):
+def test_a_steady_key_is_built_at_its_fourth_use(gap):
     """A fixed-shape loop (uses at equal gaps) is expected to go on for
-    HORIZON calls: a 400-op pass that saves 13 ms a step is built once two
-    gaps are equal; one repeat is not enough. The same for a loop over a
-    few keys (A, B, A, B, A: the same gap twice)."""
+    HORIZON calls: a 400-op pass that saves 13 ms a step is built once three
+    gaps are equal; two are not enough. The same for a loop over a few keys
+    (A, B, A, B, A, B, A: the same gap three times)."""
     cache = _cache()
     seen = _compiled._Seen(0, cache.epoch)
     seen.eager_seconds = 0.02
-    _used(cache, seen, [0, gap])
+    _used(cache, seen, [0, gap, 2 * gap])
     assert not seen.steady and not cache.worth_building(seen, 400)
-    _used(cache, seen, [2 * gap])
+    _used(cache, seen, [3 * gap])
     assert seen.steady and cache.worth_building(seen, 400)
+
+
+def test_a_drawn_length_repeating_at_equal_gaps_twice_is_not_steady():
+    """A sequence length drawn at random each step often comes back at
+    equal gaps twice (uses at 0, 3, 6): betting on HORIZON uses ahead
+    there built passes that never paid (the bench's varlen_rnn)."""
+    cache = _cache()
+    seen = _compiled._Seen(0, cache.epoch)
+    seen.eager_seconds = 0.02
+    _used(cache, seen, [0, 3, 6])
+    assert not seen.steady and not cache.worth_building(seen, 400)
+    _used(cache, seen, [8])          # and an unequal gap starts over
+    assert not seen.steady
 
 
 def test_an_irregular_key_waits_until_its_uses_paid_for_the_build():
@@ -561,10 +574,30 @@ def test_lengths_that_never_repeat_are_never_built(weighing_costs):
     assert stats == {"new_keys": 6, "eager": 6}, stats
 
 
-def test_a_fixed_shape_loop_is_built_at_its_third_step(weighing_costs):
+def test_a_fixed_shape_loop_is_built_at_its_fourth_step(weighing_costs):
     stats = _rnn_steps([30] * 5)
     assert stats.get("built", 0) + stats.get("slower", 0) == 1, stats
-    assert stats["eager"] == 2, stats
+    assert stats["eager"] == 3, stats
+
+
+def test_churning_keys_are_computed_on_one_call_in_four(weighing_costs):
+    """After _CHURN_CALLS calls in a row that neither replayed nor built,
+    three calls in four skip the key (and run eagerly at once)."""
+    n = _compiled._CHURN_CALLS + 8
+    stats = _rnn_steps(list(range(1, n + 1)))
+    skipped = 8 - 8 // _compiled._CHURN_SAMPLE
+    assert stats == {"new_keys": n - skipped, "eager": n - skipped,
+                     "churn_skipped": skipped}, stats
+
+
+def test_a_fixed_shape_loop_after_churn_is_still_built(weighing_costs):
+    """Keys sampled one call in four still show a steady key (equal gaps
+    in keyed calls); once it replays, every call is keyed again."""
+    churn = list(range(1, _compiled._CHURN_CALLS + 2))
+    stats = _rnn_steps(churn + [30] * 24)
+    assert stats.get("built", 0) + stats.get("slower", 0) == 1, stats
+    if stats.get("built"):
+        assert stats.get("replayed", 0) >= 4, stats
 
 
 def test_reseeding_is_counted_through_tfs_clear_caches(weighing_costs, monkeypatch):
@@ -634,3 +667,10 @@ def test_variable_shape_workloads_match_tf(mode, name):
     assert not stats.get("failed"), stats
     if mode == "always" or name == "last_batch":
         assert stats.get("replayed"), stats
+
+
+def test_the_bench_times_variable_workloads_over_the_cache_horizon():
+    """The cache builds a pass when it pays back over HORIZON calls; the
+    bench's variable-shape workloads are judged over as many steps."""
+    from fasttape import bench
+    assert bench.VARIABLE_STEPS == _compiled.HORIZON

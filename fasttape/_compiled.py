@@ -24,16 +24,18 @@ second use it is built only if ``saving * uses ahead >= build cost``.
 compiled pass saves (``1 - _COMPILED_SHARE``), at most ``_SAVING_PER_ENTRY``
 per backward op (the dispatch compiling saves), less the re-instantiation
 expected per use (kernel-cache clears since the key was first seen, per
-use of it, at most one). ``uses ahead`` is, for a steady key (its last two
+use of it, at most one). ``uses ahead`` is, for a steady key (its last three
 gaps equal: a loop over one shape, or a few in turn), its
 uses per gradient call times ``HORIZON`` calls (or its age, if longer),
 and for any other key as many uses again as it has had (ski rental: an
 irregular key is built once what compiling would have saved reaches the
 build cost). The build cost is estimated per backward op from the builds
-measured in this process. So a fixed-shape loop builds at its third
-step (it built at its second before), while a sequence length drawn every
-step, or a shape used once per re-seed, stays eager until it has paid for
-itself. A built pass whose kernels were dropped is called again
+measured in this process. So a fixed-shape loop builds at its fourth
+step, while a sequence length drawn every step, or a shape used once per
+re-seed, stays eager until it has paid for itself. While keys churn (16
+calls in a row neither replayed nor built a pass), the key is computed on
+one call in four only: computing it (the backward signature) is then the
+one cost of the cache, and a quarter of it. A built pass whose kernels were dropped is called again
 (``worth_instantiating``) only where the uses expected before the next
 clear pay for its re-instantiation; else that step runs eagerly.
 
@@ -104,6 +106,14 @@ _PRIOR_ENTRIES = 100     # weight of the defaults, in backward ops built
 _SAVING_PER_ENTRY = 30e-6
 
 _FAILED = "failed"
+STEADY_GAPS = 3          # equal gaps between uses that make a key steady
+# Key churn: after this many gradient calls in a row that neither replayed
+# nor built a pass (shapes that change every step), a pass's key is
+# computed on one call in _CHURN_SAMPLE only (the others run eagerly at
+# once): what the keys cost is then a quarter, and a key that repeats is
+# still seen (its counts grow four times slower, so it is built later).
+_CHURN_CALLS = 16
+_CHURN_SAMPLE = 4
 
 
 class _Seen:
@@ -111,27 +121,33 @@ class _Seen:
     was first and last seen at and the gap between its last two uses, the
     kernel-cache epoch it was first seen in, and its fastest eager pass."""
 
-    __slots__ = ("uses", "first", "last", "gap", "steady", "epoch",
+    __slots__ = ("uses", "first", "last", "gap", "run", "epoch",
                  "eager_seconds")
 
     def __init__(self, call, epoch):
         self.uses = 0
         self.first = self.last = call
         self.gap = 0
-        self.steady = False
+        self.run = 0     # consecutive gaps equal to the last one
         self.epoch = epoch
         self.eager_seconds = float("inf")
 
     def use(self, call):
-        """Count a use at gradient call ``call``. Steady: its last two gaps
-        are equal (a loop over one key, or a few in turn). One back-to-back
-        repeat is not enough: a length drawn at random repeats so often."""
+        """Count a use at gradient call ``call``."""
         if self.uses:
             gap = call - self.last
-            self.steady = gap == self.gap
+            self.run = self.run + 1 if gap == self.gap else 1
             self.gap = gap
         self.uses += 1
         self.last = call
+
+    @property
+    def steady(self):
+        """Its last STEADY_GAPS gaps are equal: a loop over one key, or a
+        few in turn. Two were not enough: a length drawn at random from a
+        few often repeats at equal gaps twice (the bench's varlen_rnn and
+        varlen_attention built passes that way which never paid)."""
+        return self.run >= STEADY_GAPS
 
 
 class _Cache:
@@ -148,6 +164,8 @@ class _Cache:
         # started: a compiled pass last instantiated in an earlier epoch
         # is instantiated again by its next call.
         self.epoch = 0
+        self.misses = 0          # gradient calls in a row that missed
+        self.sampled = 0         # of which, during churn
         self._reset_estimates()
 
     def _reset_estimates(self):
@@ -236,6 +254,7 @@ class _Cache:
             self.compiled.clear()
             self.seen.clear()
             self.stats.clear()
+            self.misses = self.sampled = 0
             self._reset_estimates()
 
 
@@ -510,6 +529,11 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             or sys.getprofile() is not None or vspace._is_recording()  # pylint: disable=protected-access
             or not context.executing_eagerly()):
         return _skipped(eager_pass)
+    if cache.mode == "auto" and cache.misses >= _CHURN_CALLS:
+        cache.sampled += 1
+        if cache.sampled % _CHURN_SAMPLE:
+            cache.stats["churn_skipped"] += 1
+            return eager_pass()
     plan = core.plan(target_ids, source_ids, all_watched)
     if plan is None:
         return _skipped(eager_pass)
@@ -576,6 +600,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
         if not (core.persistent or retain):
             core.release()
         cache.stats["replayed"] += 1
+        cache.misses = 0
         return grads
     seen = cache.seen.get(key)
     if seen is None:
@@ -585,6 +610,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
         cache.stats["new_keys"] += 1
     seen.use(cache.calls)
     if cache.mode == "auto" and not cache.worth_building(seen, len(entries)):
+        cache.misses += 1
         cache.stats["eager"] += 1
         start = time.perf_counter()
         grads = eager_pass()
@@ -592,6 +618,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
                                  time.perf_counter() - start)
         return grads
     cache.seen.pop(key, None)
+    cache.misses = 0
     verify = cache.mode == "verify"
     # Build while the payloads are alive, then run the eager pass (which
     # may release them) and check the two agree.

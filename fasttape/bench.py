@@ -245,7 +245,11 @@ def _jacobian(tf):
 
 # -- shapes that change from step to step ---------------------------------------
 
-VARIABLE_STEPS = 60
+# As many steps as the compiled-backward cache expects a steady key to be
+# used (_compiled.HORIZON): it builds a pass when the pass pays back over
+# that many calls, so a shorter window would count builds and not what
+# they save.
+VARIABLE_STEPS = 200
 
 
 class _Sequence:
