@@ -106,6 +106,11 @@ _PRIOR_ENTRIES = 100     # weight of the defaults, in backward ops built
 _SAVING_PER_ENTRY = 30e-6
 
 _FAILED = "failed"
+# The stats counters of a gradient call the cache saw in auto/always/verify
+# (not "skipped": mode off, profiling, higher order...): a hit rate is
+# replayed over their sum.
+CALL_STATS = ("replayed", "eager", "eager_after_clear", "built", "slower",
+              "failed", "churn_skipped")
 STEADY_GAPS = 3          # equal gaps between uses that make a key steady
 # Key churn: after this many gradient calls in a row that neither replayed
 # nor built a pass (shapes that change every step), a pass's key is

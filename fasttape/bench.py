@@ -563,8 +563,8 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
     timed = {k: stats[k] - timed_before.get(k, 0) for k in stats}
     med = {k: statistics.median(v) * 1e3 for k, v in times.items() if v}
     mean = {k: statistics.fmean(v) * 1e3 for k, v in times.items() if v}
-    gradient_calls = sum(timed.get(k, 0) for k in (
-        "replayed", "eager", "eager_after_clear", "built", "slower", "failed"))
+    from fasttape import _compiled
+    gradient_calls = sum(timed.get(k, 0) for k in _compiled.CALL_STATS)
     return {
         "workload": workload.name,
         "description": workload.description,
