@@ -48,7 +48,6 @@ cdef object _BaseVariable = resource_variable_ops.BaseResourceVariable
 # DataType enums (types.proto) of the differentiable dtypes: half, bfloat16,
 # float, double, complex64, complex128, resource; variant is decided by its
 # element dtype, as TF's IsTrainable does.
-cdef frozenset _TRAINABLE = frozenset({19, 14, 1, 2, 8, 18, 20})
 cdef int _RESOURCE = 20
 cdef int _VARIANT = 21
 NO_LIMIT = 1 << 62
@@ -226,9 +225,15 @@ cdef inline int _enum(t) except? -1:
     return t.dtype._type_enum
 
 
+cdef inline bint _trainable_enum(int enum):
+    # half, bfloat16, float, double, complex64, complex128, resource
+    return (enum == 1 or enum == 2 or enum == 8 or enum == 14 or enum == 18
+            or enum == 19 or enum == 20)
+
+
 cpdef bint is_trainable(t) except? -1:
     cdef int enum = _enum(t)
-    if enum in _TRAINABLE:
+    if _trainable_enum(enum):
         return True
     if enum == _VARIANT:
         return backprop_util.IsTrainable(t)
@@ -327,27 +332,23 @@ def record(op_type, inputs, outputs, int kind, attrs=None, backward=None,
 cdef int _record(ThreadState st, op_type, inputs, outputs, int kind, attrs, backward,
                  forward, bint to_tapes, bint to_accumulators,
                  list ids=None) except -1:
-    cdef long long limit = st.nesting_limit
+    if type(inputs) is not list:
+        inputs = list(inputs)
+    if type(outputs) is not list:
+        outputs = list(outputs)
     if ids is None:
         ids = _ids(inputs)
-    cdef list tapes = None
+    cdef vector[int64_t] id_vec
+    for i in ids:
+        id_vec.push_back(i)
+    cdef list tapes = _tapes_recording(st, id_vec, NULL) if to_tapes else None
     cdef list accs = None
-    cdef TapeState ts
-    if to_tapes:
-        for tp in <list>st.tapes:
-            ts = <TapeState>tp
-            if (ts.nesting_id < limit or ts.nesting_id > st.nesting_floor) \
-                    and ts.core.should_record(ids, None):
-                if tapes is None:
-                    tapes = [ts]
-                else:
-                    tapes.append(ts)
     cdef list acc_list = st.accumulators
     if to_accumulators and acc_list and any(
             [is_trainable(t) for t in outputs]):
         # (TF's accumulators skip ops with no differentiable output.)
         for a in acc_list:
-            if (a.nesting_id <= limit or a.nesting_id > st.nesting_floor) \
+            if _acc_in_scope(st, a) \
                     and (<ForwardAccumulatorCore>a.core).should_record(ids, None):
                 if accs is None:
                     accs = [a]
@@ -355,50 +356,38 @@ cdef int _record(ThreadState st, op_type, inputs, outputs, int kind, attrs, back
                     accs.append(a)
     if tapes is None and accs is None:
         return 0
+    # The dtypes only now: most ops no tape tracks end above.
     cdef list trainable = [is_trainable(t) for t in inputs]
+    cdef vector[char] flags
+    cdef char flag
+    for t in trainable:
+        flag = t
+        flags.push_back(flag)
     if tapes is not None:
         tapes = [tp for tp in tapes
-                 if (<TapeState>tp).core.should_record(ids, trainable)]
+                 if (<TapeState>tp).core.tracks_any(id_vec, &flags)]
     if accs is not None:
         accs = [a for a in accs
                 if (<ForwardAccumulatorCore>a.core).should_record(ids, trainable)]
     if not tapes and not accs:
         return 0
     cdef list out_ids = _ids(outputs)
-    # A single-output op never needs zeros for a missing output gradient (it
-    # runs only when its one output has a gradient), and a target's ones are
-    # made from the target itself: skip the metadata then.
-    cdef tuple meta = (_NO_META if len(outputs) == 1 and not accs
-                       else tuple([output_meta(t) for t in outputs]))
+    cdef tuple meta = _output_metas(outputs, bool(accs))
     cdef Py_ssize_t n_in = len(inputs)
     payload = None
-    mortal = True
     if tapes:
         if kind == EAGER_OP:
             in_mask, out_mask, mortal = _masks(op_type, n_in, len(outputs))
-            saved = _keep(list(inputs), in_mask, list(outputs), out_mask)
-            payload = EagerOp(attrs, saved, n_in)
-            # Attrs and tensors only: no reference cycle can pass through
-            # these, so the garbage collector need not track them (nor, the
-            # core then decides, the op's entry): two to three fewer
-            # tracked objects per recorded op.
-            PyObject_GC_UnTrack(<PyObject*>saved)
+            payload = _eager_payload(attrs, inputs, in_mask, outputs, out_mask)
         elif kind == GRAPH_OP:
             payload = GraphOp(outputs[0].op, n_in)
+            mortal = True
         else:
             payload = PyBackward(backward, n_in, forward)
-        # Eager outputs: each tape forgets the op once they all die unread
-        # (TF's EagerTensor dealloc calls DeleteTrace). Graph tensors live
-        # as long as their graph, as in TF.
-        objs = (outputs if (kind != EAGER_OP or mortal)
-                and type(outputs[0]) is _EagerTensor else None)
-        for tp in tapes:
-            (<TapeState>tp).core.record_operation(
-                op_type, ids, out_ids, meta, payload, trainable, objs)
-        if _anomaly_hook is not None:
-            # Anomaly mode (fasttape.anomaly): where in the user's code
-            # this op ran. One C-level test per recorded op when off.
-            _anomaly_hook(payload, op_type, inputs, outputs)
+            mortal = True
+        # Graph tensors live as long as their graph, as in TF.
+        _record_on_tapes(tapes, op_type, id_vec, inputs, outputs, meta,
+                         payload, mortal and type(outputs[0]) is _EagerTensor)
     if accs:
         if kind == EAGER_OP:
             payload = EagerOp(attrs, tuple(inputs) + tuple(outputs), n_in)
@@ -406,6 +395,7 @@ cdef int _record(ThreadState st, op_type, inputs, outputs, int kind, attrs, back
             payload = (GraphOp(outputs[0].op, n_in) if kind == GRAPH_OP
                        else PyBackward(backward, n_in, forward))
         in_meta = tuple([output_meta(t) for t in inputs])
+        limit = st.nesting_limit
         guard = st.in_callback
         # While TF builds a graph op it suppresses op callbacks for ops made
         # inside them; the JVP's own ops must still be seen (by the fallback's
@@ -735,15 +725,14 @@ def fast_path_execute(*args):
     cdef vector[int] enums
     for t in inputs:
         enums.push_back((<object>t)._datatype_enum())
-    attrs = _attrs(lay, args, enums)
     st.in_callback = True
     try:
         if st.accumulators:
-            _record(st, op_name, inputs, outputs, EAGER_OP, attrs, None, None,
-                    True, True, [i for i in ids])
+            _record(st, op_name, inputs, outputs, EAGER_OP,
+                    _attrs(lay, args, enums), None, None, True, True,
+                    [i for i in ids])
         else:
-            _record_eager(st, lay, op_name, inputs, ids, enums, outputs,
-                          attrs)
+            _record_eager(st, lay, op_name, args, inputs, ids, enums, outputs)
         if _lineage_hook is not None and st.tapes:
             _lineage_hook(st.tapes, op_name, inputs, outputs)
     finally:
@@ -751,18 +740,12 @@ def fast_path_execute(*args):
     return result
 
 
-cdef inline bint _trainable_enum(int enum):
-    # _TRAINABLE, as C: half, bfloat16, float, double, complex64/128, resource
-    return (enum == 1 or enum == 2 or enum == 8 or enum == 14 or enum == 18
-            or enum == 19 or enum == 20)
-
-
-cdef int _record_eager(ThreadState st, _Layout lay, op_name, list inputs,
-                       vector[int64_t]& ids, vector[int]& enums,
-                       list outputs, tuple attrs) except -1:
+cdef int _record_eager(ThreadState st, _Layout lay, op_name, tuple args,
+                       list inputs, vector[int64_t]& ids, vector[int]& enums,
+                       list outputs) except -1:
     """_record for the fast path's common case, with no accumulator active:
-    an eagerly run op, its ids held in C++ and each tape asked once."""
-    cdef long long limit = st.nesting_limit, floor = st.nesting_floor
+    an eagerly run op, its ids held in C++, its dtypes read once (the
+    trainable test and the attrs), each tape asked once."""
     cdef vector[char] trainable
     cdef char flag
     cdef Py_ssize_t i, n_in = len(inputs), n_out = len(outputs)
@@ -772,52 +755,87 @@ cdef int _record_eager(ThreadState st, _Layout lay, op_name, list inputs,
         else:
             flag = _trainable_enum(enums[i])
         trainable.push_back(flag)   # (through a variable: see _core.should_record)
-    cdef object first = None           # the tapes that record it (mostly one)
-    cdef list more = None
-    cdef TapeState ts
-    for tp in st.tapes:
-        ts = <TapeState>tp
-        if (ts.nesting_id < limit or ts.nesting_id > floor) \
-                and ts.core.tracks_any(ids, &trainable):
-            if first is None:
-                first = ts
-            elif more is None:
-                more = [ts]
-            else:
-                more.append(ts)
-    if first is None:
+    cdef list tapes = _tapes_recording(st, ids, &trainable)
+    if tapes is None:
         return 0
-    cdef vector[int64_t] out_ids
-    for t in outputs:
-        out_ids.push_back((<object>t)._id)
-    # A single-output op never needs zeros for a missing output gradient (it
-    # runs only when its one output has a gradient), and a target's ones are
-    # made from the target itself: skip the metadata then.
-    cdef tuple meta = (_NO_META if n_out == 1
-                       else tuple([output_meta(t) for t in outputs]))
     cdef long long key = (n_in << 32) | n_out
     if lay.mask_key != key:
         lay.in_mask, lay.out_mask, lay.mortal = _masks(op_name, n_in, n_out)
         lay.mask_key = key
+    payload = _eager_payload(_attrs(lay, args, enums), inputs, lay.in_mask,
+                             outputs, lay.out_mask)
+    _record_on_tapes(tapes, op_name, ids, inputs, outputs,
+                     _output_metas(outputs, False), payload, lay.mortal)
+    return 0
+
+
+cdef inline bint _tape_in_scope(ThreadState st, TapeState ts):
+    # While an accumulator computes a JVP, only older tapes and those pushed
+    # during the computation see its ops (see ThreadState).
+    return ts.nesting_id < st.nesting_limit or ts.nesting_id > st.nesting_floor
+
+
+cdef inline bint _acc_in_scope(ThreadState st, a):
+    return a.nesting_id <= st.nesting_limit or a.nesting_id > st.nesting_floor
+
+
+cdef list _tapes_recording(ThreadState st, vector[int64_t]& ids,
+                           const vector[char]* trainable):
+    """The active tapes in scope that track one of ``ids`` (of a trainable
+    dtype, per ``trainable``; NULL: any), or None."""
+    cdef list tapes = None
+    cdef TapeState ts
+    for tp in st.tapes:
+        ts = <TapeState>tp
+        if _tape_in_scope(st, ts) and ts.core.tracks_any(ids, trainable):
+            if tapes is None:
+                tapes = [ts]
+            else:
+                tapes.append(ts)
+    return tapes
+
+
+cdef tuple _output_metas(list outputs, bint accumulating):
+    # A single-output op never needs zeros for a missing output gradient (it
+    # runs only when its one output has a gradient), and a target's ones are
+    # made from the target itself: skip the metadata then.
+    if len(outputs) == 1 and not accumulating:
+        return _NO_META
+    return tuple([output_meta(t) for t in outputs])
+
+
+cdef EagerOp _eager_payload(attrs, list inputs, in_mask, list outputs,
+                            out_mask):
     cdef EagerOp payload = EagerOp.__new__(EagerOp)
-    payload.attrs = attrs
-    payload.saved = _keep(inputs, lay.in_mask, outputs, lay.out_mask)
-    payload.num_inputs = n_in
+    payload.attrs = (attrs if type(attrs) is tuple
+                     else tuple(attrs) if attrs is not None else ())
+    payload.saved = _keep(inputs, in_mask, outputs, out_mask)
+    payload.num_inputs = len(inputs)
     # Attrs and tensors only: no reference cycle can pass through these, so
     # the garbage collector need not track them (nor, the core then decides,
     # the op's entry): two to three fewer tracked objects per recorded op.
     PyObject_GC_UnTrack(<PyObject*>payload.saved)
-    # Eager outputs: each tape forgets the op once they all die unread (TF's
-    # EagerTensor dealloc calls DeleteTrace).
-    objs = outputs if lay.mortal else None
-    (<TapeState>first).core.record_ids(op_name, ids, out_ids, meta, payload,
-                                       objs)
-    if more is not None:
-        for tp in more:
-            (<TapeState>tp).core.record_ids(op_name, ids, out_ids, meta,
-                                            payload, objs)
+    return payload
+
+
+cdef int _record_on_tapes(list tapes, op_type, vector[int64_t]& ids,
+                          list inputs, list outputs, tuple meta, payload,
+                          bint mortal) except -1:
+    """Record the op on each tape, then tell anomaly mode. mortal: each tape
+    forgets the op once its outputs all die unread (TF's EagerTensor dealloc
+    calls DeleteTrace); else (the gradient reads an output, or graph
+    tensors) it keeps it until the tape ends."""
+    cdef vector[int64_t] out_ids
+    for t in outputs:
+        out_ids.push_back((<object>t)._id)
+    objs = outputs if mortal else None
+    for tp in tapes:
+        (<TapeState>tp).core.record_ids(op_type, ids, out_ids, meta, payload,
+                                        objs)
     if _anomaly_hook is not None:
-        _anomaly_hook(payload, op_name, inputs, outputs)
+        # Anomaly mode (fasttape.anomaly): where in the user's code this op
+        # ran. One C-level test per recorded op when off.
+        _anomaly_hook(payload, op_type, inputs, outputs)
     return 0
 
 
@@ -885,18 +903,16 @@ cdef tuple _inferred_attrs(_Layout lay, tuple args, vector[int]& enums):
 cdef bint _may_record(ThreadState st, vector[int64_t]& ids) except -1:
     """Does some active tape or accumulator watch one of these inputs?
     (dtypes aside: _record checks them.)"""
-    cdef long long limit = st.nesting_limit
     cdef TapeState ts
     for tp in st.tapes:
         ts = <TapeState>tp
-        if (ts.nesting_id < limit or ts.nesting_id > st.nesting_floor) \
-                and ts.core.tracks_any(ids, NULL):
+        if _tape_in_scope(st, ts) and ts.core.tracks_any(ids, NULL):
             return True
     if not st.accumulators:
         return False
     id_list = [i for i in ids]
     for a in st.accumulators:
-        if (a.nesting_id <= limit or a.nesting_id > st.nesting_floor) \
+        if _acc_in_scope(st, a) \
                 and (<ForwardAccumulatorCore>a.core).should_record(id_list, None):
             return True
     return False
