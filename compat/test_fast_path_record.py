@@ -108,3 +108,22 @@ def test_fast_path_records_need_the_wrapper(monkeypatch):
         tape.watch(x)
         y = tf.sin(x)
     assert tape.gradient(y, x) is None
+
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_variables_in_a_list_argument_of_an_unknown_op_are_read_and_watched(container):
+    """Arguments of an op with no OpDef layout (not in TF's registry) go
+    through read_variables: a Variable inside a list or a tuple is read in
+    Python, where the tape sees the read (else its gradient is None)."""
+    from fasttape import _callback
+    v, w = tf.Variable([1.0, 2.0]), tf.Variable([3.0])
+    with fasttape.GradientTape() as tape:
+        args = _callback.read_variables(
+            (context.context(), "NotAnOp", None, container([v, w])))
+        read = args[3]
+        assert [type(x) for x in read] == [type(tf.constant(0.0))] * 2
+        y = tf.reduce_sum(read[0]) * tf.reduce_sum(read[1])
+    assert tape.watched_variables() == (v, w)
+    gv, gw = tape.gradient(y, [v, w])
+    np.testing.assert_allclose(gv.numpy(), [3.0, 3.0])
+    np.testing.assert_allclose(gw.numpy(), [3.0])

@@ -545,7 +545,9 @@ def read_variables(tuple args):
         a = args[i]
         if _is_variable(a):
             value = _read(a)
-        elif type(a) is list and any([_is_variable(x) for x in a]):
+        elif (type(a) is list or type(a) is tuple) \
+                and any([_is_variable(x) for x in a]):
+            # (A tuple too, as the fast-path recorder reads them.)
             value = [_read(x) if _is_variable(x) else x for x in a]
         else:
             continue
