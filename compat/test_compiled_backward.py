@@ -578,6 +578,8 @@ def test_a_fixed_shape_loop_is_built_at_its_fourth_step(weighing_costs):
     stats = _rnn_steps([30] * 5)
     assert stats.get("built", 0) + stats.get("slower", 0) == 1, stats
     assert stats["eager"] == 3, stats
+    if stats.get("built"):        # (a slower pass stays eager: not replayed)
+        assert stats.get("replayed") == 1, stats
 
 
 def test_churning_keys_are_computed_on_one_call_in_four(weighing_costs):

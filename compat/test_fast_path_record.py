@@ -35,6 +35,15 @@ def _ops():
         ("pack", lambda x, v: tf.stack([x, x], axis=1)),
         ("type_list", lambda x, v: tf.raw_ops.IdentityN(input=[x, tf.cast(x, tf.float64)])),
         ("list_output", lambda x, v: tf.split(x, 2, axis=1)),
+        # The same with every input a tensor: no conversion by TF's C++, so
+        # the recorder builds the attrs itself (above, TF's callback
+        # machinery handed them over for the Python-number arguments).
+        ("number_list_tensor_axis",
+         lambda x, v: tf.concat([x, x * 2.0], axis=tf.constant(0))),
+        ("list_output_tensor_axis",
+         lambda x, v: tf.split(x, 2, axis=tf.constant(1))),
+        ("several_outputs_tensor_k",
+         lambda x, v: tf.math.top_k(tf.reshape(x, [-1]), tf.constant(2))),
         ("several_outputs", lambda x, v: tf.math.top_k(tf.reshape(x, [-1]), 2)),
         ("unpack", lambda x, v: tf.unstack(x)),
         ("gather", lambda x, v: tf.gather(x, [1, 0])),
@@ -83,6 +92,10 @@ def test_fast_path_record_is_what_tf_callbacks_see(name, body):
     for out_ids, (op_type, input_ids, attrs) in recorded.items():
         assert out_ids in seen, f"{name}: {op_type} recorded, never seen by TF"
         assert (op_type, input_ids, attrs) == seen[out_ids], name
+    # Nothing dropped: every op TF ran on the watched tensor's path is
+    # recorded (a Shape op reads only a shape: no tape records it).
+    missed = {seen[k][0] for k in set(seen) - set(recorded)}
+    assert missed <= {"Shape"}, f"{name}: not recorded: {missed}"
 
 
 def test_no_op_callback_while_recording():

@@ -113,6 +113,7 @@ def test_summary_and_to_dot_leave_gradients_as_tf():
             tape.watch(inputs)
             y = tf.reduce_mean(tf.tanh(tf.matmul(inputs, w)) ** 2)
         x, v = inputs, w
+        assert hasattr(tape, "summary") == (GradientTape is fasttape.GradientTape)
         if hasattr(tape, "summary"):
             tape.summary()
             tape.to_dot(y, [x, v])

@@ -623,6 +623,11 @@ def test_threads_need_thread_local_state(shared_state):
     # thread-local): every tape watches every thread's variables.
     results = _run_threads()
     assert not all(_thread_result_ok(i, r) for i, r in enumerate(results))
+    # ... and for that reason, not because a thread raised: each tape saw
+    # every thread's variable.
+    assert all(isinstance(r, list) for r in results), results
+    assert any(len(watched) == N_THREADS
+               for r in results for *_, watched in r), results
 
 
 def _cross_thread_body(Tape):
