@@ -50,6 +50,40 @@ eager pass is used whenever anything would record the backward pass
 (higher-order gradients), while profiling (per-op-type entries), outside
 eager mode, and on more than one device.
 
+Never worse than TF's eager tape. A build is something the user never
+asked for, so nothing about it may fail where the eager pass would not:
+- A pass whose graph holds constant-foldable tensors of more than
+  ``_MAX_FOLDED_BYTES`` in all (a zeros gradient of a large unused output, a
+  ones seed of a large target) is not compiled. TF's function instantiation
+  constant-folds them (``GraphRunner`` evaluates every foldable node whatever
+  its size, then keeps only constants of up to 10 MB), and the options that
+  switch it off are fixed when the eager context is made (the call's
+  ``config_proto`` does not reach them). Under memory pressure its copy of
+  an output into a failed allocation kills the process; without it, the
+  folded constants would be held by the cached function.
+- In a forked child (``os.register_at_fork``) no pass is built or called:
+  any ``tf.function`` call hangs in a forked TensorFlow child, and TF's eager
+  tape calls none.
+- An exception while a pass is built or first called (tracing, a kernel
+  error, ``ResourceExhaustedError``) leaves the step to the eager pass, which
+  raises what TF's tape raises, or succeeds. A KeyboardInterrupt is the
+  user's and propagates (the tape is left as an interrupted eager pass
+  leaves it).
+
+What a leak check sees. A built pass is a traced function registered in
+TF's context (named ``__inference_backward_N``), held by this cache (at most
+``_MAX_ENTRIES``) until ``fasttape.clear_caches()`` or
+``context.context()._clear_caches()``, which release it (and so
+``test_util.assert_no_new_tensors``, which calls the latter, sees none).
+A check that compares ``context.context().list_function_names()`` or counts
+Python objects before and after a window, without clearing caches, sees a
+pass built inside the window as new. TF's own such check,
+``test_util.assert_no_new_pyobjects_executing_eagerly``, runs its body twice
+to warm caches and then three times counting: a key used once per run
+reaches its build inside the counted runs. So in ``auto`` mode no pass is
+built while that check runs (passes built before it are replayed; other
+keys run eagerly); ``always`` and ``verify`` build as they always do.
+
 ``FASTTAPE_COMPILED_BACKWARD``: ``auto`` (default: compile a key when its
 costs say so, never on its first use), ``always`` (on its first use), ``off``, or ``verify`` (for
 tests: as ``always``, but a pass that cannot be compiled or disagrees raises
@@ -104,6 +138,17 @@ _PRIOR_ENTRIES = 100     # weight of the defaults, in backward ops built
 # compiled for 400 ops, 33 us an op); compute-bound passes (attention over
 # long sequences) save less than _COMPILED_SHARE says.
 _SAVING_PER_ENTRY = 30e-6
+
+# Constant-foldable bytes a traced pass may hold (see "Never worse than
+# TF's eager tape"): TF's instantiation evaluates them all, twice over.
+_MAX_FOLDED_BYTES = 1 << 20
+# Ops TF's constant folding never evaluates (besides stateful ones).
+_NOT_FOLDED = frozenset({"Placeholder", "Switch", "Merge", "Enter", "Exit",
+                         "NextIteration", "LoopCond", "RefSwitch",
+                         "RefMerge", "RefEnter", "RefExit",
+                         "RefNextIteration"})
+# The frames of TF's object-counting leak check (see "What a leak check sees").
+_OBJECT_CHECK = "assert_no_new_pyobjects_executing_eagerly."
 
 _FAILED = "failed"
 # The stats counters of a gradient call the cache saw in auto/always/verify
@@ -256,6 +301,8 @@ class _Cache:
 
     def clear(self):
         with self.lock:
+            if _in_forked_child:
+                _kept_in_child.extend(self.compiled.values())
             self.compiled.clear()
             self.seen.clear()
             self.stats.clear()
@@ -264,6 +311,25 @@ class _Cache:
 
 
 CACHE = _Cache(os.environ.get("FASTTAPE_COMPILED_BACKWARD", "auto"))
+
+# Set in a forked child: no compiled pass is built or called there.
+_in_forked_child = False
+# Passes held in a forked child are never released there: releasing one
+# removes its function from TF's context, a call into TF's runtime that a
+# forked child may not return from.
+_kept_in_child = []
+
+
+def _after_fork_in_child():
+    global _in_forked_child
+    _in_forked_child = True
+    # Another thread may have held the lock at the fork: the child's copy
+    # would never be released.
+    CACHE.lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def kernels_cleared():
@@ -429,7 +495,8 @@ def _spec(t):
 
 def _build(core, entries, feeds, target_ids, source_ids, sources_that_are_targets,
            output_gradients, target_meta, all_watched):
-    """Trace the pass into a graph function; None if it cannot be."""
+    """Trace the pass into a graph function; a reason (str) if it is not
+    compiled."""
     given = [] if output_gradients is None else [
         g for g in output_gradients if g is not None]
     specs = [_spec(t) for t in feeds] + [_spec(g) for g in given]
@@ -461,8 +528,54 @@ def _build(core, entries, feeds, target_ids, source_ids, sources_that_are_target
                                autograph=False)
     concrete = fn.get_concrete_function()
     if concrete.captured_inputs:
-        return None       # it read an eager tensor by value: not replayable
+        # It read an eager tensor by value: not replayable.
+        return "the trace captured an eager tensor"
+    folded = _foldable_bytes(concrete.graph)
+    if folded > _MAX_FOLDED_BYTES:
+        return (f"its graph holds {folded} bytes that TF's instantiation "
+                f"would constant-fold (at most {_MAX_FOLDED_BYTES})")
     return _Compiled(concrete._inference_function, kinds_box[0])  # pylint: disable=protected-access
+
+
+def _foldable_bytes(graph):
+    """The bytes of every tensor of ``graph`` that TF's constant folding
+    (common_runtime/constant_folding.cc, run when a function is
+    instantiated) would evaluate: the outputs of constants and of stateless
+    ops whose inputs, control inputs included, are all foldable. A foldable
+    output of unknown size counts as too large."""
+    foldable = set()
+    total = 0
+    for op in graph.get_operations():      # in creation order: topological
+        if op.type == "Const":
+            if op.control_inputs:
+                continue
+        elif (op.type in _NOT_FOLDED or not op.inputs
+              or op.op_def.is_stateful
+              or any(t.op.name not in foldable for t in op.inputs)
+              or any(c.name not in foldable for c in op.control_inputs)):
+            continue
+        foldable.add(op.name)
+        for t in op.outputs:
+            n = t.shape.num_elements()
+            if n is None:
+                return float("inf")
+            total += n * max(t.dtype.size, 1)
+    return total
+
+
+def _inside_object_check():
+    """Is TF's object-counting leak check running further up this stack?"""
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    while frame is not None:
+        code = frame.f_code
+        # co_qualname from Python 3.11; before it, the check's own locals.
+        qualname = getattr(code, "co_qualname", None)
+        if (qualname.startswith(_OBJECT_CHECK) if qualname is not None else
+                code.co_name == "decorator"
+                and "registered_function_names" in code.co_varnames):
+            return True
+        frame = frame.f_back
+    return False
 
 
 _TOLERANCE = {dtypes.float16: 1e-2, dtypes.bfloat16: 2e-2,
@@ -530,7 +643,8 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     """The pass through the cache: the gradients, computed by a compiled
     function when the key allows, else by ``eager_pass()``."""
     cache = CACHE
-    if (cache.mode == "off" or vspace.profile_stats is not None
+    if (cache.mode == "off" or _in_forked_child
+            or vspace.profile_stats is not None
             or sys.getprofile() is not None or vspace._is_recording()  # pylint: disable=protected-access
             or not context.executing_eagerly()):
         return _skipped(eager_pass)
@@ -594,14 +708,22 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             cache.stats["eager_after_clear"] += 1
             return eager_pass()
         feeds += [g for g in output_gradients or () if g is not None]
-        if cleared:
-            start = time.perf_counter()
-            grads = compiled(feeds)
-            compiled.instantiation_seconds = time.perf_counter() - start
-            compiled.epoch = cache.epoch
-            cache.stats["reinstantiated"] += 1
-        else:
-            grads = compiled(feeds)
+        try:
+            if cleared:
+                start = time.perf_counter()
+                grads = compiled(feeds)
+                compiled.instantiation_seconds = time.perf_counter() - start
+                compiled.epoch = cache.epoch
+                cache.stats["reinstantiated"] += 1
+            else:
+                grads = compiled(feeds)
+        except Exception:  # pylint: disable=broad-except
+            # A kernel error (a CheckNumerics gradient on this step's
+            # values, an allocation that failed): the eager pass, whose
+            # payloads are still alive, raises what TF's tape raises (its
+            # op and message), or succeeds where TF's does.
+            cache.stats["replay_failed"] += 1
+            return eager_pass()
         if not (core.persistent or retain):
             core.release()
         cache.stats["replayed"] += 1
@@ -614,7 +736,8 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
         seen = cache.seen[key] = _Seen(cache.calls, cache.epoch)
         cache.stats["new_keys"] += 1
     seen.use(cache.calls)
-    if cache.mode == "auto" and not cache.worth_building(seen, len(entries)):
+    if cache.mode == "auto" and (not cache.worth_building(seen, len(entries))
+                                 or _inside_object_check()):
         cache.misses += 1
         cache.stats["eager"] += 1
         start = time.perf_counter()
@@ -633,8 +756,8 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
         compiled = _build(core, entries, feeds, target_ids, source_ids,
                           sources_that_are_targets, output_gradients,
                           target_meta, all_watched)
-        if compiled is None:
-            why = "the trace captured an eager tensor"
+        if isinstance(compiled, str):
+            why, compiled = compiled, None
     except Exception as e:  # pylint: disable=broad-except
         why, compiled = f"tracing failed: {e!r}", None
     trace_seconds = time.perf_counter() - start
