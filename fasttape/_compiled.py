@@ -541,9 +541,13 @@ def _foldable_bytes(graph):
     """The bytes of every tensor of ``graph`` that TF's constant folding
     (common_runtime/constant_folding.cc, run when a function is
     instantiated) would evaluate: the outputs of constants and of stateless
-    ops whose inputs, control inputs included, are all foldable. A foldable
-    output of unknown size counts as too large."""
-    foldable = set()
+    ops whose inputs, control inputs included, are all foldable. An output
+    whose size the graph does not know (BroadcastGradientArgs, the shape
+    arithmetic of gradient functions) counts as large as the op's inputs
+    (any output of a constant-shaped Fill, Tile or broadcast has a known
+    size)."""
+    foldable = set()   # op names
+    sizes = {}         # foldable tensor name -> bytes
     total = 0
     for op in graph.get_operations():      # in creation order: topological
         if op.type == "Const":
@@ -555,11 +559,12 @@ def _foldable_bytes(graph):
               or any(c.name not in foldable for c in op.control_inputs)):
             continue
         foldable.add(op.name)
+        inputs = sum(sizes[t.name] for t in op.inputs)
         for t in op.outputs:
             n = t.shape.num_elements()
-            if n is None:
-                return float("inf")
-            total += n * max(t.dtype.size, 1)
+            size = inputs if n is None else n * max(t.dtype.size, 1)
+            sizes[t.name] = size
+            total += size
     return total
 
 
