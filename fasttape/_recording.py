@@ -68,6 +68,11 @@ def _anything_recording():
 
 VSPACE = TFVSpace(_anything_recording)
 
+# tape.explain names a tf.stop_gradient the trace never holds (TF runs it
+# with recording stopped): the recorder notes each one that cuts a tracked
+# tensor.
+_callback.set_stop_gradient_hook(_explain.note_stop_gradient)
+
 # Tapes and accumulators are numbered in the order they are pushed. While an accumulator
 # computes a JVP, only older tapes and accumulators see the ops it runs (TF's
 # rule: that is how nested accumulators and tapes give higher orders without
