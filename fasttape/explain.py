@@ -153,8 +153,8 @@ def _set_hooks(on):
 # -- facts kept per tape -------------------------------------------------------------
 
 class _Info:
-    __slots__ = ("events", "watches", "stops", "lineage", "conversions",
-                 "truncated", "thread")
+    __slots__ = ("events", "watches", "stops", "stop_roots", "lineage",
+                 "conversions", "truncated", "thread")
 
     def __init__(self, lineage):
         self.events = []        # (id counter, pushed?, line, what did it)
@@ -162,6 +162,7 @@ class _Info:
         # StopGradient output id -> (input id, line, the ids the tape
         # watched that the input was recorded from; None: too far to tell)
         self.stops = {}
+        self.stop_roots = {}    # their input ids -> those watched ids
         self.lineage = {} if lineage else None   # output id -> _Lin
         self.conversions = []   # (id counter, tensor id, line)
         self.truncated = False
@@ -202,39 +203,20 @@ def note_watch(tape_state, tensor_id):
 
 # Recorded ops walked back from a stop_gradient's input to find the watched
 # tensors it comes from, at most (the ops themselves may be forgotten by the
-# time explain() runs: an output that dies unused takes its op with it).
-STOP_WALK_LIMIT = 10_000
+# time explain() runs: an output that dies unused takes its op with it); the
+# walk stops at the input of an earlier stop_gradient, whose roots are known.
+STOP_WALK_LIMIT = 2_000
 
 
 def note_stop_gradient(tape_state, input_id, output_id):
     """tf.stop_gradient of a tensor the tape tracks (the recorder's hook)."""
-    stops = _info(tape_state).stops
-    if len(stops) < EVENT_LIMIT:
-        stops[output_id] = (input_id, _caller()[0],
-                            _watched_roots(tape_state.core, input_id))
-
-
-def _watched_roots(core, tensor_id):
-    """The watched ids a tracked tensor is recorded from (None past the
-    walk limit)."""
-    roots, seen, stack, walked = set(), {tensor_id}, [tensor_id], 0
-    while stack:
-        t = stack.pop()
-        op_id = core.producer(t)
-        if op_id is None:
-            continue
-        if op_id < 0:
-            roots.add(t)
-            continue
-        walked += 1
-        if walked > STOP_WALK_LIMIT:
-            return None
-        entry = core.op(op_id)
-        for i in (entry.input_ids if entry is not None else ()):
-            if i not in seen:
-                seen.add(i)
-                stack.append(i)
-    return frozenset(roots)
+    info = _info(tape_state)
+    if len(info.stops) < EVENT_LIMIT:
+        roots = info.stop_roots.get(input_id, False)
+        if roots is False:
+            roots = info.stop_roots[input_id] = tape_state.core.watched_roots(
+                input_id, STOP_WALK_LIMIT, info.stop_roots)
+        info.stops[output_id] = (input_id, _caller()[0], roots)
 
 
 # -- the user's line -------------------------------------------------------------------
