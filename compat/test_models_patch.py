@@ -254,3 +254,67 @@ def test_a_module_that_refuses_to_take_tf_back_is_named(add_module):
         fasttape.unpatch()
     assert not fasttape.is_patched()
     assert module.GradientTape is _TF["GradientTape"]
+
+
+class _InterruptAt:
+    """A tracer that raises KeyboardInterrupt at the n-th line or return
+    event in the frames of ``codes`` (n = None: only counts them), as a
+    signal may between any two bytecodes."""
+
+    def __init__(self, codes, n=None):
+        self.codes, self.n, self.events = codes, n, 0
+
+    def __call__(self, frame, event, arg):
+        if event == "call" and frame.f_code in self.codes:
+            return self._local
+        return None
+
+    def _local(self, frame, event, arg):
+        if event in ("line", "return"):
+            self.events += 1
+            if self.events == self.n:
+                raise KeyboardInterrupt
+        return self._local
+
+
+def _run_traced(tracer, fn):
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+
+
+def test_an_interrupt_at_any_point_of_patch_or_unpatch_leaves_no_half_patch():
+    """An interrupt at every line of a swap (patch()) rolls back everything;
+    one at every line of a restore (unpatch()) leaves what is not yet
+    restored listed, and the next unpatch() restores it."""
+    from fasttape import _recording
+    before = _holders(_TF["GradientTape"])
+    swap_codes = {_recording._set.__code__}
+    restore_codes = {_recording._restore_to.__code__, _recording._set.__code__}
+    counter = _InterruptAt(swap_codes)
+    _run_traced(counter, fasttape.patch)
+    fasttape.unpatch()
+    assert counter.events > 3 * len(before)
+    # Every point of the first swaps (each swap runs the same lines), and
+    # the last ones.
+    points = sorted(set(range(1, min(counter.events, 30) + 1)) |
+                    set(range(max(1, counter.events - 5), counter.events + 1)))
+    for n in points:
+        with pytest.raises(KeyboardInterrupt):
+            _run_traced(_InterruptAt(swap_codes, n), fasttape.patch)
+        assert not fasttape.is_patched(), n
+        assert _holders(_TF["GradientTape"]) == before, n
+    fasttape.patch()
+    counter = _InterruptAt(restore_codes)
+    _run_traced(counter, fasttape.unpatch)
+    points = sorted(set(range(1, min(counter.events, 30) + 1)) |
+                    set(range(max(1, counter.events - 5), counter.events + 1)))
+    for n in points:
+        fasttape.patch()
+        with pytest.raises(KeyboardInterrupt):
+            _run_traced(_InterruptAt(restore_codes, n), fasttape.unpatch)
+        fasttape.unpatch()
+        assert not fasttape.is_patched(), n
+        assert _holders(_TF["GradientTape"]) == before, n
