@@ -2,6 +2,8 @@
 module (with Keras 3 and tf_keras imported, as in the model tests)."""
 
 import sys
+import types
+import warnings
 
 import pytest
 import tensorflow as tf
@@ -116,9 +118,6 @@ def test_tape_made_while_patched_still_works_after_unpatch():
 
 
 # -- all or nothing: modules that refuse, failures midway, nesting -------------
-
-import types  # noqa: E402
-import warnings  # noqa: E402
 
 
 class _Refusing(types.ModuleType):
