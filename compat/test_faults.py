@@ -597,3 +597,58 @@ def _interrupt_every_line(name, impl):
     if name == "fasttape":   # (TF's leaves about two per interrupted call)
         assert not left, [f"{t.dtype.name}{list(t.shape)}" for t in left[:10]]
     assert_fresh_gradients_exact(impl)
+
+
+def _assert_only_recording(impl, tape):
+    """``tape`` is the one tape recording on this thread, nothing paused."""
+    assert not pywrap_tfe.TFE_Py_TapeSetIsStopped()
+    st = _callback.current()
+    assert not st.in_callback and not st.capturing and not st.accumulators
+    assert st.nesting_limit == st.nesting_floor == _callback.NO_LIMIT
+    if impl.name == "fasttape":
+        assert st.tapes == [tape._tape]   # pylint: disable=protected-access
+        assert pywrap_tfe.TFE_Py_TapeSetIsEmpty()
+    else:
+        assert st.tapes == [] and not pywrap_tfe.TFE_Py_TapeSetIsEmpty()
+
+
+@pytest.mark.parametrize("name", IMPLS)
+def test_an_interrupt_at_any_line_of_a_recorded_gradient(name):
+    """gradient() of a persistent tape inside an outer tape (a second-order
+    step), interrupted at every other line: the outer tape stays the one
+    recording, and the step then gives the uninterrupted gradients, bit for
+    bit."""
+    impl = Impl(name)
+
+    def step(points, counter=None):
+        x = tf.constant([0.5, 1.0])
+        interrupted = 0
+        with impl.Tape() as outer:
+            outer.watch(x)
+            with impl.Tape(persistent=True) as t:
+                t.watch(x)
+                y = tf.reduce_sum(tf.tanh(x * x) * tf.exp(x))
+            if counter is not None:
+                _traced(counter, lambda: t.gradient(y, x))
+            for n in points:
+                try:
+                    _traced(_InterruptAt(_TRACED[name], n), lambda: t.gradient(y, x))
+                except KeyboardInterrupt:
+                    interrupted += 1
+                _assert_only_recording(impl, outer)
+            g = t.gradient(y, x)
+        return g.numpy(), outer.gradient(g, x).numpy(), interrupted
+
+    first, second, _ = step([])
+    counter = _InterruptAt(_TRACED[name])
+    step([], counter)
+    before = _tensor_ids()
+    g, gg, interrupted = step(range(1, counter.events + 1, 2))
+    left = _new_tensors(before)
+    assert interrupted > 50, (counter.events, interrupted)
+    np.testing.assert_array_equal(g, first)
+    np.testing.assert_array_equal(gg, second)
+    assert_clean()
+    if name == "fasttape":
+        assert not left, [f"{t.dtype.name}{list(t.shape)}" for t in left[:10]]
+    assert_fresh_gradients_exact(impl)
