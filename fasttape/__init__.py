@@ -16,6 +16,7 @@ _LAZY = {
     "unpatch": ("fasttape._patch", "unpatch"),
     "patched": ("fasttape._patch", "patched"),
     "is_patched": ("fasttape._patch", "is_patched"),
+    "PatchSkippedWarning": ("fasttape._patch", "PatchSkippedWarning"),
     "profile": ("fasttape.profiler", "profile"),
     "hvp": ("fasttape.functional", "hvp"),
     "hessian": ("fasttape.functional", "hessian"),

@@ -459,6 +459,39 @@ def set_lineage_hook(hook):
     _lineage_hook = hook
 
 
+# fasttape.explain's note of a tf.stop_gradient that cuts a tracked tensor
+# (tape state, input id, output id), kept whether or not explain_none is on:
+# TF runs StopGradient under record.stop_recording(), so the trace never
+# holds it. Asked only for a StopGradient op run while this thread has
+# tapes: no other op pays for it.
+cdef object _stop_gradient_hook = None
+
+
+def set_stop_gradient_hook(hook):
+    global _stop_gradient_hook
+    _stop_gradient_hook = hook
+
+
+cdef _note_stop_gradient(ThreadState st, a, result):
+    """A StopGradient run while stopped: note it on each tape tracking its
+    input (an eager tensor, or a Variable by its handle: one the tape would
+    watch on its first read counts)."""
+    if _stop_gradient_hook is None or st.in_callback or not _eager(result):
+        return
+    cdef bint var = _is_variable(a)
+    if var:
+        tid = a.handle._id
+    elif _eager(a):
+        tid = a._id
+    else:
+        return
+    cdef TapeState ts
+    for ts in st.tapes:
+        if ts.core.is_watched(tid) or (var and ts.watch_accessed_variables
+                                       and a.trainable):
+            _stop_gradient_hook(ts, tid, result._id)
+
+
 def op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
     """Records one op given as TF's op callbacks see it. Called for the ops
     no wrapped fast path records: the fallback path (``execute.execute``),
@@ -473,6 +506,9 @@ def op_callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
                 and not st.in_callback:
             # Run under record.stop_recording() (tf.stop_gradient does).
             _lineage_hook(st.tapes, _str(op_type), inputs, outputs, True)
+        elif st.tapes and len(inputs) == 1 and len(outputs) == 1 \
+                and _str(op_type) == "StopGradient":
+            _note_stop_gradient(st, inputs[0], outputs[0])
         return None
     if type(op_type) is bytes:
         op_type = op_type.decode()
@@ -646,6 +682,13 @@ def fast_path_execute(*args):
     if not st.tapes and not st.accumulators:
         return _RAW_FAST_PATH(*args)
     if _is_stopped():
+        if st.tapes and args[1] == "StopGradient" \
+                and len(args) > _INPUT_START:
+            result = (_capture(st, args)
+                      if _lineage_hook is not None and not st.in_callback
+                      else _RAW_FAST_PATH(*args))
+            _note_stop_gradient(st, args[_INPUT_START], result)
+            return result
         if _lineage_hook is not None and st.tapes and not st.in_callback:
             # explain_none: op_callback notes it as run while stopped.
             return _capture(st, args)

@@ -419,6 +419,49 @@ cdef class GradientTapeCore:
         out.sort()
         return out
 
+    def watched_roots(self, int64_t tensor_id, int64_t limit, dict known):
+        """The watched ids (producer -1) a tracked tensor is recorded from,
+        as a frozenset; None when more than ``limit`` ops lie behind it.
+        ``known``: tensor id -> its roots (or None), found by earlier walks,
+        not walked again. (fasttape.explain notes this for a
+        tf.stop_gradient: the ops behind its input may be forgotten by the
+        time it explains.)"""
+        self.collect_deaths()
+        cdef unordered_set[int64_t] seen
+        cdef vector[int64_t] stack
+        cdef int64_t tid, op_id, walked = 0
+        cdef unordered_map[int64_t, int64_t].iterator it
+        cdef OpEntry entry
+        roots = set()
+        stack.push_back(tensor_id)
+        seen.insert(tensor_id)
+        while not stack.empty():
+            tid = stack.back()
+            stack.pop_back()
+            if tid != tensor_id and tid in known:
+                found = known[tid]
+                if found is None:
+                    return None
+                roots |= found
+                continue
+            it = self.tensor_tape.find(tid)
+            if it == self.tensor_tape.end():
+                continue
+            op_id = deref(it).second
+            if op_id == -1:
+                roots.add(tid)
+                continue
+            walked += 1
+            if walked > limit:
+                return None
+            entry = self.op_tape[op_id]
+            if entry is None:
+                continue
+            for tid in entry.input_ids:
+                if seen.insert(tid).second:
+                    stack.push_back(tid)
+        return frozenset(roots)
+
     def live_outputs(self):
         """{tensor id: tensor} for the recorded outputs that are still
         alive and that the tape holds a death weakref on (for inspection:

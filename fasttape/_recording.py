@@ -35,6 +35,7 @@ import functools
 import weakref
 import threading as _threading
 import sys
+import warnings
 
 from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python import pywrap_tfe
@@ -66,6 +67,11 @@ def _anything_recording():
 
 
 VSPACE = TFVSpace(_anything_recording)
+
+# tape.explain names a tf.stop_gradient the trace never holds (TF runs it
+# with recording stopped): the recorder notes each one that cuts a tracked
+# tensor.
+_callback.set_stop_gradient_hook(_explain.note_stop_gradient)
 
 # Tapes and accumulators are numbered in the order they are pushed. While an accumulator
 # computes a JVP, only older tapes and accumulators see the ops it runs (TF's
@@ -504,34 +510,112 @@ def set_conversion_hook(hook):
 
 # -- the drop-in class swap -----------------------------------------------------
 
-_swapped = []  # (module, attribute name, original, replacement)
+_swapped = []  # (module, attribute name, original, replacement), in swap order
+_swap_lock = _threading.RLock()
+
+
+class PatchSkippedWarning(UserWarning):
+    """patch() left a module that refused the swap with TF's class."""
+
+
+def _set(module, name, value):
+    """setattr, then proof that it took: a module may refuse by raising or
+    ignore the write. Returns the refusal (an exception or a message)."""
+    try:
+        setattr(module, name, value)
+    except Exception as exc:  # noqa: BLE001 - any refusal: reported
+        return exc
+    try:
+        took = vars(module).get(name) is value
+    except Exception as exc:  # noqa: BLE001
+        return exc
+    return None if took else "the attribute did not change"
 
 
 def swap_classes(replacements):
     """Replace, in every loaded module, each attribute that *is* one of the
-    keys of ``replacements`` by its value. Returns how many were swapped."""
+    keys of ``replacements`` by its value. Returns how many were swapped.
+
+    All or nothing: a module that refuses the swap (its ``__setattr__``
+    raises, or the write does not take) is skipped and named in a
+    PatchSkippedWarning, and any other failure midway (an exception while
+    scanning, a KeyboardInterrupt) puts back everything this call swapped
+    before it propagates. Each swap is noted before it is made, so a rollback
+    or restore_classes() never misses one."""
     by_id = {id(k): v for k, v in replacements.items()}
-    count = 0
-    for module in list(sys.modules.values()):
+    skipped = []
+    with _swap_lock:
+        mark = len(_swapped)
         try:
-            namespace = vars(module)
-        except TypeError:
-            continue
-        for name, value in list(namespace.items()):
-            replacement = by_id.get(id(value))
-            if replacement is not None and replacement is not value:
-                setattr(module, name, replacement)
-                _swapped.append((module, name, value, replacement))
-                count += 1
+            for module in list(sys.modules.values()):
+                try:
+                    namespace = vars(module)
+                except TypeError:
+                    continue
+                for name, value in list(namespace.items()):
+                    replacement = by_id.get(id(value))
+                    if replacement is None or replacement is value:
+                        continue
+                    _swapped.append((module, name, value, replacement))
+                    refused = _set(module, name, replacement)
+                    if refused is not None:
+                        _swapped.pop()
+                        _set(module, name, value)   # if it half took
+                        skipped.append(
+                            f"{getattr(module, '__name__', module)!s}.{name} "
+                            f"({refused})")
+        except BaseException:
+            _restore_to(mark)
+            raise
+        count = len(_swapped) - mark
+    if skipped:
+        warnings.warn(
+            "fasttape.patch() left TF's class in place where the module "
+            "refused the swap: " + "; ".join(skipped) + ". Code that reaches "
+            "the class through these names still uses TF's.",
+            PatchSkippedWarning, stacklevel=3)
     return count
 
 
-def restore_classes():
-    """Undo every swap_classes, exactly."""
-    while _swapped:
-        module, name, original, replacement = _swapped.pop()
-        if getattr(module, name, None) is replacement:
-            setattr(module, name, original)
+def _restore_to(mark):
+    """Undo the swaps made after the first ``mark``, newest first. An entry
+    leaves the list only once its module holds the original again (or holds
+    something else now: a later assignment of the user's is kept), so an
+    interrupt midway leaves the rest to the next call. Returns what could not
+    be put back (the entries stay listed)."""
+    failed = []
+    with _swap_lock:
+        i = len(_swapped)
+        while i > mark:
+            i -= 1
+            module, name, original, replacement = _swapped[i]
+            try:
+                current = vars(module).get(name)
+            except TypeError:
+                current = None
+            if current is replacement and _set(module, name, original) is not None:
+                failed.append(_swapped[i])
+                continue
+            del _swapped[i]
+    return failed
+
+
+def restore_classes(mark=0):
+    """Undo every swap_classes (those after the first ``mark`` swaps),
+    exactly. A module that refuses to take TF's class back is named in a
+    PatchSkippedWarning and stays listed (swapped_locations())."""
+    failed = _restore_to(mark)
+    if failed:
+        warnings.warn(
+            "fasttape.unpatch() could not put TF's class back in: " +
+            ", ".join(f"{getattr(m, '__name__', m)!s}.{n}"
+                      for m, n, _, _ in failed),
+            PatchSkippedWarning, stacklevel=3)
+
+
+def swap_mark():
+    """How many swaps are in place (patched() restores back to it)."""
+    return len(_swapped)
 
 
 def swapped_locations():

@@ -3,7 +3,8 @@
 TF returns None for a source the target does not reach through the tape and
 says nothing more. fasttape keeps a few cheap facts that let it say why:
 
-always (per tape push/pop and per ``tape.watch``, never per op):
+always (per tape push/pop, per ``tape.watch`` and per ``tf.stop_gradient``
+of a tracked tensor, never per other op):
   - the tensor-id counter at each push and pop of the tape (tape enter,
     exit, ``stop_recording``), with the user's line and what did it. TF's
     EagerTensor ids come from one increasing global counter, so a target's
@@ -11,6 +12,9 @@ always (per tape push/pop and per ``tape.watch``, never per op):
     inside ``stop_recording()`` or after the ``with`` block;
   - the counter and line at each ``tape.watch`` (a target older than the
     watch cannot have been recorded from the watched tensor);
+  - each ``tf.stop_gradient`` of a tensor the tape tracks (TF runs it with
+    recording stopped, so the trace never holds it): its input, its output
+    and the user's line;
   - the recorded trace itself (which ops link the target to the source);
     a backward pass over the path finds the op whose gradient cuts it
     (``tf.stop_gradient``, ``tf.round``, an op registered as not
@@ -149,12 +153,16 @@ def _set_hooks(on):
 # -- facts kept per tape -------------------------------------------------------------
 
 class _Info:
-    __slots__ = ("events", "watches", "lineage", "conversions", "truncated",
-                 "thread")
+    __slots__ = ("events", "watches", "stops", "stop_roots", "lineage",
+                 "conversions", "truncated", "thread")
 
     def __init__(self, lineage):
         self.events = []        # (id counter, pushed?, line, what did it)
         self.watches = {}       # tensor id -> (id counter, line), first watch
+        # StopGradient output id -> (input id, line, the ids the tape
+        # watched that the input was recorded from; None: too far to tell)
+        self.stops = {}
+        self.stop_roots = {}    # their input ids -> those watched ids
         self.lineage = {} if lineage else None   # output id -> _Lin
         self.conversions = []   # (id counter, tensor id, line)
         self.truncated = False
@@ -191,6 +199,24 @@ def note_watch(tape_state, tensor_id):
     watches = _info(tape_state).watches
     if tensor_id not in watches and len(watches) < EVENT_LIMIT:
         watches[tensor_id] = (_uid(), _caller()[0])
+
+
+# Recorded ops walked back from a stop_gradient's input to find the watched
+# tensors it comes from, at most (the ops themselves may be forgotten by the
+# time explain() runs: an output that dies unused takes its op with it); the
+# walk stops at the input of an earlier stop_gradient, whose roots are known.
+STOP_WALK_LIMIT = 2_000
+
+
+def note_stop_gradient(tape_state, input_id, output_id):
+    """tf.stop_gradient of a tensor the tape tracks (the recorder's hook)."""
+    info = _info(tape_state)
+    if len(info.stops) < EVENT_LIMIT:
+        roots = info.stop_roots.get(input_id, False)
+        if roots is False:
+            roots = info.stop_roots[input_id] = tape_state.core.watched_roots(
+                input_id, STOP_WALK_LIMIT, info.stop_roots)
+        info.stops[output_id] = (input_id, _caller()[0], roots)
 
 
 # -- the user's line -------------------------------------------------------------------
@@ -346,12 +372,12 @@ def _at(raw, cause, message, op, certain=True):
                        certain=certain)
 
 
-def _stop_gradient(raw, op_type, line):
+def _stop_gradient(raw, op_type, line, certain=True):
     return Explanation(
         raw, STOP_GRADIENT,
         f"the path is cut by tf.stop_gradient ({op_type} at {line}): nothing "
         "flows back through it; remove it if the gradient should pass",
-        op_type=op_type, line=line)
+        op_type=op_type, line=line, certain=certain)
 
 
 def explain(tape_state, target, sources):
@@ -423,7 +449,8 @@ class _Analysis:
             for tid in o:
                 self.producer[tid] = k
         # Tensors and ops reachable backward from the targets, recorded only.
-        self.anc, self.anc_ops = self._walk(self.target_ids, lineage=False)[:2]
+        self.anc, self.anc_ops, _, self.leaves = self._walk(
+            self.target_ids, lineage=False)
 
     def _walk(self, start, lineage):
         """Backward from ``start``: (tensor ids, recorded op positions,
@@ -553,6 +580,9 @@ class _Analysis:
                     f"(entered at {enter}) and the Variable was never "
                     "watched: call tape.watch(v) before using it",
                     op_name=_var_name(raw), line=enter)
+            for inp, line, _ in self.info.stops.values():
+                if inp == raw.handle._id:  # pylint: disable=protected-access
+                    return _stop_gradient(raw, "StopGradient", line)
             return Explanation(
                 raw, VARIABLE_NOT_READ,
                 "the Variable was never read on the tape's thread while the "
@@ -729,8 +759,11 @@ class _Analysis:
                     f"the source was watched (at {watch[1]}) after the target "
                     "was computed: ops that used it before the watch were not "
                     "recorded; call tape.watch first", line=watch[1])
+            stopped = self._stopped(raw, sid, untracked)
+            if stopped is not None:
+                return stopped
             if untracked:
-                where = ("was computed while the tape recorded, but"
+                where = ("was computed while the tape recorded, but not"
                          if self._when(untracked[0])[0] == "recording" else
                          "is not recorded (when it was computed is not known: "
                          "the tape was pushed and popped more than "
@@ -773,6 +806,32 @@ class _Analysis:
                     "thread), or made directly from a Python/NumPy value",
                     certain=False)
         return self._leaves(raw, sid, leaves, parent)
+
+    def _stopped(self, raw, sid, untracked):
+        """Without lineage: a noted tf.stop_gradient of a tensor recorded
+        from the source, whose output the target is computed from: through
+        recorded ops, or through ops not recorded that ran after it while
+        the tape recorded (the target, or a tensor a recorded op on the way
+        read, was not recorded from anything tracked, and was computed after
+        the stop_gradient cut the source's path)."""
+        stops = self.info.stops
+        if not stops:
+            return None
+        desc = self._descendants(sid)
+        cut = [(out, line, roots is not None or inp in desc)
+               for out, (inp, line, roots) in stops.items()
+               if inp in desc or roots is None or sid in roots]
+        for out, line, known in cut:
+            if out in self.anc:
+                return _stop_gradient(raw, "StopGradient", line, known)
+        unrecorded = set(untracked) | {
+            t for t in self.leaves if not self.core.is_watched(t)}
+        for out, line, known in sorted(cut, reverse=True):
+            if self._when(out)[0] == "recording" and any(
+                    t >= out and self._when(t)[0] == "recording"
+                    for t in unrecorded):
+                return _stop_gradient(raw, "StopGradient", line, known)
+        return None
 
     def _unrecorded_step(self, raw, sid, parent, watch):
         """The source reaches the target through ops not recorded: name the

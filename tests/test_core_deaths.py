@@ -218,3 +218,23 @@ def test_watched_ids_and_live_outputs_for_inspection(vs):
     del z
     assert tp.live_outputs() == {} and tp.num_ops == 0
     assert tp.watched_ids() == sorted([x.id, w.id])
+
+
+def test_watched_roots_walks_back_to_the_watched_ids(vs):
+    """What explain notes for a stop_gradient: the watched ids a tensor is
+    recorded from, None past the walk limit, and earlier walks' results
+    reused where the walk meets them."""
+    x, w, c = T(0.5), T(2.0), T(3.0)
+    tp = GradientTapeCore(True)
+    tp.watch(x.id)
+    tp.watch(w.id)
+    y = rec(tp, "sin", nv.sin, x)
+    z = rec(tp, "mul", nv.mul, y, c)        # c: not tracked, not a root
+    u = rec(tp, "mul", nv.mul, z, w)
+    assert tp.watched_roots(z.id, 10, {}) == frozenset([x.id])
+    assert tp.watched_roots(u.id, 10, {}) == frozenset([x.id, w.id])
+    assert tp.watched_roots(x.id, 10, {}) == frozenset([x.id])
+    assert tp.watched_roots(c.id, 10, {}) == frozenset()
+    assert tp.watched_roots(u.id, 2, {}) is None
+    assert tp.watched_roots(u.id, 10, {z.id: frozenset([99])}) == frozenset([99, w.id])
+    assert tp.watched_roots(u.id, 10, {z.id: None}) is None
