@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 import fasttape
-from fasttape import _compiled
-from fasttape import anomaly
+from fasttape.gradients import _compiled
+from fasttape.diagnostics import anomaly
 
 from harness import assert_leaks_nothing, assert_parity
 

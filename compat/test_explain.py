@@ -21,7 +21,7 @@ import tensorflow as tf
 from tensorflow.python.eager import backprop as tf_backprop
 
 import fasttape
-from fasttape import explain as ex
+from fasttape.diagnostics import explain as ex
 from fasttape import tape as ft_tape
 
 from harness import (assert_leaks_nothing, assert_parity, captured_log_first_n,
@@ -514,7 +514,7 @@ def test_results_and_warnings_as_tf_with_explanation_off_or_on(on, caplog):
 def test_off_installs_nothing_per_op():
     previous = fasttape.explain_none(False)
     try:
-        from fasttape import _recording
+        from fasttape.recording import _recording
         from tensorflow.python.framework import ops
         assert ops._EagerTensorBase._numpy is _recording._original_numpy
         w = tf.Variable(1.0)

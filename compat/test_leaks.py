@@ -24,7 +24,7 @@ import tensorflow as tf
 from tensorflow.python.framework import test_util
 
 import fasttape
-from fasttape import _compiled
+from fasttape.gradients import _compiled
 
 CLASSES = {
     "tf": (tf.GradientTape, tf.autodiff.ForwardAccumulator),

@@ -5,7 +5,7 @@ Every argument, result structure, warning and exception type follows
 the backward loop differ.
 """
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop
 from tensorflow.python.eager import backprop_util
@@ -32,12 +32,12 @@ from tensorflow.python.platform import tf_logging as logging
 from tensorflow.python.util import nest
 from tensorflow.python.util import tf_contextlib
 
-from fasttape import _compiled
-from fasttape import _inspect_tape
-from fasttape import _recording
-from fasttape import explain as _explain
-from fasttape import anomaly as _anomaly
-from fasttape._callback import is_trainable, output_meta
+from fasttape.gradients import _compiled
+from fasttape.diagnostics import _inspect_tape
+from fasttape.recording import _recording
+from fasttape.diagnostics import explain as _explain
+from fasttape.diagnostics import anomaly as _anomaly
+from fasttape.recording._callback import is_trainable, output_meta
 _handle_or_self = backprop._handle_or_self  # pylint: disable=protected-access
 
 _CONSUMED = ("A non-persistent GradientTape can only be used to compute one "

@@ -28,7 +28,7 @@ from tensorflow.python.framework import op_callbacks  # noqa: E402
 from tensorflow.python.framework import ops  # noqa: E402
 
 import fasttape  # noqa: E402
-from fasttape import _recording  # noqa: E402
+from fasttape.recording import _recording  # noqa: E402
 import fasttape.tape as ft_tape  # noqa: E402
 
 GradientTape = fasttape.GradientTape
@@ -659,7 +659,7 @@ def test_ops_in_other_thread_not_recorded():
 def shared_state():
     """fasttape's per-thread recording state replaced by one ThreadState
     shared by all threads, for the test's duration."""
-    from fasttape import _callback
+    from fasttape.recording import _callback
     shared = _callback.ThreadState()
     _callback.share_state(shared)
     try:
@@ -729,7 +729,7 @@ def test_fallback_path_needs_execute_with_callbacks(execute_restored,
     del execute_restored
     # Without fasttape's re-arming wrapper of remove_op_callback ...
     monkeypatch.setattr(op_callbacks, "remove_op_callback",
-                        fasttape._recording._originals["remove_op_callback"])
+                        fasttape.recording._recording._originals["remove_op_callback"])
     with GradientTape():
         pass  # make sure this thread's op callback is registered
     gy, gz = _fallback_body(GradientTape, interfere=True)

@@ -40,7 +40,7 @@ import weakref
 
 import numpy as np
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python.eager import context
 from tensorflow.python.framework import errors_impl
 from tensorflow.python.framework import indexed_slices
@@ -49,8 +49,8 @@ from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import math_ops
 
-from fasttape import _callback
-from fasttape._tf_vspace import TFVSpace
+from fasttape.recording import _callback
+from fasttape.gradients._tf_vspace import TFVSpace
 
 ENABLED = False        # read by fasttape.tape.compute at every gradient()
 

@@ -38,7 +38,7 @@ import weakref
 
 from tensorflow.python import pywrap_tfe
 
-from fasttape import anomaly as _anomaly
+from fasttape.diagnostics import anomaly as _anomaly
 
 _log = logging.getLogger("fasttape")
 
@@ -139,7 +139,7 @@ def _set_hooks(on):
     global _hooks_on, _is_trainable
     if on == _hooks_on:
         return
-    from fasttape import _callback, _recording  # pylint: disable=import-outside-toplevel
+    from fasttape.recording import _callback, _recording  # pylint: disable=import-outside-toplevel
     _is_trainable = _callback.is_trainable
     _callback.set_lineage_hook(_lineage_hook if on else None)
     _recording.set_conversion_hook(_conversion_hook if on else None)
@@ -195,7 +195,7 @@ def note_watch(tape_state, tensor_id):
 
 # -- the user's line -------------------------------------------------------------------
 
-_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep   # fasttape/
 _STDLIB = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
 _USER, _FASTTAPE, _LIB = 0, 1, 2
 _kinds = {}   # file name -> _USER / _FASTTAPE / _LIB (a str's hash is cached)
@@ -310,7 +310,7 @@ def _lineage_hook(tapes, op_type, inputs, outputs, stopped=False):
 
 
 def _conversion_hook(tensor):
-    from fasttape import _callback  # pylint: disable=import-outside-toplevel
+    from fasttape.recording import _callback  # pylint: disable=import-outside-toplevel
     tapes = _callback.current().tapes
     if not tapes:
         return
@@ -597,8 +597,8 @@ class _Analysis:
                 desc.update(self.op_out[k])
                 path_ops.append(k)
         path = sorted(desc & self.anc)
-        from fasttape import _recording  # pylint: disable=import-outside-toplevel
-        from fasttape._callback import output_meta  # pylint: disable=import-outside-toplevel
+        from fasttape.recording import _recording  # pylint: disable=import-outside-toplevel
+        from fasttape.recording._callback import output_meta  # pylint: disable=import-outside-toplevel
         from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
         tmap = {t._id: t for t in self.targets}  # pylint: disable=protected-access
         try:

@@ -36,7 +36,7 @@ import weakref
 import threading as _threading
 import sys
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.autograph.core import config as autograph_config
 from tensorflow.python.autograph.core import config_lib as autograph_config_lib
@@ -51,12 +51,12 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import gradients_util
 from tensorflow.python.ops.parallel_for import pfor as pfor_lib
 
-from fasttape import _callback
-from fasttape import _compiled
-from fasttape import explain as _explain
+from fasttape.recording import _callback
+from fasttape.gradients import _compiled
+from fasttape.diagnostics import explain as _explain
 from fasttape import _core
-from fasttape import _fast_grads
-from fasttape._tf_vspace import TFVSpace
+from fasttape.gradients import _fast_grads
+from fasttape.gradients._tf_vspace import TFVSpace
 
 
 def _anything_recording():

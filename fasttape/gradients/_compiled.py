@@ -65,7 +65,7 @@ import time
 
 import numpy as np
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.eager import def_function
@@ -80,8 +80,8 @@ from tensorflow.python.framework import tensor_spec
 from tensorflow.python.ops import math_ops
 from tensorflow.python.platform import tf_logging as logging
 
-from fasttape._callback import EagerOp, backward_signature, bake_slot
-from fasttape._tf_vspace import TFVSpace
+from fasttape.recording._callback import EagerOp, backward_signature, bake_slot
+from fasttape.gradients._tf_vspace import TFVSpace
 
 MODES = ("auto", "always", "off", "verify")
 _MAX_ENTRIES = 64        # compiled functions kept (least recently used dropped)

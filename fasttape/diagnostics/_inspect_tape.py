@@ -25,14 +25,14 @@ hold no memory of their own. Both are counted as ops.
 
 import dataclasses
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python.eager import backprop
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import ops
 from tensorflow.python.util import nest
 
-from fasttape import anomaly
-from fasttape._callback import EagerOp, GraphOp
+from fasttape.diagnostics import anomaly
+from fasttape.recording._callback import EagerOp, GraphOp
 
 _handle_or_self = backprop._handle_or_self  # pylint: disable=protected-access
 

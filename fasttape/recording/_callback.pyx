@@ -13,7 +13,7 @@ one module that patches TF.
 import gc as _gc
 import itertools
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.eager import context
@@ -38,7 +38,7 @@ cdef extern from "Python.h":
     void PyObject_GC_UnTrack(void*)
     int PyObject_IS_GC(object)
     int PyObject_GC_IsTracked(object)
-from fasttape._saved import saved_indices
+from fasttape.recording._saved import saved_indices
 
 cdef object _is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 cdef object _uid = pywrap_tfe.TFE_Py_UID

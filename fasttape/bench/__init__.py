@@ -474,7 +474,7 @@ def _counts(workload, repeats, warmup):
 
 
 def _step_compiled_off(record, impl):
-    from fasttape import _compiled
+    from fasttape.gradients import _compiled
     previous = _compiled.set_mode("off")
     try:
         return _step(record, impl)
@@ -563,7 +563,7 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
     timed = {k: stats[k] - timed_before.get(k, 0) for k in stats}
     med = {k: statistics.median(v) * 1e3 for k, v in times.items() if v}
     mean = {k: statistics.fmean(v) * 1e3 for k, v in times.items() if v}
-    from fasttape import _compiled
+    from fasttape.gradients import _compiled
     gradient_calls = sum(timed.get(k, 0) for k in _compiled.CALL_STATS)
     return {
         "workload": workload.name,
@@ -611,7 +611,7 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
 
 
 def _compiled_cache():
-    from fasttape import _compiled
+    from fasttape.gradients import _compiled
     return _compiled.CACHE
 
 

@@ -19,7 +19,7 @@ import re
 import sys
 import time
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python.eager import backprop
 from tensorflow.python.eager import context
 from tensorflow.python.framework import dtypes
@@ -31,10 +31,10 @@ from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import array_ops_stack
 from tensorflow.python.ops import default_gradient
 
-from fasttape._callback import EagerOp, GraphOp, PyBackward
+from fasttape.recording._callback import EagerOp, GraphOp, PyBackward
 from fasttape._core import VSpace
-from fasttape._fast_grads import FAST_GRADS, REAL_FLOAT_ENUMS
-from fasttape._jvp_rules import JVP_RULES, OpView
+from fasttape.gradients._fast_grads import FAST_GRADS, REAL_FLOAT_ENUMS
+from fasttape.gradients._jvp_rules import JVP_RULES, OpView
 
 # Output indices whose gradient may be None rather than zeros (tape.h's
 # FunctionsAcceptingNoneForIndicesMap).
