@@ -37,7 +37,7 @@ extensions = [
         extra_compile_args=compile_args,
         define_macros=macros,
     )
-    for name in ("_core", "recording._callback")
+    for name in ("_core", "gradients._payloads", "recording._callback")
 ]
 
 setup(

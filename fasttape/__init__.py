@@ -65,15 +65,12 @@ class _MovedModules:
     @staticmethod
     def create_module(spec):
         import importlib
-        import sys
         import warnings
         new = _MOVED[spec.name]
-        level, frame = 1, sys._getframe(1)
-        while frame is not None and "importlib" in frame.f_code.co_filename:
-            level, frame = level + 1, frame.f_back
+        # stacklevel 2: the import statement (warnings skips importlib's frames)
         warnings.warn(f"{spec.name} moved to {new}; import it from there "
                       "(the public names stay in fasttape itself)",
-                      DeprecationWarning, stacklevel=level)
+                      DeprecationWarning, stacklevel=2)
         return importlib.import_module(new)
 
     @staticmethod

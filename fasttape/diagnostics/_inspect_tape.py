@@ -32,7 +32,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.util import nest
 
 from fasttape.diagnostics import anomaly
-from fasttape.recording._callback import EagerOp, GraphOp
+from fasttape.gradients._payloads import EagerOp, GraphOp
 
 _handle_or_self = backprop._handle_or_self  # pylint: disable=protected-access
 

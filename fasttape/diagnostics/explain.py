@@ -39,6 +39,8 @@ import weakref
 from tensorflow.python import pywrap_tfe
 
 from fasttape.diagnostics import anomaly as _anomaly
+from fasttape.recording import _callback
+from fasttape.recording import _recording
 
 _log = logging.getLogger("fasttape")
 
@@ -139,7 +141,6 @@ def _set_hooks(on):
     global _hooks_on, _is_trainable
     if on == _hooks_on:
         return
-    from fasttape.recording import _callback, _recording  # pylint: disable=import-outside-toplevel
     _is_trainable = _callback.is_trainable
     _callback.set_lineage_hook(_lineage_hook if on else None)
     _recording.set_conversion_hook(_conversion_hook if on else None)
@@ -310,7 +311,6 @@ def _lineage_hook(tapes, op_type, inputs, outputs, stopped=False):
 
 
 def _conversion_hook(tensor):
-    from fasttape.recording import _callback  # pylint: disable=import-outside-toplevel
     tapes = _callback.current().tapes
     if not tapes:
         return
@@ -597,7 +597,6 @@ class _Analysis:
                 desc.update(self.op_out[k])
                 path_ops.append(k)
         path = sorted(desc & self.anc)
-        from fasttape.recording import _recording  # pylint: disable=import-outside-toplevel
         from fasttape.recording._callback import output_meta  # pylint: disable=import-outside-toplevel
         from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
         tmap = {t._id: t for t in self.targets}  # pylint: disable=protected-access
@@ -861,3 +860,9 @@ class _Analysis:
             (" (the lineage was cut short: too many ops)"
              if self.info.truncated else ""),
             certain=not self.info.truncated)
+
+
+# The recording layer tells this module about pushes and pops, clear_caches()
+# and uninstall() (it cannot import diagnostics: imports run downward).
+_recording.observe_from_above(tape_observer=note_event, clear_caches=clear_caches,
+                              uninstall=take_hooks_out)

@@ -80,7 +80,7 @@ from tensorflow.python.framework import tensor_spec
 from tensorflow.python.ops import math_ops
 from tensorflow.python.platform import tf_logging as logging
 
-from fasttape.recording._callback import EagerOp, backward_signature, bake_slot
+from fasttape.gradients._payloads import EagerOp, backward_signature, bake_slot
 from fasttape.gradients._tf_vspace import TFVSpace
 
 MODES = ("auto", "always", "off", "verify")

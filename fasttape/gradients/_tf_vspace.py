@@ -31,7 +31,7 @@ from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import array_ops_stack
 from tensorflow.python.ops import default_gradient
 
-from fasttape.recording._callback import EagerOp, GraphOp, PyBackward
+from fasttape.gradients._payloads import EagerOp, GraphOp, PyBackward
 from fasttape._core import VSpace
 from fasttape.gradients._fast_grads import FAST_GRADS, REAL_FLOAT_ENUMS
 from fasttape.gradients._jvp_rules import JVP_RULES, OpView

@@ -53,7 +53,6 @@ from tensorflow.python.ops.parallel_for import pfor as pfor_lib
 
 from fasttape.recording import _callback
 from fasttape.gradients import _compiled
-from fasttape.diagnostics import explain as _explain
 from fasttape import _core
 from fasttape.gradients import _fast_grads
 from fasttape.gradients._tf_vspace import TFVSpace
@@ -158,14 +157,36 @@ def _pop(stack, item, error):
             _disarm_execute()
 
 
+# What the diagnostics layer (above this one) asks to hear about, registered
+# by it when it is imported: recording never imports upward.
+_tape_observer = None      # f(tape_state, pushed) at every push and pop
+_cache_clearers = []       # emptied by clear_caches()
+_uninstallers = []         # called by uninstall()
+
+
+def observe_from_above(tape_observer=None, clear_caches=None, uninstall=None):
+    """Register a layer above's interest: ``tape_observer(tape_state, pushed)``
+    at every tape push/pop, ``clear_caches()`` with fasttape.clear_caches(),
+    ``uninstall()`` with uninstall()."""
+    global _tape_observer
+    if tape_observer is not None:
+        _tape_observer = tape_observer
+    if clear_caches is not None and clear_caches not in _cache_clearers:
+        _cache_clearers.append(clear_caches)
+    if uninstall is not None and uninstall not in _uninstallers:
+        _uninstallers.append(uninstall)
+
+
 def push_tape(tape_state):
     _push(_current().tapes, tape_state)
-    _explain.note_event(tape_state, True)
+    if _tape_observer is not None:
+        _tape_observer(tape_state, True)
 
 
 def pop_tape(tape_state):
     _pop(_current().tapes, tape_state, "Tape is not recording.")
-    _explain.note_event(tape_state, False)
+    if _tape_observer is not None:
+        _tape_observer(tape_state, False)
 
 
 def push_accumulator(acc_state):
@@ -382,7 +403,8 @@ def clear_caches():
     _fast_grads.clear_caches()
     _callback.clear_layouts()
     _compiled.CACHE.clear()
-    _explain.clear_caches()
+    for clear in _cache_clearers:
+        clear()
 
 
 def _wrapped_clear_caches(self):
@@ -451,7 +473,8 @@ def uninstall():
     _installed = False
     _uninstall_fast_path_wrapper()
     _disarm_execute()
-    _explain.take_hooks_out()
+    for take_out in _uninstallers:
+        take_out()
 
 
 def installed_hooks():
