@@ -52,7 +52,7 @@ from tensorflow.python.ops import math_ops
 from fasttape.recording import _callback
 from fasttape.gradients._tf_vspace import TFVSpace
 
-ENABLED = False        # read by fasttape.tape.compute at every gradient()
+ENABLED = False        # read by fasttape._backward.compute at every gradient()
 
 # Frames kept per op (innermost user frames): the first one is the line
 # named; the others give context.
