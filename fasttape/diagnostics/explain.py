@@ -590,12 +590,9 @@ class _Analysis:
     # -- a recorded path exists: which op's gradient cuts it ----------------
 
     def _on_trace(self, raw, sid):
-        desc = {sid}
-        path_ops = []
-        for k in sorted(self.anc_ops):
-            if any(i in desc for i in self.op_in[k]):
-                desc.update(self.op_out[k])
-                path_ops.append(k)
+        on_path, desc = self.core.path(self.target_ids, [sid])
+        position = {op_id: k for k, op_id in enumerate(self.op_ids)}
+        path_ops = [position[op_id] for op_id in on_path]
         path = sorted(desc & self.anc)
         from fasttape.recording._callback import output_meta  # pylint: disable=import-outside-toplevel
         from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
