@@ -298,3 +298,24 @@ def _anomaly_step():
 
 def test_anomaly_mode_leaks_nothing():
     assert_leaks_nothing(_anomaly_step)
+
+
+def test_anomaly_and_explain_name_the_same_user_line():
+    """One finder of the user's line: an op run from inside the standard
+    library (functools' singledispatch wrapper) is named at the user's line
+    that called it, by anomaly mode as by explain_none (the stdlib frame is
+    no more the user's than TF's)."""
+    import functools
+    from fasttape.diagnostics import _frames
+    sqrt = functools.singledispatch(tf.sqrt)
+    x = tf.constant([0.0, 4.0])
+    with fasttape.detect_anomaly():
+        with fasttape.GradientTape() as tape:
+            tape.watch(x)
+            line = _here()
+            y = sqrt(x)
+        with pytest.raises(anomaly.AnomalyError) as info:
+            tape.gradient(y, x)
+    assert (info.value.filename, info.value.lineno) == (__file__, line)
+    assert _frames.kind(functools.__file__) == _frames.LIBRARY
+    assert _frames.kind(__file__) == _frames.USER

@@ -21,6 +21,7 @@ import tensorflow as tf
 from tensorflow.python.eager import backprop as tf_backprop
 
 import fasttape
+from fasttape.diagnostics import _frames
 from fasttape.diagnostics import explain as ex
 from fasttape import tape as ft_tape
 
@@ -573,9 +574,9 @@ def test_explanations_leak_nothing(explaining):
 
 def test_clear_caches_empties_the_frame_cache(explaining):
     _explain_everything()
-    assert ex._kinds
+    assert _frames._kinds
     fasttape.clear_caches()
-    assert not ex._kinds
+    assert not _frames._kinds
 
 
 def test_inside_tf_function(explaining, caplog):

@@ -34,7 +34,6 @@ raises that very type.
 """
 
 import linecache
-import os
 import sys
 import weakref
 
@@ -49,17 +48,11 @@ from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import math_ops
 
+from fasttape.diagnostics import _frames
 from fasttape.recording import _callback
 from fasttape.gradients._tf_vspace import TFVSpace
 
 ENABLED = False        # read by fasttape._backward.compute at every gradient()
-
-# Frames kept per op (innermost user frames): the first one is the line
-# named; the others give context.
-MAX_FRAMES = 8
-
-# Packages whose frames are not the user's code.
-_LIBRARIES = ("tensorflow", "keras", "tf_keras", "fasttape", "tensorflow_probability")
 
 # payload (what a recorded op keeps for its backward pass) -> _OpRecord.
 # Weak: a record goes when its op's payload goes (tape released, op deleted).
@@ -146,48 +139,6 @@ class detect_anomaly:  # pylint: disable=invalid-name  (PyTorch's spelling)
 
 # -- recording: where each op ran ---------------------------------------------------
 
-_library_files = {}    # filename -> is it a library's (not the user's)?
-
-
-def _library_prefixes():
-    prefixes = []
-    for name in _LIBRARIES:
-        module = sys.modules.get(name)
-        path = getattr(module, "__file__", None)
-        if path:
-            prefixes.append(os.path.dirname(os.path.abspath(path)) + os.sep)
-    return tuple(prefixes)
-
-
-def _is_library(filename):
-    found = _library_files.get(filename)
-    if found is None:
-        found = os.path.abspath(filename).startswith(_library_prefixes())
-        _library_files[filename] = found
-    return found
-
-
-is_library = _is_library   # (fasttape.explain names user lines the same way)
-
-
-def user_stack(frame=None, limit=MAX_FRAMES):
-    """The innermost ``limit`` frames of the user's code, innermost first,
-    as ``(filename, lineno, function)``: TensorFlow's, Keras' and
-    fasttape's frames left out."""
-    f = sys._getframe(1) if frame is None else frame  # pylint: disable=protected-access
-    out = []
-    while f is not None and len(out) < limit:
-        code = f.f_code
-        name = code.co_filename
-        library = _library_files.get(name)
-        if library is None:
-            library = _is_library(name)
-        if not library:
-            out.append((name, f.f_lineno, code.co_name))
-        f = f.f_back
-    return tuple(out)
-
-
 _dtype_names = {}     # DataType enum -> name
 
 
@@ -213,7 +164,7 @@ def _note(payload, op_type, inputs, outputs):
         _RECORDS[payload] = _OpRecord(
             op_type, tuple([describe(t) for t in inputs]),
             tuple([describe(t) for t in outputs]),
-            user_stack(sys._getframe(1)))  # pylint: disable=protected-access
+            _frames.user_stack(sys._getframe(1)))  # pylint: disable=protected-access
     except TypeError:   # a payload that takes no weak reference
         pass
 

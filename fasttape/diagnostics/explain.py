@@ -32,13 +32,12 @@ import dataclasses
 import logging
 import os
 import sys
-import sysconfig
 import threading
 import weakref
 
 from tensorflow.python import pywrap_tfe
 
-from fasttape.diagnostics import anomaly as _anomaly
+from fasttape.diagnostics import _frames
 from fasttape.recording import _callback
 from fasttape.recording import _recording
 
@@ -100,7 +99,7 @@ class Explanation:
     certain: bool = True
 
     def __post_init__(self):
-        if self.line is not None:   # a _Where, formatted now
+        if self.line is not None:   # a _frames.Where, formatted now
             object.__setattr__(self, "line", str(self.line))
 
     def __str__(self):
@@ -196,69 +195,14 @@ def note_watch(tape_state, tensor_id):
 
 # -- the user's line -------------------------------------------------------------------
 
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep   # fasttape/
-_STDLIB = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
-_USER, _FASTTAPE, _LIB = 0, 1, 2
-_kinds = {}   # file name -> _USER / _FASTTAPE / _LIB (a str's hash is cached)
-
-
-def _kind(code):
-    """Whose code: fasttape's, a library's (as anomaly mode decides, which
-    names the same user lines, plus the standard library: contextlib runs
-    ``with tape.stop_recording():``), or the user's."""
-    fn = code.co_filename
-    k = _kinds.get(fn)
-    if k is None:
-        if fn.startswith(_HERE):
-            k = _FASTTAPE
-        elif (fn.startswith(_STDLIB) or fn.startswith("<frozen")
-              or _anomaly.is_library(fn)):
-            k = _LIB
-        else:
-            k = _USER
-        _kinds[fn] = k
-    return k
-
-
-def clear_caches():
-    """fasttape.clear_caches(): forget the file names sorted so far."""
-    _kinds.clear()
-
-
 def _caller():
-    """(the innermost user frame's _Where, the name of the outermost
+    """(the innermost user frame's Where, the name of the outermost
     fasttape function below it)."""
     try:
         f = sys._getframe(2)  # pylint: disable=protected-access
     except ValueError:
         return None, None
-    what = None
-    while f is not None:
-        k = _kind(f.f_code)
-        if k == _USER:
-            return _Where((f.f_code.co_filename, f.f_lineno)), what
-        if k == _FASTTAPE:
-            what = f.f_code.co_name
-        f = f.f_back
-    return None, what
-
-
-class _Where(tuple):
-    """(filename, line number), formatted only when shown."""
-    __slots__ = ()
-
-    def __str__(self):
-        return _fmt(*self)
-
-
-def _fmt(filename, lineno):
-    try:
-        rel = os.path.relpath(filename)
-        if not rel.startswith(".."):
-            filename = rel
-    except ValueError:
-        pass
-    return f"{filename}:{lineno}"
+    return _frames.caller(f)
 
 
 # -- lineage (explain_none on) --------------------------------------------------------
@@ -859,7 +803,6 @@ class _Analysis:
             certain=not self.info.truncated)
 
 
-# The recording layer tells this module about pushes and pops, clear_caches()
-# and uninstall() (it cannot import diagnostics: imports run downward).
-_recording.observe_from_above(tape_observer=note_event, clear_caches=clear_caches,
-                              uninstall=take_hooks_out)
+# The recording layer tells this module about pushes and pops and
+# uninstall() (it cannot import diagnostics: imports run downward).
+_recording.observe_from_above(tape_observer=note_event, uninstall=take_hooks_out)
