@@ -434,6 +434,7 @@ def held_bytes(tf, record, impl):
     closure is kept: what the tape (or accumulator) holds for the backward
     pass, plus the result."""
     from tensorflow.python.framework import op_callbacks
+    from fasttape.gradients._tf_vspace import nbytes
     made = []
 
     def watch(op_type, inputs, attrs, outputs, op_name=None, graph=None):
@@ -443,9 +444,8 @@ def held_bytes(tf, record, impl):
         # ReadVariableOp). Counting them would charge fasttape alone.
         if op_type in ("ReadVariableOp", b"ReadVariableOp"):
             return
-        for o in outputs:
-            if graph is None and o.dtype != tf.resource and o.dtype != tf.variant:
-                made.append((weakref.ref(o), o.dtype.size * int(np.prod(o.shape))))
+        if graph is None:
+            made.extend((weakref.ref(o), nbytes(o)) for o in outputs)
 
     op_callbacks.add_op_callback(watch)
     try:

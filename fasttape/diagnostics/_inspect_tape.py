@@ -33,20 +33,11 @@ from tensorflow.python.util import nest
 
 from fasttape.diagnostics import anomaly
 from fasttape.gradients._payloads import EagerOp, GraphOp
+from fasttape.gradients._tf_vspace import nbytes as _nbytes
 
 _handle_or_self = backprop._handle_or_self  # pylint: disable=protected-access
 
 _VARIABLE_READ = "ReadVariableOp"
-_UNSIZED = (dtypes.resource, dtypes.variant, dtypes.string)
-
-
-def _nbytes(t):
-    """Bytes of an eager tensor's buffer, as the bench counts them (0 for
-    resources, variants and strings)."""
-    dtype = t.dtype
-    if dtype in _UNSIZED:
-        return 0
-    return dtype.size * t._num_elements()  # pylint: disable=protected-access
 
 
 @dataclasses.dataclass(frozen=True)

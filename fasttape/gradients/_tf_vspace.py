@@ -81,6 +81,19 @@ def _never_recording():
     return False
 
 
+_UNSIZED = (dtypes.resource, dtypes.variant, dtypes.string)
+
+
+def nbytes(t):
+    """Bytes of an eager tensor's buffer: the one byte counter (the tape
+    summary's and the bench's). 0 for resources, variants and strings,
+    whose buffers hold handles or pointers, not their data."""
+    dtype = t.dtype
+    if dtype in _UNSIZED:
+        return 0
+    return dtype.size * t._num_elements()  # pylint: disable=protected-access
+
+
 class TFVSpace(VSpace):
     """Calls TF's registered gradients; makes ones/zeros on the right device.
 
