@@ -204,7 +204,8 @@ cdef list _ids(tensors):
     return [t._id for t in tensors]
 
 
-cdef dict _saved_masks = {}   # op type -> {(n_in << 32) | n_out: masks}
+cdef dict _saved_masks = {}   # op type -> {(n_in << 32) | n_out: masks}; the one
+                              # saved-tensor mask cache (both recording paths)
 
 
 cdef tuple _masks(op_type, Py_ssize_t n_in, Py_ssize_t n_out):
@@ -533,10 +534,6 @@ cdef class _Layout:
     cdef bint all_single            # no list inputs
     cdef Py_ssize_t n_typed         # input arguments with a type attr
     cdef tuple out_lists            # per output argument: a list?
-    # _masks for the arity last seen ((n_in << 32) | n_out; -1: none yet)
-    cdef long long mask_key
-    cdef object in_mask, out_mask
-    cdef bint mortal
 
     def __init__(self, op_def):
         kinds, type_attrs, list_attrs = [], [], []
@@ -559,7 +556,6 @@ cdef class _Layout:
         self.n_typed = sum(1 for t in type_attrs if t is not None)
         self.out_lists = tuple([bool(a.number_attr or a.type_list_attr)
                                 for a in op_def.output_arg])
-        self.mask_key = -1
 
 
 cdef dict _layouts = {}     # op type -> _Layout, or False (not in TF's registry)
@@ -575,8 +571,10 @@ cdef object _layout(op_name):
 
 
 def clear_layouts():
-    """Forget the cached OpDef layouts (fasttape.clear_caches)."""
+    """Forget the cached OpDef layouts and saved-tensor masks
+    (fasttape.clear_caches)."""
     _layouts.clear()
+    _saved_masks.clear()
 
 
 cdef inline bint _eager(t):
@@ -706,14 +704,11 @@ cdef int _record_eager(ThreadState st, _Layout lay, op_name, tuple args,
     cdef list tapes = _tapes_recording(st, ids, &trainable)
     if tapes is None:
         return 0
-    cdef long long key = (n_in << 32) | n_out
-    if lay.mask_key != key:
-        lay.in_mask, lay.out_mask, lay.mortal = _masks(op_name, n_in, n_out)
-        lay.mask_key = key
-    payload = _eager_payload(_attrs(lay, args, enums), inputs, lay.in_mask,
-                             outputs, lay.out_mask)
+    in_mask, out_mask, mortal = _masks(op_name, n_in, n_out)
+    payload = _eager_payload(_attrs(lay, args, enums), inputs, in_mask,
+                             outputs, out_mask)
     _record_on_tapes(tapes, op_name, ids, inputs, outputs,
-                     _output_metas(outputs, False), payload, lay.mortal)
+                     _output_metas(outputs, False), payload, mortal)
     return 0
 
 
