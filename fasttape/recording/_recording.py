@@ -301,11 +301,21 @@ def _wrapped_pfor_create_op(op_type, inputs, op_dtypes, attrs=None):
     tape around a pfor jacobian inside a tf.function misses them and
     silently gives None or zeros."""
     op = _originals["_create_op"](op_type, inputs, op_dtypes, attrs)
-    st = _current()
-    if (st.tapes or st.accumulators) and op.outputs:
-        _callback.op_callback(op.type, tuple(op.inputs), None,
-                              tuple(op.outputs), op.name, op.graph)
+    _record_built_op(op, op.outputs, False)
     return op
+
+
+def _record_built_op(op, outputs, shown_to_callbacks):
+    """Record a graph op TF built without an op callback (pfor's create_op,
+    _apply_op_helper) on this thread's tapes and accumulators.
+    shown_to_callbacks: skip it while TF runs its op callbacks (ops a TF op
+    callback builds are not shown to callbacks)."""
+    st = _current()
+    if (outputs and (st.tapes or st.accumulators)
+            and not (shown_to_callbacks
+                     and context.context().invoking_op_callbacks)):
+        _callback.op_callback(op.type, tuple(op.inputs), None,
+                              tuple(outputs), op.name, op.graph)
 
 
 def _watch_accessed(variables):
@@ -334,13 +344,7 @@ def _wrapped_apply_op_helper(op_type_name, name=None, **keywords):
     """Graph ops built while tracing, where TF calls its op callbacks (the
     other places it does build ops without inputs: Const, Placeholder)."""
     result = _originals["_apply_op_helper"](op_type_name, name=name, **keywords)
-    st = _current()
-    if (st.tapes or st.accumulators) and not context.context().invoking_op_callbacks:
-        # (Ops a TF op callback builds are not shown to callbacks.)
-        op, outputs = result[2], result[3]
-        if outputs:
-            _callback.op_callback(op.type, tuple(op.inputs), None,
-                                  tuple(outputs), op.name, op.graph)
+    _record_built_op(result[2], result[3], True)
     return result
 
 
@@ -359,11 +363,17 @@ def _recording_execute(op_name, num_outputs, inputs, attrs, ctx, name=None):
 
 
 def _arm_execute():
+    """Put fasttape's wrapper in as ``execute.execute`` (around TF's choice,
+    kept in _tf_execute) while any tape is live. Called with _live_lock held:
+    at the first push, and after TF's add/remove_op_callback, which switch
+    ``execute.execute`` for all threads (fallback-path ops would then
+    silently go unrecorded on threads that record)."""
     global _tf_execute
     current = execute.execute
     if current is not _recording_execute:
         _tf_execute = current
-        execute.execute = _recording_execute
+        if _live_tapes > 0:
+            execute.execute = _recording_execute
 
 
 def _disarm_execute():
@@ -373,24 +383,14 @@ def _disarm_execute():
 
 def _wrapped_add_op_callback(callback_fn):
     _originals["add_op_callback"](callback_fn)
-    _rearm_execute()
+    with _live_lock:
+        _arm_execute()
 
 
 def _wrapped_remove_op_callback(op_callback):
     _originals["remove_op_callback"](op_callback)
-    _rearm_execute()
-
-
-def _rearm_execute():
-    """TF's add/remove_op_callback switch ``execute.execute`` for all
-    threads; fallback-path ops would then silently go unrecorded on threads
-    that record: fasttape's wrapper goes back in (around TF's choice)."""
-    global _tf_execute
     with _live_lock:
-        if execute.execute is not _recording_execute:
-            _tf_execute = execute.execute
-            if _live_tapes > 0:
-                execute.execute = _recording_execute
+        _arm_execute()
 
 
 def clear_caches():
