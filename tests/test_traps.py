@@ -140,6 +140,27 @@ def test_fast_path_wrapper_only_installed_while_recording():
     assert "TFE_Py_FastPathExecute" not in _recording.installed_hooks()
 
 
+
+def test_uninstall_takes_out_every_hook_it_lists():
+    """One install()/uninstall(): every TF hook fasttape puts in, including
+    explain_none's .numpy() conversion hook and the AutoGraph rule, is
+    listed by installed_hooks() and gone after uninstall()."""
+    original_numpy = ops._EagerTensorBase._numpy  # pylint: disable=protected-access
+    previous = fasttape.explain_none(True)
+    try:
+        tape = GradientTape()
+        with tape:
+            listed = set(_recording.installed_hooks())
+            assert {"_numpy", "CONVERSION_RULES", "TFE_Py_FastPathExecute",
+                    "execute"} | set(HOOK_NAMES) <= listed
+            _recording.uninstall()
+            assert _recording.installed_hooks() == []
+            assert ops._EagerTensorBase._numpy is original_numpy  # pylint: disable=protected-access
+            _recording.install()
+    finally:
+        fasttape.explain_none(previous)
+    assert "_numpy" not in _recording.installed_hooks()
+
 # -- 2. trainable variable reads: variable_accessed / variables_accessed --------------
 
 def _read_body(Tape):

@@ -473,18 +473,28 @@ def uninstall():
     _installed = False
     _uninstall_fast_path_wrapper()
     _disarm_execute()
+    set_conversion_hook(None)
     for take_out in _uninstallers:
         take_out()
 
 
 def installed_hooks():
-    """Names of the hooks now in place (for tests)."""
+    """Names of every fasttape hook now in TF: those of _HOOKS and the
+    AutoGraph rule (from install() to uninstall()), the fast-path wrapper
+    and ``execute`` (while a tape is live), ``_numpy`` (explain_none's
+    conversion hook, while it is on). The fast path's entry in a thread's
+    op-callback list (_callback._capture) is taken out in the call that put
+    it there, so it is never in place between two calls."""
     names = [name for module, name, wrapper in _HOOKS
              if getattr(module, name) is wrapper]
+    if _AUTOGRAPH_RULE in autograph_config.CONVERSION_RULES:
+        names.append("CONVERSION_RULES")
     if pywrap_tfe.TFE_Py_FastPathExecute is _fast_path_execute:
         names.append("TFE_Py_FastPathExecute")
     if execute.execute is _recording_execute:
         names.append("execute")
+    if ops._EagerTensorBase._numpy is _numpy_with_hook:  # pylint: disable=protected-access
+        names.append("_numpy")
     return names
 
 
@@ -510,19 +520,25 @@ def _uninstall_fast_path_wrapper():
 _original_numpy = ops._EagerTensorBase._numpy  # pylint: disable=protected-access
 
 
+_conversion_hook = None
+
+
+def _numpy_with_hook(self):
+    hook = _conversion_hook
+    if hook is not None:
+        hook(self)
+    return _original_numpy(self)
+
+
 def set_conversion_hook(hook):
     """hook(tensor) before every conversion of an eager tensor to NumPy or
     Python (``.numpy()``, ``np.asarray``, ``float()``...: all go through
-    ``_EagerTensorBase._numpy``); None takes the wrapper out."""
-    base = ops._EagerTensorBase  # pylint: disable=protected-access
-    if hook is None:
-        base._numpy = _original_numpy
-        return
-
-    def _numpy(self):
-        hook(self)
-        return _original_numpy(self)
-    base._numpy = _numpy
+    ``_EagerTensorBase._numpy``); None takes the wrapper out (uninstall()
+    does too)."""
+    global _conversion_hook
+    _conversion_hook = hook
+    ops._EagerTensorBase._numpy = (  # pylint: disable=protected-access
+        _original_numpy if hook is None else _numpy_with_hook)
 
 
 # -- the drop-in class swap -----------------------------------------------------
