@@ -319,3 +319,15 @@ def test_anomaly_and_explain_name_the_same_user_line():
     assert (info.value.filename, info.value.lineno) == (__file__, line)
     assert _frames.kind(functools.__file__) == _frames.LIBRARY
     assert _frames.kind(__file__) == _frames.USER
+
+
+def test_the_mode_is_a_property_of_the_vspace():
+    """Anomaly mode is the vspace's check_gradients (as the profiler is its
+    profile_stats): set while the mode is on, and what the compiled cache
+    declines."""
+    from fasttape.recording import _recording
+    vspace = _recording.VSPACE
+    assert vspace.check_gradients is None
+    with fasttape.detect_anomaly():
+        assert vspace.check_gradients is anomaly.check_gradients
+    assert vspace.check_gradients is None

@@ -10,7 +10,6 @@ from tensorflow.python.platform import tf_logging as logging
 
 from fasttape.gradients import _compiled
 from fasttape.recording import _recording
-from fasttape.diagnostics import anomaly as _anomaly
 from fasttape.recording._callback import output_meta
 
 
@@ -46,11 +45,6 @@ def compute(tape_state, flat_targets, flat_sources, output_gradients,
         t._id: output_meta(t)  # pylint: disable=protected-access
         for t in flat_sources if t._id in targets_set}  # pylint: disable=protected-access
     core, vspace = tape_state.core, _recording.VSPACE
-    checking = _anomaly.ENABLED
-    if checking:
-        # Anomaly mode: the eager pass (never a compiled one), each op's
-        # input gradients checked for NaN/Inf.
-        vspace = _anomaly.checking_vspace(vspace)
     target_meta = [output_meta(t) for t in flat_targets]
 
     def eager_pass():
@@ -58,12 +52,11 @@ def compute(tape_state, flat_targets, flat_sources, output_gradients,
             vspace, target_ids, source_ids, sources_that_are_targets,
             output_gradients, True, retain, target_meta, all_watched)
 
-    if checking:
-        grads = eager_pass()
-    else:
-        grads = _compiled.gradient(core, vspace, target_ids, source_ids,
-                                   sources_that_are_targets, output_gradients,
-                                   retain, target_meta, eager_pass, all_watched)
+    # (Anomaly mode and the profiler are properties of the vspace, for
+    # which the compiled cache runs eager_pass.)
+    grads = _compiled.gradient(core, vspace, target_ids, source_ids,
+                               sources_that_are_targets, output_gradients,
+                               retain, target_meta, eager_pass, all_watched)
     if unconnected_gradients == UnconnectedGradients.ZERO:
         grads = [default_gradient.zeros_like(flat_sources_raw[i])
                  if g is None else g for i, g in enumerate(grads)]

@@ -50,9 +50,9 @@ from tensorflow.python.ops import math_ops
 
 from fasttape.diagnostics import _frames
 from fasttape.recording import _callback
-from fasttape.gradients._tf_vspace import TFVSpace
+from fasttape.recording import _recording
 
-ENABLED = False        # read by fasttape._backward.compute at every gradient()
+ENABLED = False        # (the vspace's check_gradients is set with it)
 
 # payload (what a recorded op keeps for its backward pass) -> _OpRecord.
 # Weak: a record goes when its op's payload goes (tape released, op deleted).
@@ -106,6 +106,9 @@ def _set(mode):
     global ENABLED
     ENABLED = bool(mode)
     _callback.set_anomaly_hook(_note if ENABLED else None)
+    # Every backward function the vspace runs is checked; the compiled
+    # backward declines while this is set.
+    _recording.VSPACE.check_gradients = check_gradients if ENABLED else None
 
 
 def is_anomaly_enabled():
@@ -265,26 +268,3 @@ def check_gradients(op_type, payload, unneeded_indices, grads):
                                                      g.dense_shape)
                         if sparse else checked)
     return grads
-
-
-class _CheckingVSpace(TFVSpace):
-    """TF's vector space, checking every op's input gradients."""
-
-    def __init__(self, base):
-        super().__init__(base._is_recording)  # pylint: disable=protected-access
-        # The same ones cache (emptied by fasttape.clear_caches) and modes.
-        self._ones_cache = base._ones_cache  # pylint: disable=protected-access
-        self.use_fast_rules = base.use_fast_rules
-        self.profile_stats = base.profile_stats
-
-    def call_backward(self, op_type, payload, unneeded_indices, out_grads):
-        grads = TFVSpace.call_backward(self, op_type, payload,
-                                       unneeded_indices, out_grads)
-        if grads is None:
-            return grads
-        return check_gradients(op_type, payload, unneeded_indices, list(grads))
-
-
-def checking_vspace(base):
-    """A vector space for one backward pass in anomaly mode."""
-    return _CheckingVSpace(base)

@@ -531,6 +531,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     function when the key allows, else by ``eager_pass()``."""
     cache = CACHE
     if (cache.mode == "off" or vspace.profile_stats is not None
+            or vspace.check_gradients is not None
             or sys.getprofile() is not None or vspace._is_recording()  # pylint: disable=protected-access
             or not context.executing_eagerly()):
         return _skipped(eager_pass)

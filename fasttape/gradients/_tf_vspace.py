@@ -107,6 +107,10 @@ class TFVSpace(VSpace):
         self._is_recording = is_recording
         self.use_fast_rules = True
         self.profile_stats = None  # op_type -> [count, seconds], see profiler
+        # Anomaly mode (fasttape.detect_anomaly): f(op_type, payload,
+        # unneeded_indices, grads) -> grads, run on every backward function's
+        # result; the compiled backward declines a pass while it is set.
+        self.check_gradients = None
 
     def _fast(self, op_type, payload, unneeded_indices, out_grads):
         """Output of the fast rule, or None where TF's function must run."""
@@ -195,9 +199,15 @@ class TFVSpace(VSpace):
 
     def call_backward(self, op_type, payload, unneeded_indices, out_grads):
         stats = self.profile_stats
-        if stats is None and sys.getprofile() is None:
+        check = self.check_gradients
+        if stats is None and check is None and sys.getprofile() is None:
             return self._call_backward(op_type, payload, unneeded_indices,
                                        out_grads)
+        if stats is None and sys.getprofile() is None:
+            grads = self._call_backward(op_type, payload, unneeded_indices,
+                                        out_grads)
+            return grads if grads is None else check(
+                op_type, payload, unneeded_indices, list(grads))
         # Profiling: go through a function named after the op type, so that
         # cProfile lists the backward pass per op type, and time it.
         fn = _named_backward(op_type)
@@ -209,6 +219,8 @@ class TFVSpace(VSpace):
                 stats[op_type] = entry = [0, 0.0]
             entry[0] += 1
             entry[1] += time.perf_counter() - t0
+        if check is not None and grads is not None:
+            grads = check(op_type, payload, unneeded_indices, list(grads))
         return grads
 
     def _call_backward(self, op_type, payload, unneeded_indices, out_grads):
