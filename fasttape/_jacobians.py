@@ -96,11 +96,8 @@ def jacobian(tape, target, sources,
         raise RuntimeError(_backward.CONSUMED)
     flat_sources = nest.flatten(sources)
     if _use_loop(target):
-        if not experimental_use_pfor and not tape._persistent:
-            raise RuntimeError(
-                "GradientTape must be created with persistent=True"
-                " to compute the jacobian with eager execution enabled and "
-                "with  experimental_use_pfor set to False.")
+        if not experimental_use_pfor:
+            _needs_persistent(tape, "jacobian")
         with _errors_as_traced(experimental_use_pfor, "jacobian"):
             rows = gradient_rows(tape, target, flat_sources,
                                        unconnected_gradients, batch=False)
@@ -127,11 +124,8 @@ def jacobian(tape, target, sources,
     if experimental_use_pfor:
         output = _pfor(loop_fn, target_size, parallel_iterations, "jacobian")
     else:
-        if context.executing_eagerly() and not tape._persistent:
-            raise RuntimeError(
-                "GradientTape must be created with persistent=True"
-                " to compute the jacobian with eager execution enabled and "
-                "with  experimental_use_pfor set to False.")
+        if context.executing_eagerly():
+            _needs_persistent(tape, "jacobian")
         # Each row's gradient has its source's dtype (TF declares the
         # target's, and its TensorArray then fails for a float32 source
         # of a float64 target, or an int source).
@@ -171,11 +165,8 @@ def batch_jacobian(tape, target, source,
                 "Need first dimension of target shape (%s) and "
                 "source shape (%s) to match." % (target.shape, source.shape))
     if loop and not nested:
-        if not experimental_use_pfor and not tape._persistent:
-            raise RuntimeError(
-                "GradientTape must be created with persistent=True"
-                " to compute the batch_jacobian with eager execution "
-                "enabled and  with experimental_use_pfor set to False.")
+        if not experimental_use_pfor:
+            _needs_persistent(tape, "batch_jacobian")
         with _errors_as_traced(experimental_use_pfor, "batch_jacobian"):
             [rows] = gradient_rows(tape, target, [source],
                                          unconnected_gradients, batch=True)
@@ -226,11 +217,8 @@ def batch_jacobian(tape, target, source,
         output = _pfor(loop_fn, target_row_size, parallel_iterations,
                        "batch_jacobian")
     else:
-        if context.executing_eagerly() and not tape._persistent:
-            raise RuntimeError(
-                "GradientTape must be created with persistent=True"
-                " to compute the batch_jacobian with eager execution "
-                "enabled and  with experimental_use_pfor set to False.")
+        if context.executing_eagerly():
+            _needs_persistent(tape, "batch_jacobian")
         output = pfor_ops.for_loop(
             loop_fn, _source_dtype(source, target.dtype), target_row_size,
             parallel_iterations=parallel_iterations)
@@ -240,6 +228,22 @@ def batch_jacobian(tape, target, source,
     output = array_ops.reshape(output, [target_row_size, batch_size, -1])
     output = array_ops.transpose(output, [1, 0, 2])
     return array_ops.reshape(output, new_shape)
+
+_NOT_PERSISTENT = {   # TF's messages, word for word (double spaces included)
+    "jacobian": ("GradientTape must be created with persistent=True to compute "
+                 "the jacobian with eager execution enabled and with  "
+                 "experimental_use_pfor set to False."),
+    "batch_jacobian": ("GradientTape must be created with persistent=True to "
+                       "compute the batch_jacobian with eager execution enabled "
+                       "and  with experimental_use_pfor set to False."),
+}
+
+
+def _needs_persistent(tape, what):
+    """TF's RuntimeError for an eager loop jacobian on a non-persistent tape."""
+    if not tape._persistent:  # pylint: disable=protected-access
+        raise RuntimeError(_NOT_PERSISTENT[what])
+
 
 def _vectorizing_error(what):
     return ValueError(
