@@ -90,6 +90,9 @@ class AnomalyError(errors_impl.InvalidArgumentError):
         return self.stack[0][1] if self.stack else None
 
 
+AnomalyError.__module__ = "fasttape"   # its public name: fasttape.AnomalyError
+
+
 class _OpRecord:
     __slots__ = ("op_type", "inputs", "outputs", "stack")
 

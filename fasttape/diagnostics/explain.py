@@ -108,6 +108,8 @@ class Explanation:
     __repr__ = __str__
 
 
+Explanation.__module__ = "fasttape"   # its public name: fasttape.Explanation
+
 # -- switching lineage on and off --------------------------------------------------
 
 _enabled = os.environ.get("FASTTAPE_EXPLAIN_NONE", "") not in ("", "0")
