@@ -118,6 +118,14 @@ def test_variable_made_with_trainable_false(lineage):
     assert e.op_name == "temperature:0" and at(e, "enter-nontrainable")
     assert "tape.watch" in e.message
 
+    def case(GradientTape):
+        t_scale = tf.Variable(2.0, trainable=False)
+        t_w = tf.Variable([1.0, 2.0])
+        with GradientTape() as t:
+            t_loss = tf.reduce_sum(t_w * t_scale)
+        return t.gradient(t_loss, [t_scale, t_w])
+    tf_gives_none(case)
+
 
 def test_watch_accessed_variables_false(lineage):
     m = keras.layers.Dense(2)
@@ -147,6 +155,12 @@ def test_constant_never_watched(lineage):
         assert e.op_type == "Mul" and at(e, "use-constant")
     else:
         assert at(e, "enter-constant")
+
+    def case(GradientTape):
+        with GradientTape() as t:
+            t_y = tf.reduce_sum(x * x)
+        return t.gradient(t_y, x)
+    tf_gives_none(case)
 
 
 def test_watched_after_use(lineage):
@@ -186,6 +200,14 @@ def test_cast_to_int_in_a_training_loop(explaining):
         assert e.op_type == "Cast" and at(e, "cast-int")
         assert str(line("cast-back")) in e.message
     assert tape.gradient(loss, m.trainable_variables) == [None] * len(exps)
+
+    def case(GradientTape):
+        mm = model()
+        with GradientTape() as t:
+            qq = tf.cast(mm(X) * 4.0, tf.int32)
+            t_loss = tf.reduce_mean(tf.cast(qq, tf.float32) ** 2)
+        return t.gradient(t_loss, mm.trainable_variables)
+    tf_gives_none(case)
 
 
 def test_argmax_accuracy_as_a_loss(explaining):
@@ -253,6 +275,14 @@ def test_stop_gradient_on_a_dqn_target(lineage):
         assert e.cause == ex.NOT_CONNECTED and not e.certain
     assert tape.explain(loss, online.trainable_variables)[0].cause == ex.CONNECTED
 
+    def case(GradientTape):
+        on, tn = model(1), model(2)
+        with GradientTape() as t:
+            t_loss = tf.reduce_mean(
+                (on(X) - (1.0 + 0.9 * tf.stop_gradient(tn(X)))) ** 2)
+        return t.gradient(t_loss, tn.trainable_variables)
+    tf_gives_none(case)
+
 
 def test_op_registered_as_not_differentiable(lineage):
     e = elementwise(GT, lambda x: tf.random.shuffle(x), explain=True)  # shuffle
@@ -302,6 +332,14 @@ def test_stop_recording_block(lineage):
     e = tape.explain(loss, m.trainable_variables)[0]
     assert e.cause == ex.STOP_RECORDING and at(e, "stop-recording")
 
+    def case(GradientTape):
+        mm = model()
+        with GradientTape() as t:
+            with t.stop_recording():
+                t_loss = tf.reduce_mean(mm(X) ** 2)
+        return t.gradient(t_loss, mm.trainable_variables)
+    tf_gives_none(case)
+
 
 def test_numpy_round_trip(explaining):
     m = model()
@@ -312,6 +350,14 @@ def test_numpy_round_trip(explaining):
     e = tape.explain(loss, m.trainable_variables)[0]
     assert e.cause == ex.CONVERTED_TO_NUMPY and at(e, "numpy")
     assert e.op_type == "Mul" and str(line("after-numpy")) in e.message
+
+    def case(GradientTape):
+        mm = model()
+        with GradientTape() as t:
+            hh = tf.constant(np.clip(mm(X).numpy(), -1, 1))
+            t_loss = tf.reduce_mean(hh * 2.0)
+        return t.gradient(t_loss, mm.trainable_variables)
+    tf_gives_none(case)
 
 
 # -- the target is computed where the tape does not record -----------------------
@@ -347,6 +393,18 @@ def test_target_computed_on_another_thread(explaining):
     assert not e.certain   # or made straight from a NumPy value
     assert tape.gradient(out["loss"], w) is None
 
+    def case(GradientTape):
+        tw = tf.Variable([1.0, 2.0])
+        res = {}
+        with GradientTape() as t:
+            hh = tw * 2.0
+            other = threading.Thread(target=lambda: res.setdefault(
+                "loss", tf.reduce_sum(hh * hh)))
+            other.start()
+            other.join()
+        return t.gradient(res["loss"], tw)
+    tf_gives_none(case)
+
 
 def test_source_used_only_under_a_different_tape(lineage):
     gen = model(1)
@@ -358,6 +416,17 @@ def test_source_used_only_under_a_different_tape(lineage):
     e = disc_tape.explain(d_loss, gen.trainable_variables)[0]
     assert e.cause == ex.OTHER_TAPE and at(e, "gen-tape")
     del gen_tape
+
+    def case(GradientTape):
+        g = model(1)
+        d = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        with GradientTape() as g_tape:
+            f = g(X)
+        with GradientTape() as d_tape:
+            t_loss = tf.reduce_mean(d(f) ** 2)
+        del g_tape
+        return d_tape.gradient(t_loss, g.trainable_variables)
+    tf_gives_none(case)
 
 
 def test_explain_before_gradient_leaves_a_non_persistent_tape_usable():
