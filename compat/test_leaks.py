@@ -271,3 +271,18 @@ def test_no_garbage_created(scenario, impl):
     _warm_up(scenario)
     with _compiled_mode("verify"):
         test_util.assert_no_garbage_created(_decorated(scenario, impl))(_Checks())
+
+
+def test_the_harness_leak_check_sees_reference_cycles():
+    """harness.assert_leaks_nothing fails on a step that leaves an ordinary
+    reference cycle (TF's garbage decorator alone does not see one), and
+    passes a step that leaves none."""
+    from harness import assert_leaks_nothing
+
+    def cyclic():
+        a = [tf.constant(1.0)]
+        a.append(a)
+
+    with pytest.raises(AssertionError, match="reference cycles"):
+        assert_leaks_nothing(cyclic)
+    assert_leaks_nothing(lambda: [tf.constant(1.0)])
