@@ -228,8 +228,22 @@ def test_inside_tf_function_the_check_is_a_checknumerics_op():
     with fasttape.detect_anomaly():
         with pytest.raises(tf.errors.InvalidArgumentError) as info:
             grad(x)
+        checked = tf.function(grad.python_function).get_concrete_function(x)
+        # Finite input: the checked function gives TF's gradient.
+        finite = tf.constant([0.5, 2.0])
+        np.testing.assert_allclose(checked(finite).numpy(), [2.0, 0.5])
     assert "'Log'" in str(info.value)
     assert "fasttape anomaly mode" in str(info.value)
+    # The check is a CheckNumerics op in the traced backward pass, on the
+    # gradient of Log's input, and only while the mode is on.
+    ops = checked.graph.get_operations()
+    numerics = [op for op in ops if op.type == "CheckNumerics"]
+    assert numerics, [op.type for op in ops]
+    assert any("'Log'" in op.get_attr("message").decode() for op in numerics)
+    assert numerics[0].inputs[0].dtype == tf.float32
+    plain = tf.function(grad.python_function).get_concrete_function(x)
+    assert not [op for op in plain.graph.get_operations()
+                if op.type == "CheckNumerics"]
 
 
 def test_finite_gradients_are_tfs_in_anomaly_mode():
