@@ -255,6 +255,14 @@ def test_to_dot_nodes_and_edges_match_the_trace():
             elif core.producer(tid) == -1:
                 expected.append((f"w{tid}", f"op{op_id}"))
     assert sorted((s, d) for s, d, _ in edges) == sorted(expected)
+    # The same graph, written out by hand (not read from the trace): each
+    # edge as (its producer's label, its reader's label).
+    kind = {name: label.split("\n")[0] for name, (_, label, _) in nodes.items()}
+    assert sorted((kind[s], kind[d]) for s, d, _ in edges) == sorted([
+        ("watched", "Sin"), ("watched", "Cos"),
+        ("Variable:0", "ReadVariableOp"),
+        ("Sin", "Mul"), ("ReadVariableOp", "Mul"),
+        ("Cos", "Exp"), ("Mul", "Sum")])
     # Op types and shapes in the labels.
     types = _by_type(nodes)
     assert set(types) >= {"Sin", "Mul", "Cos", "Exp", "Sum", "ReadVariableOp"}
