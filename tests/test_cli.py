@@ -168,3 +168,16 @@ def test_a_workload_says_what_it_measures():
     assert text.splitlines() == [
         "sin_chain: recording overhead per op above the floor: tf 2.00 us, "
         "fasttape 1.00 us (0.50x TF's)"]
+
+
+def test_the_cache_tables_means_show_their_spread():
+    row = {"workload": "varlen", "tf_first_ms": 10.0, "fasttape_first_ms": 12.0,
+           "fasttape_build_step_ms": None, "builds": 0, "build_seconds": 0.0,
+           "cache": {}, "hit_rate": None, "tf_mean_ms": 5.0,
+           "fasttape_mean_ms": 3.0, "fasttape_off_mean_ms": 4.0,
+           "mean_ratio": 0.6, "mean_ratio_to_off": 0.75,
+           "spread_ms": {"tf": (4.0, 6.0), "ft": (2.5, 3.5), "off": (3.0, 5.0),
+                         "ratio": (0.5, 0.7), "ratio_to_off": (0.7, 0.8)}}
+    line = bench.format_cache_table([row]).splitlines()[2]
+    for cell in ("5.00 ±1.00", "3.00 ±0.50", "4.00 ±1.00", "0.60 ±0.10", "0.75 ±0.05"):
+        assert cell in line, (cell, line)

@@ -197,7 +197,8 @@ def main(argv=None):
           "(- = none did); builds and build s (tracing + first calls): whole\n"
           "run; keys (distinct new pass keys) and hits (replayed passes / "
           "gradient calls): timed steps.\nmean = mean step time over the "
-          "timed steps (builds included); off = fasttape with the compiled\n"
+          "timed steps (builds included), ± half their interquartile range; "
+          "off = fasttape with the compiled\n"
           "backward off (variable-shape workloads); m ratio = ft mean / tf "
           "mean; ft/off = ft mean / off mean.")
     if profiler is not None:

@@ -53,19 +53,30 @@ def format_per_op(rows):
 
 
 def format_cache_table(rows):
-    """First steps, builds of compiled passes and the cache's churn; for
-    variable-shape workloads, mean step times against TF's and against
-    fasttape with the compiled backward off."""
-    head = (f"{'workload':<16} {'tf 1st':>7} {'ft 1st':>7} {'ft build':>8}"
-            f" {'builds':>6} {'build s':>7} {'keys':>5} {'hits':>5}"
-            f" {'tf mean':>8} {'ft mean':>8} {'off mean':>8} {'m ratio':>7}"
-            f" {'ft/off':>6}")
-    lines = [head, "-" * len(head)]
-
+    """First steps (one each), builds of compiled passes and the cache's
+    churn (counts); for variable-shape workloads, mean step times against
+    TF's and against fasttape with the compiled backward off, each with ±
+    half the interquartile range of its steps (of the per-step ratios)."""
     def opt(value, fmt):
         return "-" if value is None else format(value, fmt)
 
-    for r in rows:
+    def spread(r, value, arm):
+        if value is None:
+            return "-"
+        return with_spread(value, r.get("spread_ms", {}).get(arm))
+
+    cols = (("tf mean", "tf_mean_ms", "tf"), ("ft mean", "fasttape_mean_ms", "ft"),
+            ("off mean", "fasttape_off_mean_ms", "off"),
+            ("m ratio", "mean_ratio", "ratio"),
+            ("ft/off", "mean_ratio_to_off", "ratio_to_off"))
+    cells = [[spread(r, r[key], arm) for _, key, arm in cols] for r in rows]
+    widths = [max([len(title)] + [len(c[i]) for c in cells])
+              for i, (title, _, _) in enumerate(cols)]
+    head = (f"{'workload':<16} {'tf 1st':>7} {'ft 1st':>7} {'ft build':>8}"
+            f" {'builds':>6} {'build s':>7} {'keys':>5} {'hits':>5} "
+            + " ".join(f"{title:>{w}}" for (title, _, _), w in zip(cols, widths)))
+    lines = [head, "-" * len(head)]
+    for r, c in zip(rows, cells):
         cache = r["cache"]
         lines.append(
             f"{r['workload']:<16} {r['tf_first_ms']:>7.1f} "
@@ -73,9 +84,7 @@ def format_cache_table(rows):
             f"{opt(r['fasttape_build_step_ms'], '>8.1f')} {r['builds']:>6} "
             f"{r['build_seconds']:>7.2f} {cache.get('new_keys', 0):>5} "
             f"{opt(r['hit_rate'] and 100 * r['hit_rate'], '>4.0f')}% "
-            f"{r['tf_mean_ms']:>8.2f} {r['fasttape_mean_ms']:>8.2f} "
-            f"{opt(r['fasttape_off_mean_ms'], '>8.2f')} {r['mean_ratio']:>7.2f} "
-            f"{opt(r['mean_ratio_to_off'], '>6.2f')}")
+            + " ".join(f"{v:>{w}}" for v, w in zip(c, widths)))
     return "\n".join(lines)
 
 

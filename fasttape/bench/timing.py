@@ -184,6 +184,9 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
     spread = {k: iqr_ms(v) for k, v in times.items() if v}
     # The ratio's spread: that of the paired per-step ratios ft / tf.
     spread["ratio"] = iqr_ms([f / t / 1e3 for f, t in zip(times["ft"], times["tf"])])
+    if times["off"]:
+        spread["ratio_to_off"] = iqr_ms([f / o / 1e3 for f, o
+                                         in zip(times["ft"], times["off"])])
     from fasttape.gradients import _compiled
     gradient_calls = sum(timed.get(k, 0) for k in _compiled.CALL_STATS)
     return {
