@@ -8,7 +8,7 @@
     nox -s full                  # the README's install and the whole suite (newest TF)
 
 Each session is a fresh virtualenv (reused with ``nox -r``) and downloads its
-TensorFlow (about 250 MB). The releases are read from fasttape/_tf_compat.py
+TensorFlow (about 250 MB). The releases are read from fasttape/gradients/_tf_compat.py
 (OLDEST..NEWEST, what fasttape accepts at import); tests/test_tf_compat.py
 checks that pyproject.toml's extras say the same.
 """
@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _supported_releases():
     """["2.16", ..., "2.21"] from _tf_compat's OLDEST and NEWEST, read without
     importing it (it imports TensorFlow)."""
-    with open(os.path.join(HERE, "fasttape", "_tf_compat.py")) as f:
+    with open(os.path.join(HERE, "fasttape", "gradients", "_tf_compat.py")) as f:
         tree = ast.parse(f.read())
     bounds = {target.id: ast.literal_eval(node.value)
               for node in tree.body if isinstance(node, ast.Assign)

@@ -31,13 +31,13 @@ if mode == "profile":
 extensions = [
     Extension(
         f"fasttape.{name}",
-        [f"fasttape/{name}.pyx"],
+        [f"fasttape/{name.replace('.', '/')}.pyx"],
         language="c++",
         include_dirs=[numpy.get_include()],
         extra_compile_args=compile_args,
         define_macros=macros,
     )
-    for name in ("_core", "_callback")
+    for name in ("_core", "gradients._payloads", "recording._callback")
 ]
 
 setup(

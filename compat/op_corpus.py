@@ -1206,7 +1206,7 @@ SECOND_ORDER_TF_RAISES_BEFORE = {
 def second_order_tf_raises(case_id):
     """Whether TF, the release running, cannot take this case's second
     derivative."""
-    from fasttape._tf_compat import TF_VERSION
+    from fasttape.gradients._tf_compat import TF_VERSION
     return case_id in SECOND_ORDER_TF_RAISES or any(
         case_id in ids for since, ids in SECOND_ORDER_TF_RAISES_BEFORE.items()
         if TF_VERSION < since)

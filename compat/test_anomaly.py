@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 import fasttape
-from fasttape import _compiled
-from fasttape import anomaly
+from fasttape.gradients import _compiled
+from fasttape.diagnostics import anomaly
 
 from harness import assert_leaks_nothing, assert_parity
 
@@ -228,8 +228,22 @@ def test_inside_tf_function_the_check_is_a_checknumerics_op():
     with fasttape.detect_anomaly():
         with pytest.raises(tf.errors.InvalidArgumentError) as info:
             grad(x)
+        checked = tf.function(grad.python_function).get_concrete_function(x)
+        # Finite input: the checked function gives TF's gradient.
+        finite = tf.constant([0.5, 2.0])
+        np.testing.assert_allclose(checked(finite).numpy(), [2.0, 0.5])
     assert "'Log'" in str(info.value)
     assert "fasttape anomaly mode" in str(info.value)
+    # The check is a CheckNumerics op in the traced backward pass, on the
+    # gradient of Log's input, and only while the mode is on.
+    ops = checked.graph.get_operations()
+    numerics = [op for op in ops if op.type == "CheckNumerics"]
+    assert numerics, [op.type for op in ops]
+    assert any("'Log'" in op.get_attr("message").decode() for op in numerics)
+    assert numerics[0].inputs[0].dtype == tf.float32
+    plain = tf.function(grad.python_function).get_concrete_function(x)
+    assert not [op for op in plain.graph.get_operations()
+                if op.type == "CheckNumerics"]
 
 
 def test_finite_gradients_are_tfs_in_anomaly_mode():
@@ -298,3 +312,36 @@ def _anomaly_step():
 
 def test_anomaly_mode_leaks_nothing():
     assert_leaks_nothing(_anomaly_step)
+
+
+def test_anomaly_and_explain_name_the_same_user_line():
+    """One finder of the user's line: an op run from inside the standard
+    library (functools' singledispatch wrapper) is named at the user's line
+    that called it, by anomaly mode as by explain_none (the stdlib frame is
+    no more the user's than TF's)."""
+    import functools
+    from fasttape.diagnostics import _frames
+    sqrt = functools.singledispatch(tf.sqrt)
+    x = tf.constant([0.0, 4.0])
+    with fasttape.detect_anomaly():
+        with fasttape.GradientTape() as tape:
+            tape.watch(x)
+            line = _here()
+            y = sqrt(x)
+        with pytest.raises(anomaly.AnomalyError) as info:
+            tape.gradient(y, x)
+    assert (info.value.filename, info.value.lineno) == (__file__, line)
+    assert _frames.kind(functools.__file__) == _frames.LIBRARY
+    assert _frames.kind(__file__) == _frames.USER
+
+
+def test_the_mode_is_a_property_of_the_vspace():
+    """Anomaly mode is the vspace's check_gradients (as the profiler is its
+    profile_stats): set while the mode is on, and what the compiled cache
+    declines."""
+    from fasttape.recording import _recording
+    vspace = _recording.VSPACE
+    assert vspace.check_gradients is None
+    with fasttape.detect_anomaly():
+        assert vspace.check_gradients is anomaly.check_gradients
+    assert vspace.check_gradients is None

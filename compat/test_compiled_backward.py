@@ -16,8 +16,8 @@ import pytest
 import tensorflow as tf
 
 import fasttape
-from fasttape import _compiled
-from fasttape import _recording
+from fasttape.gradients import _compiled
+from fasttape.recording import _recording
 from harness import assert_same
 
 STEPS = 4

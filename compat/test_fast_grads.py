@@ -8,7 +8,8 @@ import pytest
 import tensorflow as tf
 
 import fasttape
-from fasttape import _fast_grads, _recording
+from fasttape.gradients import _fast_grads
+from fasttape.recording import _recording
 from harness import assert_same
 
 RNG = np.random.default_rng(7)

@@ -14,7 +14,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import op_callbacks
 
 import fasttape
-from fasttape import _recording
+from fasttape.recording import _recording
 
 
 def _ops():
@@ -128,7 +128,7 @@ def test_variables_in_a_list_argument_of_an_unknown_op_are_read_and_watched(cont
     """Arguments of an op with no OpDef layout (not in TF's registry) go
     through read_variables: a Variable inside a list or a tuple is read in
     Python, where the tape sees the read (else its gradient is None)."""
-    from fasttape import _callback
+    from fasttape.recording import _callback
     v, w = tf.Variable([1.0, 2.0]), tf.Variable([3.0])
     with fasttape.GradientTape() as tape:
         args = _callback.read_variables(

@@ -28,8 +28,8 @@ from tensorflow.python.eager import execute
 from tensorflow.python.framework import errors
 
 import fasttape
-from fasttape import _callback
-from fasttape import _recording
+from fasttape.recording import _callback
+from fasttape.recording import _recording
 
 # Held in a dict: patch() swaps module attributes (a module-level
 # ``TF_TAPE = tf.GradientTape`` here would be swapped too).
@@ -553,7 +553,7 @@ def test_an_interrupt_at_any_line_of_gradient(name, compiled):
     bit for bit."""
     impl = Impl(name)
     if compiled is not None:
-        from fasttape import _compiled   # pylint: disable=import-outside-toplevel
+        from fasttape.gradients import _compiled   # pylint: disable=import-outside-toplevel
         _compiled.CACHE.clear()
         previous = _compiled.set_mode(compiled)
     try:

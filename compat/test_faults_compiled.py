@@ -30,8 +30,8 @@ from tensorflow.python.framework import errors
 from tensorflow.python.framework import ops
 
 import fasttape
-from fasttape import _compiled
-from fasttape import _recording
+from fasttape.gradients import _compiled
+from fasttape.recording import _recording
 
 CLASSES = {"tf": tf.GradientTape, "fasttape": fasttape.GradientTape}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,5 +1,5 @@
 """Op-by-op parity of fasttape.ForwardAccumulator with TF's: every op with a
-direct JVP rule (fasttape._jvp_rules.JVP_RULES) and a spread of ops without
+direct JVP rule (fasttape.gradients._jvp_rules.JVP_RULES) and a spread of ops without
 one (fasttape transposes their registered gradient), each on realistic small
 shapes; plus, per case, the inner-product identity <J v, u> == <v, J^T u>
 with fasttape alone (forward accumulator against tape with output_gradients).
@@ -19,8 +19,8 @@ import tensorflow as tf
 from tensorflow.python.util import nest
 
 import fasttape
-from fasttape import _recording
-from fasttape._jvp_rules import JVP_RULES
+from fasttape.recording import _recording
+from fasttape.gradients._jvp_rules import JVP_RULES
 from harness import Raised, assert_same
 from test_forwardprop import fwd_error, fwd_parity, run_fwd_case
 

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 import fd
 import fuzz_programs
 import harness
-from fasttape import _compiled
+from fasttape.gradients import _compiled
 from fuzz_programs import Input, Node, Program
 from harness import Raised
 

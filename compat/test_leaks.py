@@ -26,7 +26,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import test_util
 
 import fasttape
-from fasttape import _compiled
+from fasttape.gradients import _compiled
 
 CLASSES = {
     "tf": (tf.GradientTape, tf.autodiff.ForwardAccumulator),
@@ -199,8 +199,11 @@ def changing_shapes_reseeded(GT, FA):
     drops kernels and re-instantiates."""
     w = tf.Variable(_x(3, 3))
     results = []
-    for step, n in enumerate([2, 3, 2, 2, 3, 2]):
-        if step % 3 == 0:
+    # A steady length (built in "auto" mode too, at its fourth step: see
+    # test_changing_shapes_build_in_auto_mode), a change and back, and a
+    # re-seed after the build (its kernels dropped).
+    for step, n in enumerate([2, 2, 2, 2, 2, 3, 2, 2, 2, 2]):
+        if step in (0, 6):
             tf.random.set_seed(step)
         with GT() as t:
             h = _x(n, 3, seed=step)
@@ -333,3 +336,33 @@ def test_clear_caches_releases_compiled_functions():
     context.context()._clear_caches()  # pylint: disable=protected-access
     gc.collect()
     assert not context.context().list_function_names() & built
+
+
+def test_the_harness_leak_check_sees_reference_cycles():
+    """harness.assert_leaks_nothing fails on a step that leaves an ordinary
+    reference cycle (TF's garbage decorator alone does not see one), and
+    passes a step that leaves none."""
+    from harness import assert_leaks_nothing
+
+    def cyclic():
+        a = [tf.constant(1.0)]
+        a.append(a)
+
+    with pytest.raises(AssertionError, match="reference cycles"):
+        assert_leaks_nothing(cyclic)
+    assert_leaks_nothing(lambda: [tf.constant(1.0)])
+
+
+def test_changing_shapes_build_in_auto_mode():
+    """changing_shapes_reseeded exercises the compiled cache in "auto" mode
+    (the mode test_no_new_tensors runs it in): passes are built and
+    replayed, not only run eagerly."""
+    _warm_up(changing_shapes_reseeded)
+    with _compiled_mode("auto"):
+        _compiled.CACHE.clear()
+        stats = _compiled.CACHE.stats
+        before = dict(stats)
+        changing_shapes_reseeded(*CLASSES["fasttape"])
+        built = stats["built"] - before.get("built", 0)
+        replayed = stats["replayed"] - before.get("replayed", 0)
+    assert built >= 1 and replayed >= 1, dict(stats)

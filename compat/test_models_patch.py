@@ -288,7 +288,7 @@ def test_an_interrupt_at_any_point_of_patch_or_unpatch_leaves_no_half_patch():
     """An interrupt at every line of a swap (patch()) rolls back everything;
     one at every line of a restore (unpatch()) leaves what is not yet
     restored listed, and the next unpatch() restores it."""
-    from fasttape import _recording
+    from fasttape.recording import _recording
     before = _holders(_TF["GradientTape"])
     swap_codes = {_recording._set.__code__}
     restore_codes = {_recording._restore_to.__code__, _recording._set.__code__}

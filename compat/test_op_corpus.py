@@ -71,7 +71,7 @@ def compiled_verify():
     """fasttape's compiled backward at first use, checked against its eager
     pass (a pass that cannot be traced or disagrees raises) and returned,
     so that the parity check compares the compiled result with TF's."""
-    from fasttape import _compiled
+    from fasttape.gradients import _compiled
     previous = _compiled.set_mode("verify")
     try:
         yield

@@ -16,9 +16,9 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import test_util
 
 import fasttape
-from fasttape import _compiled
-from fasttape import _fast_grads
-from fasttape import _recording
+from fasttape.gradients import _compiled
+from fasttape.gradients import _fast_grads
+from fasttape.recording import _recording
 from harness import Raised, assert_same, run_case
 from test_fast_grads import CASES, _op_type
 

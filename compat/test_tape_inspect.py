@@ -255,6 +255,14 @@ def test_to_dot_nodes_and_edges_match_the_trace():
             elif core.producer(tid) == -1:
                 expected.append((f"w{tid}", f"op{op_id}"))
     assert sorted((s, d) for s, d, _ in edges) == sorted(expected)
+    # The same graph, written out by hand (not read from the trace): each
+    # edge as (its producer's label, its reader's label).
+    kind = {name: label.split("\n")[0] for name, (_, label, _) in nodes.items()}
+    assert sorted((kind[s], kind[d]) for s, d, _ in edges) == sorted([
+        ("watched", "Sin"), ("watched", "Cos"),
+        ("Variable:0", "ReadVariableOp"),
+        ("Sin", "Mul"), ("ReadVariableOp", "Mul"),
+        ("Cos", "Exp"), ("Mul", "Sum")])
     # Op types and shapes in the labels.
     types = _by_type(nodes)
     assert set(types) >= {"Sin", "Mul", "Cos", "Exp", "Sum", "ReadVariableOp"}
@@ -328,3 +336,21 @@ def _inspected_step():
 
 def test_summary_and_to_dot_leak_nothing():
     assert_leaks_nothing(_inspected_step)
+
+
+def test_one_byte_counter_for_summary_and_bench():
+    """summary() and the bench count a tensor's bytes with one function:
+    a string, resource or variant buffer counts 0 (it holds pointers)."""
+    from fasttape.gradients._tf_vspace import nbytes
+    from fasttape.diagnostics import _inspect_tape
+    assert nbytes(tf.zeros((2, 3))) == 24
+    assert nbytes(tf.constant([1, 2], tf.int64)) == 16
+    assert nbytes(tf.constant(["abc", "de"])) == 0
+    assert nbytes(tf.Variable(1.0).handle) == 0
+    assert _inspect_tape._nbytes is nbytes  # pylint: disable=protected-access
+
+    def strings(impl):
+        with impl.GradientTape() as tape:
+            s = tf.strings.as_string(tf.constant([1.0, 2.0]))
+        return lambda: (tape, s)
+    assert bench.held_bytes(tf, strings, fasttape) == 0

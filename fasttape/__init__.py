@@ -17,15 +17,15 @@ _LAZY = {
     "patched": ("fasttape._patch", "patched"),
     "is_patched": ("fasttape._patch", "is_patched"),
     "PatchSkippedWarning": ("fasttape._patch", "PatchSkippedWarning"),
-    "profile": ("fasttape.profiler", "profile"),
+    "profile": ("fasttape.diagnostics.profiler", "profile"),
     "hvp": ("fasttape.functional", "hvp"),
     "hessian": ("fasttape.functional", "hessian"),
-    "clear_caches": ("fasttape._recording", "clear_caches"),
-    "explain_none": ("fasttape.explain", "explain_none"),
-    "Explanation": ("fasttape.explain", "Explanation"),
-    "detect_anomaly": ("fasttape.anomaly", "detect_anomaly"),
-    "is_anomaly_enabled": ("fasttape.anomaly", "is_anomaly_enabled"),
-    "AnomalyError": ("fasttape.anomaly", "AnomalyError"),
+    "clear_caches": ("fasttape.recording._recording", "clear_caches"),
+    "explain_none": ("fasttape.diagnostics.explain", "explain_none"),
+    "Explanation": ("fasttape.diagnostics.explain", "Explanation"),
+    "detect_anomaly": ("fasttape.diagnostics.anomaly", "detect_anomaly"),
+    "is_anomaly_enabled": ("fasttape.diagnostics.anomaly", "is_anomaly_enabled"),
+    "AnomalyError": ("fasttape.diagnostics.anomaly", "AnomalyError"),
 }
 
 __all__ = sorted(_LAZY)
@@ -40,6 +40,54 @@ def __getattr__(name):
     value = getattr(importlib.import_module(module_name), attr)
     globals()[name] = value
     return value
+
+
+# Public modules that moved into a layer subpackage: the old import path gives
+# the same module object (so setting a module flag still works) and a
+# DeprecationWarning. No file stays at the old path.
+_MOVED = {
+    "fasttape.explain": "fasttape.diagnostics.explain",
+    "fasttape.anomaly": "fasttape.diagnostics.anomaly",
+    "fasttape.profiler": "fasttape.diagnostics.profiler",
+}
+
+
+class _MovedModules:
+    """A sys.meta_path finder and loader for the names in _MOVED."""
+
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):
+        del path, target
+        if fullname not in _MOVED:
+            return None
+        import importlib.util
+        return importlib.util.spec_from_loader(fullname, _MovedModules)
+
+    @staticmethod
+    def create_module(spec):
+        import importlib
+        import warnings
+        new = _MOVED[spec.name]
+        # stacklevel 2: the import statement (warnings skips importlib's frames)
+        warnings.warn(f"{spec.name} moved to {new}; import it from there "
+                      "(the public names stay in fasttape itself)",
+                      DeprecationWarning, stacklevel=2)
+        return importlib.import_module(new)
+
+    @staticmethod
+    def exec_module(module):
+        del module
+
+
+def _install_moved_modules():
+    import sys
+    if _MovedModules not in sys.meta_path:
+        # first: an editable install's finder would otherwise answer the old
+        # path from another checkout
+        sys.meta_path.insert(0, _MovedModules)
+
+
+_install_moved_modules()
 
 
 def __dir__():

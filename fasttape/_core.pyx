@@ -733,6 +733,23 @@ cdef class GradientTapeCore:
             self.busy -= 1
             self.collect_deaths()
 
+    def path(self, target_ids, source_ids, bint all_watched=False):
+        """The ops between the sources and the targets, as compute_gradient
+        would run them: ``(op ids in op-id order, set of tensor ids whose
+        gradient matters)`` (the sources and the outputs of those ops)."""
+        cdef vector[int64_t] targets, sources, op_list
+        cdef unordered_set[int64_t] needed
+        _fill(targets, target_ids)
+        _fill(sources, source_ids)
+        self.collect_deaths()
+        self.busy += 1
+        try:
+            self._walk_path(targets, sources, op_list, needed, all_watched)
+        finally:
+            self.busy -= 1
+            self.collect_deaths()
+        return [op_id for op_id in op_list], {tid for tid in needed}
+
     def _plan(self, target_ids, source_ids, bint all_watched):
         cdef vector[int64_t] targets, sources, op_list, code, order
         cdef unordered_set[int64_t] needed
@@ -794,6 +811,15 @@ cdef class GradientTapeCore:
                 op_list.swap(self.pruned_ops)
                 needed.swap(self.pruned_needed)
                 return
+        self._walk_path(targets, sources, op_list, needed, all_watched)
+
+    cdef void _walk_path(self, vector[int64_t]& targets, vector[int64_t]& sources,
+                         vector[int64_t]& op_list, unordered_set[int64_t]& needed,
+                         bint all_watched) except *:
+        """The one walk over the ops between the sources and the targets
+        (backprop's prune, path(), and so the diagnostics): op_list gets the
+        recorded ops that lead to a target and read a source, transitively,
+        in op-id order; needed the sources and those ops' outputs."""
         cdef int64_t tid, op_id, n_ops = self.next_op_id
         # 1a. Reachable ops (from targets).
         cdef vector[char] reachable = vector[char](n_ops, 0)

@@ -5,11 +5,11 @@ The swap itself (a TF monkeypatch) lives in _recording with the others.
 
 import contextlib
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python.eager import backprop
 from tensorflow.python.eager import forwardprop
 
-from fasttape import _recording
+from fasttape.recording import _recording
 from fasttape.forwardprop import ForwardAccumulator
 from fasttape.tape import GradientTape
 

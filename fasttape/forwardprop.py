@@ -2,7 +2,7 @@
 fasttape's core (direct JVP rules, else the transposed registered gradient;
 no tf.function is traced per op type)."""
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor_shape
 from tensorflow.python.ops import array_ops
@@ -10,7 +10,7 @@ from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.platform import tf_logging as logging
 from tensorflow.python.util import nest
 
-from fasttape import _recording
+from fasttape.recording import _recording
 
 _DUPLICATE = ("Tensor {} was specified as a primal multiple times. This may "
               "indicate an error. If it was intended, please sum the "

@@ -8,7 +8,7 @@ arguments) to a scalar. No tf.function is traced: both run on fasttape's
 eager tape, so repeated calls cost the same as the first.
 """
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python.framework import ops
 from tensorflow.python.ops import array_ops
 from tensorflow.python.util import nest

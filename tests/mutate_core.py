@@ -153,9 +153,13 @@ def main(names):
             if (ROOT / f).exists():
                 shutil.copy(ROOT / f, scratch / f)
         for pattern in ("*.pyx", "*.pxd", "*.pxi", "*.h"):  # setup.py may build more
-            for f in (ROOT / "fasttape").glob(pattern):
-                shutil.copy(f, scratch / "fasttape" / f.name)
-        (scratch / "fasttape" / "__init__.py").write_text("")
+            for f in (ROOT / "fasttape").rglob(pattern):   # (in subpackages too)
+                dest = scratch / "fasttape" / f.relative_to(ROOT / "fasttape")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(f, dest)
+        for d in [scratch / "fasttape", *(scratch / "fasttape").rglob("*")]:
+            if d.is_dir():
+                (d / "__init__.py").write_text("")
         survived = []
         for name, what, old, new, count in MUTANTS:
             if names and name not in names:

@@ -71,6 +71,9 @@ def test_bench_prints_its_table_writes_json_and_plot_and_no_tf_noise(tmp_path):
                tmp_path, env=BENCH_ENV)
     assert out.returncode == 0, out.stderr
     assert "ratio" in out.stdout and "chain" in out.stdout
+    # Up front: roughly how long the run takes.
+    assert re.fullmatch(r"3 workload\(s\), 4 timed steps each: about \d+ (s|min) "
+                        r"\(a rough estimate\)", out.stdout.splitlines()[0])
     rows = json.loads(result.read_text())
     assert [r["workload"] for r in rows] == ["chain", "jvp", "jacobian"]
     assert all(r["grads_equal"] for r in rows)
@@ -126,3 +129,55 @@ def test_progress_bar_on_a_terminal(monkeypatch):
     progress.close()
     assert "chain" in err.getvalue() and "/3" in err.getvalue()
     assert "done" not in err.getvalue()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "x"])
+def test_bench_bad_repeats_is_one_argparse_error_line(value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--workloads", "chain", "--repeats", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m fasttape bench: error: argument --repeats: ")
+    assert not [line for line in err if "Traceback" in line or "KeyError" in line]
+
+
+def test_every_printed_median_shows_its_spread():
+    row = dict(_row("a", 2.0, 10.0, 5.0, 1.0, 0.5), held_bytes_tf=0,
+               held_bytes_fasttape=0, backward="eager", grads_equal=True,
+               spread_ms={"floor": (1.9, 2.1), "tf": (9.0, 11.0), "ft": (4.5, 5.5),
+                          "ratio": (0.4, 0.6), "rec_tf": (2.5, 3.5),
+                          "rec_ft": (2.0, 3.0)})
+    table = bench.format_table([row])
+    line = table.splitlines()[2]
+    for cell in ("2.00 ±0.10", "10.00 ±1.00", "5.00 ±0.50", "0.50 ±0.10",
+                 "1.00 ±0.50", "0.50 ±0.50"):
+        assert cell in line, (cell, line)
+    assert bench.iqr_ms([0.001, 0.002, 0.003, 0.004, 0.005]) == (2.0, 4.0)
+    assert bench.iqr_ms([0.003]) == (3.0, 3.0)
+
+
+def test_a_workload_says_what_it_measures():
+    """The per-op recording line comes from ops_per_step, whatever the
+    workload's name (no special case of "recording")."""
+    assert bench.BY_NAME["recording"].ops_per_step == bench.RECORDING_OPS
+    assert bench.BY_NAME["chain"].ops_per_step is None
+    rows = [dict(_row("sin_chain", 1.0, 3.0, 2.0, 0.5, 0.25), ops_per_step=250,
+                 spread_ms={}),
+            dict(_row("recording", 1.0, 3.0, 2.0, 0.5, 0.25), ops_per_step=None)]
+    text = bench.format_per_op(rows)
+    assert text.splitlines() == [
+        "sin_chain: recording overhead per op above the floor: tf 2.00 us, "
+        "fasttape 1.00 us (0.50x TF's)"]
+
+
+def test_the_cache_tables_means_show_their_spread():
+    row = {"workload": "varlen", "tf_first_ms": 10.0, "fasttape_first_ms": 12.0,
+           "fasttape_build_step_ms": None, "builds": 0, "build_seconds": 0.0,
+           "cache": {}, "hit_rate": None, "tf_mean_ms": 5.0,
+           "fasttape_mean_ms": 3.0, "fasttape_off_mean_ms": 4.0,
+           "mean_ratio": 0.6, "mean_ratio_to_off": 0.75,
+           "spread_ms": {"tf": (4.0, 6.0), "ft": (2.5, 3.5), "off": (3.0, 5.0),
+                         "ratio": (0.5, 0.7), "ratio_to_off": (0.7, 0.8)}}
+    line = bench.format_cache_table([row]).splitlines()[2]
+    for cell in ("5.00 ±1.00", "3.00 ±0.50", "4.00 ±1.00", "0.60 ±0.10", "0.75 ±0.05"):
+        assert cell in line, (cell, line)

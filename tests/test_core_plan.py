@@ -96,3 +96,24 @@ def test_a_change_between_plan_and_compute_is_seen():
     np.testing.assert_allclose(nv.value(g), c.value)
     (call,) = vs.backward_log
     assert call.unneeded == []
+
+
+def test_path_is_the_walk_backprop_prunes_with():
+    """path(): the ops between the sources and the targets (what plan and
+    compute_gradient run; to_dot and explain read it too), and it leaves a
+    following plan/compute untouched."""
+    x, z = T(np.arange(3.0)), T(np.ones(3))
+    with tape(persistent=True, watch=[x, z]) as tp:
+        a = nv.sin(x)             # on the path from x
+        b = nv.exp(z)             # leads to y, but from z
+        c = nv.cos(x)             # from x, but not to y
+        y = nv.mul(a, b)
+    ops, needed = tp.path([y.id], [x.id])
+    kinds = [tp.op(i).op_type for i in ops]
+    assert kinds == ["sin", "mul"]
+    assert ops == sorted(ops)
+    assert {x.id, a.id, y.id} <= needed and b.id not in needed and c.id not in needed
+    assert [e.op_type for e in tp.plan([y.id], [x.id])[1]] == kinds
+    ops_z, _ = tp.path([y.id], [z.id])
+    assert [tp.op(i).op_type for i in ops_z] == ["exp", "mul"]
+    assert tp.path([y.id], [c.id]) == ([], {c.id})

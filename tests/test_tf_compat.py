@@ -1,4 +1,4 @@
-"""The TensorFlow version gate (fasttape/_tf_compat.py)."""
+"""The TensorFlow version gate (fasttape/gradients/_tf_compat.py)."""
 
 import os
 import re
@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from fasttape import _tf_compat as compat
+from fasttape.gradients import _tf_compat as compat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALLOW = compat.ALLOW_ENV

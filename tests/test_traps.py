@@ -28,7 +28,7 @@ from tensorflow.python.framework import op_callbacks  # noqa: E402
 from tensorflow.python.framework import ops  # noqa: E402
 
 import fasttape  # noqa: E402
-from fasttape import _recording  # noqa: E402
+from fasttape.recording import _recording  # noqa: E402
 import fasttape.tape as ft_tape  # noqa: E402
 
 GradientTape = fasttape.GradientTape
@@ -139,6 +139,27 @@ def test_fast_path_wrapper_only_installed_while_recording():
         assert "TFE_Py_FastPathExecute" in _recording.installed_hooks()
     assert "TFE_Py_FastPathExecute" not in _recording.installed_hooks()
 
+
+
+def test_uninstall_takes_out_every_hook_it_lists():
+    """One install()/uninstall(): every TF hook fasttape puts in, including
+    explain_none's .numpy() conversion hook and the AutoGraph rule, is
+    listed by installed_hooks() and gone after uninstall()."""
+    original_numpy = ops._EagerTensorBase._numpy  # pylint: disable=protected-access
+    previous = fasttape.explain_none(True)
+    try:
+        tape = GradientTape()
+        with tape:
+            listed = set(_recording.installed_hooks())
+            assert {"_numpy", "CONVERSION_RULES", "TFE_Py_FastPathExecute",
+                    "execute"} | set(HOOK_NAMES) <= listed
+            _recording.uninstall()
+            assert _recording.installed_hooks() == []
+            assert ops._EagerTensorBase._numpy is original_numpy  # pylint: disable=protected-access
+            _recording.install()
+    finally:
+        fasttape.explain_none(previous)
+    assert "_numpy" not in _recording.installed_hooks()
 
 # -- 2. trainable variable reads: variable_accessed / variables_accessed --------------
 
@@ -659,7 +680,7 @@ def test_ops_in_other_thread_not_recorded():
 def shared_state():
     """fasttape's per-thread recording state replaced by one ThreadState
     shared by all threads, for the test's duration."""
-    from fasttape import _callback
+    from fasttape.recording import _callback
     shared = _callback.ThreadState()
     _callback.share_state(shared)
     try:
@@ -729,7 +750,7 @@ def test_fallback_path_needs_execute_with_callbacks(execute_restored,
     del execute_restored
     # Without fasttape's re-arming wrapper of remove_op_callback ...
     monkeypatch.setattr(op_callbacks, "remove_op_callback",
-                        fasttape._recording._originals["remove_op_callback"])
+                        fasttape.recording._recording._originals["remove_op_callback"])
     with GradientTape():
         pass  # make sure this thread's op callback is registered
     gy, gz = _fallback_body(GradientTape, interfere=True)

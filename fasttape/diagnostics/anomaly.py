@@ -34,13 +34,12 @@ raises that very type.
 """
 
 import linecache
-import os
 import sys
 import weakref
 
 import numpy as np
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python.eager import context
 from tensorflow.python.framework import errors_impl
 from tensorflow.python.framework import indexed_slices
@@ -49,17 +48,11 @@ from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import math_ops
 
-from fasttape import _callback
-from fasttape._tf_vspace import TFVSpace
+from fasttape.diagnostics import _frames
+from fasttape.recording import _callback
+from fasttape.recording import _recording
 
-ENABLED = False        # read by fasttape.tape.compute at every gradient()
-
-# Frames kept per op (innermost user frames): the first one is the line
-# named; the others give context.
-MAX_FRAMES = 8
-
-# Packages whose frames are not the user's code.
-_LIBRARIES = ("tensorflow", "keras", "tf_keras", "fasttape", "tensorflow_probability")
+ENABLED = False        # (the vspace's check_gradients is set with it)
 
 # payload (what a recorded op keeps for its backward pass) -> _OpRecord.
 # Weak: a record goes when its op's payload goes (tape released, op deleted).
@@ -97,6 +90,9 @@ class AnomalyError(errors_impl.InvalidArgumentError):
         return self.stack[0][1] if self.stack else None
 
 
+AnomalyError.__module__ = "fasttape"   # its public name: fasttape.AnomalyError
+
+
 class _OpRecord:
     __slots__ = ("op_type", "inputs", "outputs", "stack")
 
@@ -113,6 +109,9 @@ def _set(mode):
     global ENABLED
     ENABLED = bool(mode)
     _callback.set_anomaly_hook(_note if ENABLED else None)
+    # Every backward function the vspace runs is checked; the compiled
+    # backward declines while this is set.
+    _recording.VSPACE.check_gradients = check_gradients if ENABLED else None
 
 
 def is_anomaly_enabled():
@@ -146,48 +145,6 @@ class detect_anomaly:  # pylint: disable=invalid-name  (PyTorch's spelling)
 
 # -- recording: where each op ran ---------------------------------------------------
 
-_library_files = {}    # filename -> is it a library's (not the user's)?
-
-
-def _library_prefixes():
-    prefixes = []
-    for name in _LIBRARIES:
-        module = sys.modules.get(name)
-        path = getattr(module, "__file__", None)
-        if path:
-            prefixes.append(os.path.dirname(os.path.abspath(path)) + os.sep)
-    return tuple(prefixes)
-
-
-def _is_library(filename):
-    found = _library_files.get(filename)
-    if found is None:
-        found = os.path.abspath(filename).startswith(_library_prefixes())
-        _library_files[filename] = found
-    return found
-
-
-is_library = _is_library   # (fasttape.explain names user lines the same way)
-
-
-def user_stack(frame=None, limit=MAX_FRAMES):
-    """The innermost ``limit`` frames of the user's code, innermost first,
-    as ``(filename, lineno, function)``: TensorFlow's, Keras' and
-    fasttape's frames left out."""
-    f = sys._getframe(1) if frame is None else frame  # pylint: disable=protected-access
-    out = []
-    while f is not None and len(out) < limit:
-        code = f.f_code
-        name = code.co_filename
-        library = _library_files.get(name)
-        if library is None:
-            library = _is_library(name)
-        if not library:
-            out.append((name, f.f_lineno, code.co_name))
-        f = f.f_back
-    return tuple(out)
-
-
 _dtype_names = {}     # DataType enum -> name
 
 
@@ -213,7 +170,7 @@ def _note(payload, op_type, inputs, outputs):
         _RECORDS[payload] = _OpRecord(
             op_type, tuple([describe(t) for t in inputs]),
             tuple([describe(t) for t in outputs]),
-            user_stack(sys._getframe(1)))  # pylint: disable=protected-access
+            _frames.user_stack(sys._getframe(1)))  # pylint: disable=protected-access
     except TypeError:   # a payload that takes no weak reference
         pass
 
@@ -314,26 +271,3 @@ def check_gradients(op_type, payload, unneeded_indices, grads):
                                                      g.dense_shape)
                         if sparse else checked)
     return grads
-
-
-class _CheckingVSpace(TFVSpace):
-    """TF's vector space, checking every op's input gradients."""
-
-    def __init__(self, base):
-        super().__init__(base._is_recording)  # pylint: disable=protected-access
-        # The same ones cache (emptied by fasttape.clear_caches) and modes.
-        self._ones_cache = base._ones_cache  # pylint: disable=protected-access
-        self.use_fast_rules = base.use_fast_rules
-        self.profile_stats = base.profile_stats
-
-    def call_backward(self, op_type, payload, unneeded_indices, out_grads):
-        grads = TFVSpace.call_backward(self, op_type, payload,
-                                       unneeded_indices, out_grads)
-        if grads is None:
-            return grads
-        return check_gradients(op_type, payload, unneeded_indices, list(grads))
-
-
-def checking_vspace(base):
-    """A vector space for one backward pass in anomaly mode."""
-    return _CheckingVSpace(base)

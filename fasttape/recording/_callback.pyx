@@ -13,7 +13,7 @@ one module that patches TF.
 import gc as _gc
 import itertools
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.eager import context
@@ -31,6 +31,7 @@ from libc.stdint cimport int64_t
 from libcpp.vector cimport vector
 
 from fasttape._core cimport GradientTapeCore, ForwardAccumulatorCore
+from fasttape.gradients._payloads cimport EagerOp, GraphOp, PyBackward
 
 cdef extern from "Python.h":
     PyObject* PyThreadState_GetDict()
@@ -38,7 +39,7 @@ cdef extern from "Python.h":
     void PyObject_GC_UnTrack(void*)
     int PyObject_IS_GC(object)
     int PyObject_GC_IsTracked(object)
-from fasttape._saved import saved_indices
+from fasttape.recording._saved import saved_indices
 
 cdef object _is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 cdef object _uid = pywrap_tfe.TFE_Py_UID
@@ -58,61 +59,6 @@ nesting_ids = itertools.count()
 EAGER_OP = 0
 GRAPH_OP = 1
 PY_BACKWARD = 2
-
-
-# -- backward payloads (what a recorded op keeps for its backward pass) --------
-
-@cython.no_gc
-cdef class EagerOp:
-    """An op run eagerly: its attrs and the inputs/outputs its gradient reads
-    (None in place of the others), kept in one tuple: few objects per
-    recorded op means fewer garbage-collector passes while recording.
-    (Attrs and tensors only: no reference cycle can pass through it, so the
-    garbage collector never tracks it, nor, the core then decides, the
-    op's entry.)"""
-    cdef readonly tuple attrs
-    cdef readonly tuple saved           # inputs then outputs
-    cdef readonly Py_ssize_t num_inputs
-    cdef object __weakref__
-
-    def __init__(self, attrs, tuple saved, Py_ssize_t num_inputs):
-        # (The fast-path recorder makes them with EagerOp.__new__ and sets
-        # the fields itself: no argument parsing.)
-        self.attrs = tuple(attrs) if attrs is not None else ()
-        self.saved = saved
-        self.num_inputs = num_inputs
-
-    @property
-    def inputs(self):
-        return self.saved[:self.num_inputs]
-
-    @property
-    def outputs(self):
-        return self.saved[self.num_inputs:]
-
-
-cdef class GraphOp:
-    """An op built while tracing: the real tf.Operation."""
-    cdef readonly object op
-    cdef readonly Py_ssize_t num_inputs
-    cdef object __weakref__
-
-    def __cinit__(self, op, Py_ssize_t num_inputs):
-        self.op = op
-        self.num_inputs = num_inputs
-
-
-cdef class PyBackward:
-    """A backward function recorded through record.record_operation, and
-    the forward (tangent) function TF gave with it, if any."""
-    cdef readonly object fn, forward
-    cdef readonly Py_ssize_t num_inputs
-    cdef object __weakref__
-
-    def __cinit__(self, fn, Py_ssize_t num_inputs, forward=None):
-        self.fn = fn
-        self.num_inputs = num_inputs
-        self.forward = forward
 
 
 # -- a tape as the recording machinery sees it ------------------------------------
@@ -258,7 +204,8 @@ cdef list _ids(tensors):
     return [t._id for t in tensors]
 
 
-cdef dict _saved_masks = {}   # op type -> {(n_in << 32) | n_out: masks}
+cdef dict _saved_masks = {}   # op type -> {(n_in << 32) | n_out: masks}; the one
+                              # saved-tensor mask cache (both recording paths)
 
 
 cdef tuple _masks(op_type, Py_ssize_t n_in, Py_ssize_t n_out):
@@ -623,10 +570,6 @@ cdef class _Layout:
     cdef bint all_single            # no list inputs
     cdef Py_ssize_t n_typed         # input arguments with a type attr
     cdef tuple out_lists            # per output argument: a list?
-    # _masks for the arity last seen ((n_in << 32) | n_out; -1: none yet)
-    cdef long long mask_key
-    cdef object in_mask, out_mask
-    cdef bint mortal
 
     def __init__(self, op_def):
         kinds, type_attrs, list_attrs = [], [], []
@@ -649,7 +592,6 @@ cdef class _Layout:
         self.n_typed = sum(1 for t in type_attrs if t is not None)
         self.out_lists = tuple([bool(a.number_attr or a.type_list_attr)
                                 for a in op_def.output_arg])
-        self.mask_key = -1
 
 
 cdef dict _layouts = {}     # op type -> _Layout, or False (not in TF's registry)
@@ -665,8 +607,10 @@ cdef object _layout(op_name):
 
 
 def clear_layouts():
-    """Forget the cached OpDef layouts (fasttape.clear_caches)."""
+    """Forget the cached OpDef layouts and saved-tensor masks
+    (fasttape.clear_caches)."""
     _layouts.clear()
+    _saved_masks.clear()
 
 
 cdef inline bint _eager(t):
@@ -803,14 +747,11 @@ cdef int _record_eager(ThreadState st, _Layout lay, op_name, tuple args,
     cdef list tapes = _tapes_recording(st, ids, &trainable)
     if tapes is None:
         return 0
-    cdef long long key = (n_in << 32) | n_out
-    if lay.mask_key != key:
-        lay.in_mask, lay.out_mask, lay.mortal = _masks(op_name, n_in, n_out)
-        lay.mask_key = key
-    payload = _eager_payload(_attrs(lay, args, enums), inputs, lay.in_mask,
-                             outputs, lay.out_mask)
+    in_mask, out_mask, mortal = _masks(op_name, n_in, n_out)
+    payload = _eager_payload(_attrs(lay, args, enums), inputs, in_mask,
+                             outputs, out_mask)
     _record_on_tapes(tapes, op_name, ids, inputs, outputs,
-                     _output_metas(outputs, False), payload, lay.mortal)
+                     _output_metas(outputs, False), payload, mortal)
     return 0
 
 
@@ -989,105 +930,3 @@ def _capture_callback(op_type, inputs, attrs, outputs, op_name=None,
         return None
     st.capturing = False
     return op_callback(op_type, inputs, attrs, outputs, op_name, graph)
-
-
-# -- compiled backward: what a recorded pass depends on besides tensor values --
-
-cdef object _hashable(value):
-    """Attr values as dict keys: lists (shapes, strides) become tuples."""
-    if isinstance(value, (list, tuple)):
-        return tuple([_hashable(v) for v in value])
-    return value
-
-
-cdef int _INT32 = 3
-cdef int _INT64 = 9
-MAX_BAKED_ELEMENTS = 32
-# Ops whose gradients call back into Python: kept eager.
-cdef frozenset _NEVER_COMPILED = frozenset({"EagerPyFunc", "PyFunc", "PyFuncStateless"})
-
-
-def backward_signature(list entries, dict config_inputs, config_inputs_of):
-    """For the pruned entries of a backward pass (GradientTapeCore.plan):
-    ``(signature, feeds)``, or None where the pass cannot be compiled (a
-    payload other than an eagerly run op, an output whose zeros need a
-    tensor, a variant tensor, or an op whose gradient calls Python).
-
-    signature: a flat tuple of, per entry, its op type, attrs, output metas
-    and number of saved slots, then per slot the dtype and shape of the
-    saved tensor (None where the gradient reads none): everything but
-    tensor values. Flat, to allocate few objects (the garbage collector's
-    passes cost more than the loop). feeds: the saved tensors, in order.
-
-    Configuration inputs (config_inputs: op type -> input indices, negative
-    ones counted from the end; config_inputs_of(op_type) fills it): small integer
-    tensors such as an axis, a shape or a permutation. Eager gradient
-    functions read their values (tensor_util.constant_value), so they are
-    baked into the compiled pass as constants (``bake_slot`` says which),
-    and their values are part of the signature instead of a feed.
-    """
-    cdef list sig = [], feeds = []
-    cdef EagerOp p
-    cdef Py_ssize_t k
-    gc_was_enabled = _gc.isenabled()
-    _gc.disable()
-    try:
-        for entry in entries:
-            payload = entry.payload
-            if type(payload) is not EagerOp:
-                return None
-            p = <EagerOp>payload
-            metas = entry.output_meta
-            for meta in metas:
-                if meta is not None and type(meta) is not tuple:
-                    return None
-            attrs = p.attrs
-            try:
-                hash(attrs)
-            except TypeError:
-                attrs = _hashable(attrs)
-            op_type = entry.op_type
-            if op_type in _NEVER_COMPILED:
-                return None
-            sig.append(op_type)
-            sig.append(attrs)
-            sig.append(metas)
-            sig.append(len(p.saved))
-            configs = config_inputs.get(op_type)
-            if configs is None:
-                configs = config_inputs_of(op_type)
-            k = 0
-            for x in p.saved:
-                if x is None:
-                    sig.append(None)
-                    k += 1
-                    continue
-                if type(x) is not _EagerTensor:
-                    return None
-                enum = x._datatype_enum()
-                if enum == _VARIANT:
-                    return None
-                sig.append(enum)
-                sig.append(x._shape_tuple())
-                if configs and _bake(configs, k, p.num_inputs, x, enum):
-                    sig.append(x.numpy().tobytes())
-                else:
-                    feeds.append(x)
-                k += 1
-        return tuple(sig), feeds
-    finally:
-        if gc_was_enabled:
-            _gc.enable()
-
-
-cdef inline bint _bake(configs, Py_ssize_t k, Py_ssize_t n_in, x,
-                       int enum) except -1:
-    return ((enum == _INT32 or enum == _INT64) and k < n_in
-            and (k in configs or (k - n_in) in configs)
-            and x._num_elements() <= MAX_BAKED_ELEMENTS)
-
-
-def bake_slot(configs, Py_ssize_t k, Py_ssize_t n_in, x):
-    """Is saved slot k (x) of an op with n_in inputs baked into the
-    compiled pass as a constant?"""
-    return bool(configs) and _bake(configs, k, n_in, x, x._datatype_enum())

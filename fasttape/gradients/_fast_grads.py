@@ -15,7 +15,7 @@ Each rule runs the kernels TF's function runs, in the same order, so results
 agree bit for bit; compat/test_fast_grads.py proves each one against TF's.
 """
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 import numpy as np
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context

@@ -12,7 +12,7 @@ run) the backward pass also appears as one function per op type,
 
 import contextlib
 
-from fasttape import _recording
+from fasttape.recording import _recording
 
 
 class BackwardProfile:

@@ -36,13 +36,14 @@ import dataclasses
 import logging
 import os
 import sys
-import sysconfig
 import threading
 import weakref
 
 from tensorflow.python import pywrap_tfe
 
-from fasttape import anomaly as _anomaly
+from fasttape.diagnostics import _frames
+from fasttape.recording import _callback
+from fasttape.recording import _recording
 
 _log = logging.getLogger("fasttape")
 
@@ -102,7 +103,7 @@ class Explanation:
     certain: bool = True
 
     def __post_init__(self):
-        if self.line is not None:   # a _Where, formatted now
+        if self.line is not None:   # a _frames.Where, formatted now
             object.__setattr__(self, "line", str(self.line))
 
     def __str__(self):
@@ -110,6 +111,8 @@ class Explanation:
 
     __repr__ = __str__
 
+
+Explanation.__module__ = "fasttape"   # its public name: fasttape.Explanation
 
 # -- switching lineage on and off --------------------------------------------------
 
@@ -143,7 +146,6 @@ def _set_hooks(on):
     global _hooks_on, _is_trainable
     if on == _hooks_on:
         return
-    from fasttape import _callback, _recording  # pylint: disable=import-outside-toplevel
     _is_trainable = _callback.is_trainable
     _callback.set_lineage_hook(_lineage_hook if on else None)
     _recording.set_conversion_hook(_conversion_hook if on else None)
@@ -221,69 +223,14 @@ def note_stop_gradient(tape_state, input_id, output_id):
 
 # -- the user's line -------------------------------------------------------------------
 
-_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_STDLIB = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib")})
-_USER, _FASTTAPE, _LIB = 0, 1, 2
-_kinds = {}   # file name -> _USER / _FASTTAPE / _LIB (a str's hash is cached)
-
-
-def _kind(code):
-    """Whose code: fasttape's, a library's (as anomaly mode decides, which
-    names the same user lines, plus the standard library: contextlib runs
-    ``with tape.stop_recording():``), or the user's."""
-    fn = code.co_filename
-    k = _kinds.get(fn)
-    if k is None:
-        if fn.startswith(_HERE):
-            k = _FASTTAPE
-        elif (fn.startswith(_STDLIB) or fn.startswith("<frozen")
-              or _anomaly.is_library(fn)):
-            k = _LIB
-        else:
-            k = _USER
-        _kinds[fn] = k
-    return k
-
-
-def clear_caches():
-    """fasttape.clear_caches(): forget the file names sorted so far."""
-    _kinds.clear()
-
-
 def _caller():
-    """(the innermost user frame's _Where, the name of the outermost
+    """(the innermost user frame's Where, the name of the outermost
     fasttape function below it)."""
     try:
         f = sys._getframe(2)  # pylint: disable=protected-access
     except ValueError:
         return None, None
-    what = None
-    while f is not None:
-        k = _kind(f.f_code)
-        if k == _USER:
-            return _Where((f.f_code.co_filename, f.f_lineno)), what
-        if k == _FASTTAPE:
-            what = f.f_code.co_name
-        f = f.f_back
-    return None, what
-
-
-class _Where(tuple):
-    """(filename, line number), formatted only when shown."""
-    __slots__ = ()
-
-    def __str__(self):
-        return _fmt(*self)
-
-
-def _fmt(filename, lineno):
-    try:
-        rel = os.path.relpath(filename)
-        if not rel.startswith(".."):
-            filename = rel
-    except ValueError:
-        pass
-    return f"{filename}:{lineno}"
+    return _frames.caller(f)
 
 
 # -- lineage (explain_none on) --------------------------------------------------------
@@ -336,7 +283,6 @@ def _lineage_hook(tapes, op_type, inputs, outputs, stopped=False):
 
 
 def _conversion_hook(tensor):
-    from fasttape import _callback  # pylint: disable=import-outside-toplevel
     tapes = _callback.current().tapes
     if not tapes:
         return
@@ -620,15 +566,11 @@ class _Analysis:
     # -- a recorded path exists: which op's gradient cuts it ----------------
 
     def _on_trace(self, raw, sid):
-        desc = {sid}
-        path_ops = []
-        for k in sorted(self.anc_ops):
-            if any(i in desc for i in self.op_in[k]):
-                desc.update(self.op_out[k])
-                path_ops.append(k)
+        on_path, desc = self.core.path(self.target_ids, [sid])
+        position = {op_id: k for k, op_id in enumerate(self.op_ids)}
+        path_ops = [position[op_id] for op_id in on_path]
         path = sorted(desc & self.anc)
-        from fasttape import _recording  # pylint: disable=import-outside-toplevel
-        from fasttape._callback import output_meta  # pylint: disable=import-outside-toplevel
+        from fasttape.recording._callback import output_meta  # pylint: disable=import-outside-toplevel
         from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
         tmap = {t._id: t for t in self.targets}  # pylint: disable=protected-access
         try:
@@ -920,3 +862,12 @@ class _Analysis:
             (" (the lineage was cut short: too many ops)"
              if self.info.truncated else ""),
             certain=not self.info.truncated)
+
+
+# The recording layer tells this module about pushes and pops and
+# uninstall() (it cannot import diagnostics: imports run downward).
+_recording.observe_from_above(tape_observer=note_event, uninstall=take_hooks_out)
+# tape.explain names a tf.stop_gradient the trace never holds (TF runs it
+# with recording stopped): the recorder notes each one that cuts a tracked
+# tensor.
+_callback.set_stop_gradient_hook(note_stop_gradient)

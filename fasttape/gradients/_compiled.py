@@ -99,7 +99,7 @@ import time
 
 import numpy as np
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.eager import def_function
@@ -114,8 +114,8 @@ from tensorflow.python.framework import tensor_spec
 from tensorflow.python.ops import math_ops
 from tensorflow.python.platform import tf_logging as logging
 
-from fasttape._callback import EagerOp, backward_signature, bake_slot
-from fasttape._tf_vspace import TFVSpace
+from fasttape.gradients._payloads import EagerOp, backward_signature, bake_slot
+from fasttape.gradients._tf_vspace import TFVSpace
 
 MODES = ("auto", "always", "off", "verify")
 _MAX_ENTRIES = 64        # compiled functions kept (least recently used dropped)
@@ -650,6 +650,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     cache = CACHE
     if (cache.mode == "off" or _in_forked_child
             or vspace.profile_stats is not None
+            or vspace.check_gradients is not None
             or sys.getprofile() is not None or vspace._is_recording()  # pylint: disable=protected-access
             or not context.executing_eagerly()):
         return _skipped(eager_pass)

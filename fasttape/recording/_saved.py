@@ -10,7 +10,7 @@ import ast
 import inspect
 import textwrap
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python.framework import ops
 
 ALL = None  # "keep every input" (or output)

@@ -10,7 +10,7 @@ gradient (tape.h's ForwardpropFromTape), which is correct for every op with a
 gradient but runs about twice the work.
 """
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python.framework import dtypes
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import array_ops_stack

@@ -37,7 +37,7 @@ import threading as _threading
 import sys
 import warnings
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.autograph.core import config as autograph_config
 from tensorflow.python.autograph.core import config_lib as autograph_config_lib
@@ -52,12 +52,11 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import gradients_util
 from tensorflow.python.ops.parallel_for import pfor as pfor_lib
 
-from fasttape import _callback
-from fasttape import _compiled
-from fasttape import explain as _explain
+from fasttape.recording import _callback
+from fasttape.gradients import _compiled
 from fasttape import _core
-from fasttape import _fast_grads
-from fasttape._tf_vspace import TFVSpace
+from fasttape.gradients import _fast_grads
+from fasttape.gradients._tf_vspace import TFVSpace
 
 
 def _anything_recording():
@@ -67,11 +66,6 @@ def _anything_recording():
 
 
 VSPACE = TFVSpace(_anything_recording)
-
-# tape.explain names a tf.stop_gradient the trace never holds (TF runs it
-# with recording stopped): the recorder notes each one that cuts a tracked
-# tensor.
-_callback.set_stop_gradient_hook(_explain.note_stop_gradient)
 
 # Tapes and accumulators are numbered in the order they are pushed. While an accumulator
 # computes a JVP, only older tapes and accumulators see the ops it runs (TF's
@@ -164,14 +158,36 @@ def _pop(stack, item, error):
             _disarm_execute()
 
 
+# What the diagnostics layer (above this one) asks to hear about, registered
+# by it when it is imported: recording never imports upward.
+_tape_observer = None      # f(tape_state, pushed) at every push and pop
+_cache_clearers = []       # emptied by clear_caches()
+_uninstallers = []         # called by uninstall()
+
+
+def observe_from_above(tape_observer=None, clear_caches=None, uninstall=None):
+    """Register a layer above's interest: ``tape_observer(tape_state, pushed)``
+    at every tape push/pop, ``clear_caches()`` with fasttape.clear_caches(),
+    ``uninstall()`` with uninstall()."""
+    global _tape_observer
+    if tape_observer is not None:
+        _tape_observer = tape_observer
+    if clear_caches is not None and clear_caches not in _cache_clearers:
+        _cache_clearers.append(clear_caches)
+    if uninstall is not None and uninstall not in _uninstallers:
+        _uninstallers.append(uninstall)
+
+
 def push_tape(tape_state):
     _push(_current().tapes, tape_state)
-    _explain.note_event(tape_state, True)
+    if _tape_observer is not None:
+        _tape_observer(tape_state, True)
 
 
 def pop_tape(tape_state):
     _pop(_current().tapes, tape_state, "Tape is not recording.")
-    _explain.note_event(tape_state, False)
+    if _tape_observer is not None:
+        _tape_observer(tape_state, False)
 
 
 def push_accumulator(acc_state):
@@ -286,11 +302,21 @@ def _wrapped_pfor_create_op(op_type, inputs, op_dtypes, attrs=None):
     tape around a pfor jacobian inside a tf.function misses them and
     silently gives None or zeros."""
     op = _originals["_create_op"](op_type, inputs, op_dtypes, attrs)
-    st = _current()
-    if (st.tapes or st.accumulators) and op.outputs:
-        _callback.op_callback(op.type, tuple(op.inputs), None,
-                              tuple(op.outputs), op.name, op.graph)
+    _record_built_op(op, op.outputs, False)
     return op
+
+
+def _record_built_op(op, outputs, shown_to_callbacks):
+    """Record a graph op TF built without an op callback (pfor's create_op,
+    _apply_op_helper) on this thread's tapes and accumulators.
+    shown_to_callbacks: skip it while TF runs its op callbacks (ops a TF op
+    callback builds are not shown to callbacks)."""
+    st = _current()
+    if (outputs and (st.tapes or st.accumulators)
+            and not (shown_to_callbacks
+                     and context.context().invoking_op_callbacks)):
+        _callback.op_callback(op.type, tuple(op.inputs), None,
+                              tuple(outputs), op.name, op.graph)
 
 
 def _watch_accessed(variables):
@@ -319,13 +345,7 @@ def _wrapped_apply_op_helper(op_type_name, name=None, **keywords):
     """Graph ops built while tracing, where TF calls its op callbacks (the
     other places it does build ops without inputs: Const, Placeholder)."""
     result = _originals["_apply_op_helper"](op_type_name, name=name, **keywords)
-    st = _current()
-    if (st.tapes or st.accumulators) and not context.context().invoking_op_callbacks:
-        # (Ops a TF op callback builds are not shown to callbacks.)
-        op, outputs = result[2], result[3]
-        if outputs:
-            _callback.op_callback(op.type, tuple(op.inputs), None,
-                                  tuple(outputs), op.name, op.graph)
+    _record_built_op(result[2], result[3], True)
     return result
 
 
@@ -344,11 +364,17 @@ def _recording_execute(op_name, num_outputs, inputs, attrs, ctx, name=None):
 
 
 def _arm_execute():
+    """Put fasttape's wrapper in as ``execute.execute`` (around TF's choice,
+    kept in _tf_execute) while any tape is live. Called with _live_lock held:
+    at the first push, and after TF's add/remove_op_callback, which switch
+    ``execute.execute`` for all threads (fallback-path ops would then
+    silently go unrecorded on threads that record)."""
     global _tf_execute
     current = execute.execute
     if current is not _recording_execute:
         _tf_execute = current
-        execute.execute = _recording_execute
+        if _live_tapes > 0:
+            execute.execute = _recording_execute
 
 
 def _disarm_execute():
@@ -358,24 +384,14 @@ def _disarm_execute():
 
 def _wrapped_add_op_callback(callback_fn):
     _originals["add_op_callback"](callback_fn)
-    _rearm_execute()
+    with _live_lock:
+        _arm_execute()
 
 
 def _wrapped_remove_op_callback(op_callback):
     _originals["remove_op_callback"](op_callback)
-    _rearm_execute()
-
-
-def _rearm_execute():
-    """TF's add/remove_op_callback switch ``execute.execute`` for all
-    threads; fallback-path ops would then silently go unrecorded on threads
-    that record: fasttape's wrapper goes back in (around TF's choice)."""
-    global _tf_execute
     with _live_lock:
-        if execute.execute is not _recording_execute:
-            _tf_execute = execute.execute
-            if _live_tapes > 0:
-                execute.execute = _recording_execute
+        _arm_execute()
 
 
 def clear_caches():
@@ -388,7 +404,8 @@ def clear_caches():
     _fast_grads.clear_caches()
     _callback.clear_layouts()
     _compiled.CACHE.clear()
-    _explain.clear_caches()
+    for clear in _cache_clearers:
+        clear()
 
 
 def _wrapped_clear_caches(self):
@@ -457,17 +474,28 @@ def uninstall():
     _installed = False
     _uninstall_fast_path_wrapper()
     _disarm_execute()
-    _explain.take_hooks_out()
+    set_conversion_hook(None)
+    for take_out in _uninstallers:
+        take_out()
 
 
 def installed_hooks():
-    """Names of the hooks now in place (for tests)."""
+    """Names of every fasttape hook now in TF: those of _HOOKS and the
+    AutoGraph rule (from install() to uninstall()), the fast-path wrapper
+    and ``execute`` (while a tape is live), ``_numpy`` (explain_none's
+    conversion hook, while it is on). The fast path's entry in a thread's
+    op-callback list (_callback._capture) is taken out in the call that put
+    it there, so it is never in place between two calls."""
     names = [name for module, name, wrapper in _HOOKS
              if getattr(module, name) is wrapper]
+    if _AUTOGRAPH_RULE in autograph_config.CONVERSION_RULES:
+        names.append("CONVERSION_RULES")
     if pywrap_tfe.TFE_Py_FastPathExecute is _fast_path_execute:
         names.append("TFE_Py_FastPathExecute")
     if execute.execute is _recording_execute:
         names.append("execute")
+    if ops._EagerTensorBase._numpy is _numpy_with_hook:  # pylint: disable=protected-access
+        names.append("_numpy")
     return names
 
 
@@ -493,19 +521,25 @@ def _uninstall_fast_path_wrapper():
 _original_numpy = ops._EagerTensorBase._numpy  # pylint: disable=protected-access
 
 
+_conversion_hook = None
+
+
+def _numpy_with_hook(self):
+    hook = _conversion_hook
+    if hook is not None:
+        hook(self)
+    return _original_numpy(self)
+
+
 def set_conversion_hook(hook):
     """hook(tensor) before every conversion of an eager tensor to NumPy or
     Python (``.numpy()``, ``np.asarray``, ``float()``...: all go through
-    ``_EagerTensorBase._numpy``); None takes the wrapper out."""
-    base = ops._EagerTensorBase  # pylint: disable=protected-access
-    if hook is None:
-        base._numpy = _original_numpy
-        return
-
-    def _numpy(self):
-        hook(self)
-        return _original_numpy(self)
-    base._numpy = _numpy
+    ``_EagerTensorBase._numpy``); None takes the wrapper out (uninstall()
+    does too)."""
+    global _conversion_hook
+    _conversion_hook = hook
+    ops._EagerTensorBase._numpy = (  # pylint: disable=protected-access
+        _original_numpy if hook is None else _numpy_with_hook)
 
 
 # -- the drop-in class swap -----------------------------------------------------

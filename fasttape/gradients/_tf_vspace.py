@@ -19,7 +19,7 @@ import re
 import sys
 import time
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python.eager import backprop
 from tensorflow.python.eager import context
 from tensorflow.python.framework import dtypes
@@ -31,10 +31,10 @@ from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import array_ops_stack
 from tensorflow.python.ops import default_gradient
 
-from fasttape._callback import EagerOp, GraphOp, PyBackward
+from fasttape.gradients._payloads import EagerOp, GraphOp, PyBackward
 from fasttape._core import VSpace
-from fasttape._fast_grads import FAST_GRADS, REAL_FLOAT_ENUMS
-from fasttape._jvp_rules import JVP_RULES, OpView
+from fasttape.gradients._fast_grads import FAST_GRADS, REAL_FLOAT_ENUMS
+from fasttape.gradients._jvp_rules import JVP_RULES, OpView
 
 # Output indices whose gradient may be None rather than zeros (tape.h's
 # FunctionsAcceptingNoneForIndicesMap).
@@ -81,6 +81,19 @@ def _never_recording():
     return False
 
 
+_UNSIZED = (dtypes.resource, dtypes.variant, dtypes.string)
+
+
+def nbytes(t):
+    """Bytes of an eager tensor's buffer: the one byte counter (the tape
+    summary's and the bench's). 0 for resources, variants and strings,
+    whose buffers hold handles or pointers, not their data."""
+    dtype = t.dtype
+    if dtype in _UNSIZED:
+        return 0
+    return dtype.size * t._num_elements()  # pylint: disable=protected-access
+
+
 class TFVSpace(VSpace):
     """Calls TF's registered gradients; makes ones/zeros on the right device.
 
@@ -94,6 +107,10 @@ class TFVSpace(VSpace):
         self._is_recording = is_recording
         self.use_fast_rules = True
         self.profile_stats = None  # op_type -> [count, seconds], see profiler
+        # Anomaly mode (fasttape.detect_anomaly): f(op_type, payload,
+        # unneeded_indices, grads) -> grads, run on every backward function's
+        # result; the compiled backward declines a pass while it is set.
+        self.check_gradients = None
 
     def _fast(self, op_type, payload, unneeded_indices, out_grads):
         """Output of the fast rule, or None where TF's function must run."""
@@ -182,9 +199,15 @@ class TFVSpace(VSpace):
 
     def call_backward(self, op_type, payload, unneeded_indices, out_grads):
         stats = self.profile_stats
-        if stats is None and sys.getprofile() is None:
+        check = self.check_gradients
+        if stats is None and check is None and sys.getprofile() is None:
             return self._call_backward(op_type, payload, unneeded_indices,
                                        out_grads)
+        if stats is None and sys.getprofile() is None:
+            grads = self._call_backward(op_type, payload, unneeded_indices,
+                                        out_grads)
+            return grads if grads is None else check(
+                op_type, payload, unneeded_indices, list(grads))
         # Profiling: go through a function named after the op type, so that
         # cProfile lists the backward pass per op type, and time it.
         fn = _named_backward(op_type)
@@ -196,6 +219,8 @@ class TFVSpace(VSpace):
                 stats[op_type] = entry = [0, 0.0]
             entry[0] += 1
             entry[1] += time.perf_counter() - t0
+        if check is not None and grads is not None:
+            grads = check(op_type, payload, unneeded_indices, list(grads))
         return grads
 
     def _call_backward(self, op_type, payload, unneeded_indices, out_grads):

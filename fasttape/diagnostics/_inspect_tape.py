@@ -25,28 +25,19 @@ hold no memory of their own. Both are counted as ops.
 
 import dataclasses
 
-from fasttape import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python.eager import backprop
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import ops
 from tensorflow.python.util import nest
 
-from fasttape import anomaly
-from fasttape._callback import EagerOp, GraphOp
+from fasttape.diagnostics import anomaly
+from fasttape.gradients._payloads import EagerOp, GraphOp
+from fasttape.gradients._tf_vspace import nbytes as _nbytes
 
 _handle_or_self = backprop._handle_or_self  # pylint: disable=protected-access
 
 _VARIABLE_READ = "ReadVariableOp"
-_UNSIZED = (dtypes.resource, dtypes.variant, dtypes.string)
-
-
-def _nbytes(t):
-    """Bytes of an eager tensor's buffer, as the bench counts them (0 for
-    resources, variants and strings)."""
-    dtype = t.dtype
-    if dtype in _UNSIZED:
-        return 0
-    return dtype.size * t._num_elements()  # pylint: disable=protected-access
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,36 +317,6 @@ def _ids(structure):
     return [_handle_or_self(t)._id for t in nest.flatten(structure)]  # pylint: disable=protected-access
 
 
-def path_ops(entries, target_ids, source_ids):
-    """Op ids on a path from a source to a target: ancestors of the targets
-    that descend from a source."""
-    producer = {}
-    readers = {}
-    for op_id, entry in entries:
-        for tid in entry.output_ids:
-            producer[tid] = op_id     # last writer wins, as in the core
-        for tid in entry.input_ids:
-            readers.setdefault(tid, []).append(op_id)
-    by_id = dict(entries)
-    ancestors = set()
-    stack = list(target_ids)
-    while stack:
-        op_id = producer.get(stack.pop())
-        if op_id is None or op_id in ancestors:
-            continue
-        ancestors.add(op_id)
-        stack.extend(by_id[op_id].input_ids)
-    descendants = set()
-    stack = list(source_ids)
-    while stack:
-        for op_id in readers.get(stack.pop(), ()):
-            if op_id in descendants:
-                continue
-            descendants.add(op_id)
-            stack.extend(by_id[op_id].output_ids)
-    return ancestors & descendants
-
-
 def _quote(text):
     return '"' + (text.replace("\\", "\\\\").replace('"', '\\"')
                   .replace("\n", "\\n")) + '"'
@@ -384,7 +345,7 @@ def to_dot(tape_state, targets=None, sources=None, name="fasttape_trace"):
     shapes = _tensor_shapes(core, entries)
     _propagate_shapes(entries, shapes, tape_state.variables)
     target_ids, source_ids = _ids(targets), _ids(sources)
-    on_path = (path_ops(entries, target_ids, source_ids)
+    on_path = (set(core.path(target_ids, source_ids)[0])
                if target_ids and source_ids else set())
     source_set = set(source_ids)
     producer = {}

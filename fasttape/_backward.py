@@ -1,0 +1,80 @@
+"""One backward pass over a recorded tape, and the argument checks that
+GradientTape.gradient and the Jacobians share (fasttape.tape, _jacobians).
+"""
+
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from tensorflow.python.eager import backprop
+from tensorflow.python.ops import default_gradient
+from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+from tensorflow.python.platform import tf_logging as logging
+
+from fasttape.gradients import _compiled
+from fasttape.recording import _recording
+from fasttape.recording._callback import output_meta
+
+
+handle_or_self = backprop._handle_or_self  # pylint: disable=protected-access
+
+CONSUMED = ("A non-persistent GradientTape can only be used to compute one "
+            "set of gradients (or jacobians)")
+
+
+def unconnected(value):
+    try:
+        return UnconnectedGradients(value)
+    except ValueError:
+        raise ValueError(
+            "Unknown value for unconnected_gradients: %r" % value) from None
+
+
+def compute(tape_state, flat_targets, flat_sources, output_gradients,
+            flat_sources_raw, unconnected_gradients, retain=False,
+            all_watched=False):
+    """Run the core's backward pass for flat lists of tensors.
+
+    all_watched: run the backward function of every op between the targets
+    and any watched tensor, as TF's tape does, not only of those that lead
+    to a source. Given for output_gradients from the user: TF's gradient
+    functions then check them (a seed of the wrong dtype or shape fails
+    there even when no source is connected)."""
+    unconnected_gradients = unconnected(unconnected_gradients)
+    target_ids = [t._id for t in flat_targets]  # pylint: disable=protected-access
+    source_ids = [t._id for t in flat_sources]  # pylint: disable=protected-access
+    targets_set = set(target_ids)
+    sources_that_are_targets = {
+        t._id: output_meta(t)  # pylint: disable=protected-access
+        for t in flat_sources if t._id in targets_set}  # pylint: disable=protected-access
+    core, vspace = tape_state.core, _recording.VSPACE
+    target_meta = [output_meta(t) for t in flat_targets]
+
+    def eager_pass():
+        return core.compute_gradient(
+            vspace, target_ids, source_ids, sources_that_are_targets,
+            output_gradients, True, retain, target_meta, all_watched)
+
+    # (Anomaly mode and the profiler are properties of the vspace, for
+    # which the compiled cache runs eager_pass.)
+    grads = _compiled.gradient(core, vspace, target_ids, source_ids,
+                               sources_that_are_targets, output_gradients,
+                               retain, target_meta, eager_pass, all_watched)
+    if unconnected_gradients == UnconnectedGradients.ZERO:
+        grads = [default_gradient.zeros_like(flat_sources_raw[i])
+                 if g is None else g for i, g in enumerate(grads)]
+    return grads
+
+
+def vlog_untrainable(what, t):
+    logging.vlog(
+        1, f"The dtype of the {what} tensor must be "
+        "floating (e.g. tf.float32) when calling GradientTape.gradient, "
+        "got %r", t.dtype)
+
+
+def check_tensors(flat, what):
+    """TF fails on a non-tensor target or source with an AttributeError."""
+    del what
+    for t in flat:
+        for attr in ("dtype", "_id"):
+            if not hasattr(t, attr):
+                raise AttributeError(
+                    f"{type(t).__name__!r} object has no attribute {attr!r}")

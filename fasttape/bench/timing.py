@@ -1,0 +1,277 @@
+"""The bench's measurement: steps run in alternation (floor, recording,
+TF's step, fasttape's step), gradients checked equal, medians and spreads,
+bytes held for the backward pass, and a rough duration up front."""
+
+import gc
+import statistics
+import time
+import weakref
+
+import numpy as np
+
+from fasttape.bench.workloads import VARIABLE_STEPS
+
+
+def _flat(tf, grads):
+    if not isinstance(grads, (list, tuple)):
+        grads = [grads]
+    out = []
+    for g in grads:
+        if g is None:
+            out.append(None)
+        else:
+            out.append(tf.convert_to_tensor(g).numpy())
+    return out
+
+
+def check_equal(tf, a, b, rtol=1e-4, atol=1e-5):
+    fa, fb = _flat(tf, a), _flat(tf, b)
+    if len(fa) != len(fb):
+        return False
+    for x, y in zip(fa, fb):
+        if (x is None) != (y is None):
+            return False
+        if x is not None and not np.allclose(x, y, rtol=rtol, atol=atol):
+            return False
+    return True
+
+
+def _time(fn, *args):
+    t0 = time.perf_counter()
+    result = fn(*args)
+    return time.perf_counter() - t0, result
+
+
+def _step(record, impl):
+    return record(impl)()
+
+
+def held_bytes(tf, record, impl):
+    """Bytes of the tensors made during ``record(impl)`` (variable reads
+    aside) that are still alive after it returns, while only its ``finish``
+    closure is kept: what the tape (or accumulator) holds for the backward
+    pass, plus the result."""
+    from tensorflow.python.framework import op_callbacks
+    from fasttape.gradients._tf_vspace import nbytes
+    made = []
+
+    def watch(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        # Variable reads are left out: TF's fast path reads a Variable passed
+        # straight into an op inside C++, where no callback sees the value
+        # its tape holds, while fasttape reads it in Python (a visible
+        # ReadVariableOp). Counting them would charge fasttape alone.
+        if op_type in ("ReadVariableOp", b"ReadVariableOp"):
+            return
+        if graph is None:
+            made.extend((weakref.ref(o), nbytes(o)) for o in outputs)
+
+    op_callbacks.add_op_callback(watch)
+    try:
+        finish = record(impl)
+    finally:
+        op_callbacks.remove_op_callback(watch)
+    gc.collect()
+    held = sum(size for ref, size in made if ref() is not None)
+    del finish
+    return held
+
+
+class _Impl:
+    def __init__(self, GradientTape, ForwardAccumulator):
+        self.GradientTape = GradientTape
+        self.ForwardAccumulator = ForwardAccumulator
+
+
+def _counts(workload, repeats, warmup):
+    """(repeats, warmup) as run for ``workload``."""
+    if workload.max_repeats:
+        return min(repeats, workload.max_repeats), min(warmup, 1)
+    if workload.variable:
+        return max(repeats, VARIABLE_STEPS), 0
+    return repeats, warmup
+
+
+def _step_compiled_off(record, impl):
+    from fasttape.gradients import _compiled
+    previous = _compiled.set_mode("off")
+    try:
+        return _step(record, impl)
+    finally:
+        _compiled.set_mode(previous)
+
+
+class _Builds:
+    """Times fasttape's steps and notes the first that built a compiled
+    pass (or tried to: built, slower or failed)."""
+
+    KINDS = ("built", "slower", "failed")
+
+    def __init__(self):
+        self.stats = _compiled_stats()
+        self.first_ms = None
+
+    def step(self, record, impl):
+        before = sum(self.stats[k] for k in self.KINDS)
+        seconds, result = _time(_step, record, impl)
+        if self.first_ms is None and sum(
+                self.stats[k] for k in self.KINDS) > before:
+            self.first_ms = seconds * 1e3
+        return seconds, result
+
+
+def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
+                 tick=lambda: None):
+    """One workload's row. ``tick()`` is called once after the checks and
+    once per warm-up and timed step (``1 + warmup + repeats`` calls, as
+    ``_counts`` gives them): the progress bar."""
+    tf_impl = _Impl(tf.GradientTape, tf.autodiff.ForwardAccumulator)
+    ft_impl = _Impl(fasttape.GradientTape, fasttape.ForwardAccumulator)
+    # Arms of their own (variable workloads give each caller its own run
+    # through their sequence): recording only, and the compiled backward off.
+    rec_tf_impl = _Impl(tf.GradientTape, tf.autodiff.ForwardAccumulator)
+    rec_ft_impl = _Impl(fasttape.GradientTape, fasttape.ForwardAccumulator)
+    off_impl = _Impl(fasttape.GradientTape, fasttape.ForwardAccumulator)
+    forward, record = workload.make(tf)
+    stats = _compiled_stats()
+    stats_before = dict(stats)
+    build_seconds_before = _compiled_cache().build_seconds
+    builds = _Builds()
+    # First steps: fasttape's first (so it pays for creating the kernels of
+    # the ops both run), then TF's.
+    ft_first, ft_result = builds.step(record, ft_impl)
+    tf_first, tf_result = _time(_step, record, tf_impl)
+    equal = check_equal(tf, tf_result, ft_result)
+    off_first = None
+    if workload.variable:
+        off_first = _time(_step_compiled_off, record, off_impl)[0]
+        forward()   # the floor, at the same place in the sequence
+    repeats, warmup = _counts(workload, repeats, warmup)
+    for _ in range(warmup):
+        forward()
+        _step(record, tf_impl)
+        builds.step(record, ft_impl)
+        tick()
+    # Checked again in the steady state: after warm-up, fasttape replays
+    # compiled backward passes.
+    # (Variable workloads: not here, where it would take a step of their
+    # sequence from the timed ones.)
+    if not workload.variable:
+        equal = equal and check_equal(tf, _step(record, tf_impl),
+                                      builds.step(record, ft_impl)[1])
+    mem_tf = held_bytes(tf, record, rec_tf_impl)
+    mem_ft = held_bytes(tf, record, rec_ft_impl)
+    tick()
+    times = {k: [] for k in ("floor", "rec_tf", "rec_ft", "tf", "ft", "off")}
+    replayed_before = stats["replayed"]
+    timed_before = dict(stats)
+    for _ in range(repeats):
+        times["floor"].append(_time(forward)[0])
+        times["rec_tf"].append(_time(record, rec_tf_impl)[0])
+        times["rec_ft"].append(_time(record, rec_ft_impl)[0])
+        times["tf"].append(_time(_step, record, tf_impl)[0])
+        if profiler is not None:
+            profiler.enable()
+        times["ft"].append(builds.step(record, ft_impl)[0])
+        if profiler is not None:
+            profiler.disable()
+        if workload.variable:
+            times["off"].append(_time(_step_compiled_off, record, off_impl)[0])
+        tick()
+    replayed = stats["replayed"] - replayed_before
+    timed = {k: stats[k] - timed_before.get(k, 0) for k in stats}
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items() if v}
+    mean = {k: statistics.fmean(v) * 1e3 for k, v in times.items() if v}
+    spread = {k: iqr_ms(v) for k, v in times.items() if v}
+    # The ratio's spread: that of the paired per-step ratios ft / tf.
+    spread["ratio"] = iqr_ms([f / t / 1e3 for f, t in zip(times["ft"], times["tf"])])
+    if times["off"]:
+        spread["ratio_to_off"] = iqr_ms([f / o / 1e3 for f, o
+                                         in zip(times["ft"], times["off"])])
+    from fasttape.gradients import _compiled
+    gradient_calls = sum(timed.get(k, 0) for k in _compiled.CALL_STATS)
+    return {
+        "workload": workload.name,
+        "description": workload.description,
+        "grads_equal": bool(equal),
+        "floor_ms": med["floor"],
+        "tf_ms": med["tf"],
+        "fasttape_ms": med["ft"],
+        "ratio": med["ft"] / med["tf"],
+        "record_overhead_tf_ms": med["rec_tf"] - med["floor"],
+        "record_overhead_fasttape_ms": med["rec_ft"] - med["floor"],
+        # Interquartile range (q1, q3) of each arm's timed steps, in ms
+        # ("ratio": of the per-step ratios ft / tf, unscaled).
+        "spread_ms": spread,
+        "ops_per_step": workload.ops_per_step,
+        "held_bytes_tf": mem_tf,
+        "held_bytes_fasttape": mem_ft,
+        "repeats": repeats,
+        # How fasttape's backward passes ran in the timed steps: replayed as
+        # one compiled function each, or op by op.
+        "backward": ("compiled" if replayed >= repeats
+                     else "eager" if replayed == 0 else "mixed"),
+        "variable_shapes": workload.variable,
+        # Means (totals / steps) of the timed steps: for variable workloads,
+        # the builds of compiled passes are among them.
+        "tf_mean_ms": mean["tf"],
+        "fasttape_mean_ms": mean["ft"],
+        "mean_ratio": mean["ft"] / mean["tf"],
+        "fasttape_off_mean_ms": mean.get("off"),
+        "fasttape_off_ms": med.get("off"),
+        "mean_ratio_to_off": (mean["ft"] / mean["off"]) if "off" in mean else None,
+        # First steps (item 3): fasttape's very first step, the first step of
+        # fasttape's that built a compiled pass (None: none did), TF's first.
+        "tf_first_ms": tf_first * 1e3,
+        "fasttape_first_ms": ft_first * 1e3,
+        "fasttape_off_first_ms": off_first and off_first * 1e3,
+        "fasttape_build_step_ms": builds.first_ms,
+        "build_seconds": _compiled_cache().build_seconds - build_seconds_before,
+        "builds": sum(stats[k] - stats_before.get(k, 0) for k in _Builds.KINDS),
+        # The compiled-pass cache over the timed steps: distinct new keys,
+        # passes replayed / run eagerly / built, kernel-cache clears.
+        "cache": {k: v for k, v in timed.items() if v},
+        "hit_rate": (timed.get("replayed", 0) / gradient_calls
+                     if gradient_calls else None),
+        "steps_ms": ({k: [round(t * 1e3, 3) for t in v]
+                      for k, v in times.items() if v}
+                     if workload.variable else None),
+    }
+
+
+def iqr_ms(seconds):
+    """(q1, q3) of step times given in seconds, in ms (one step: (t, t))."""
+    ms = sorted(s * 1e3 for s in seconds)
+    if len(ms) < 2:
+        return (ms[0], ms[0]) if ms else (0.0, 0.0)
+    q = statistics.quantiles(ms, n=4, method="inclusive")
+    return (q[0], q[2])
+
+
+# Rough cost of one timed step, in forward passes: floor 1, each recording
+# arm about 1.5, each full step (forward + backward) about 3.
+_FORWARDS_PER_STEP = 1 + 2 * 1.5 + 2 * 3
+_FORWARDS_PER_OFF_STEP = 3
+
+
+def estimate_seconds(tf, workloads, repeats, warmup):
+    """A rough duration of the run, from one (warm) forward pass of each
+    workload: its steps (checks, warm-up, timed) times the forward passes
+    each one costs, plus a fixed start-up per workload (first steps, tracing)."""
+    total = 0.0
+    for workload in workloads:
+        forward, _ = workload.make(tf)
+        forward()
+        seconds = _time(forward)[0]
+        n_repeats, n_warmup = _counts(workload, repeats, warmup)
+        per_step = _FORWARDS_PER_STEP + (_FORWARDS_PER_OFF_STEP if workload.variable else 0)
+        total += seconds * per_step * (n_repeats + n_warmup + 4) + 1.0
+    return total
+
+
+def _compiled_cache():
+    from fasttape.gradients import _compiled
+    return _compiled.CACHE
+
+
+def _compiled_stats():
+    return _compiled_cache().stats

@@ -1,0 +1,23 @@
+# The backward payloads, declared for the recorder's cimport (it fills an
+# EagerOp's fields directly; see _payloads.pyx).
+cimport cython
+
+
+@cython.no_gc
+cdef class EagerOp:
+    cdef readonly tuple attrs
+    cdef readonly tuple saved           # inputs then outputs
+    cdef readonly Py_ssize_t num_inputs
+    cdef object __weakref__
+
+
+cdef class GraphOp:
+    cdef readonly object op
+    cdef readonly Py_ssize_t num_inputs
+    cdef object __weakref__
+
+
+cdef class PyBackward:
+    cdef readonly object fn, forward
+    cdef readonly Py_ssize_t num_inputs
+    cdef object __weakref__
