@@ -359,7 +359,8 @@ class _BuildVSpace(TFVSpace):
         # would differ from the eager pass (TF's). Three or more dense
         # gradients are summed by the additions the eager AddN kernel
         # makes, one AddV2 each (two commute: their sum cannot differ).
-        if len(grads) < 3 or not any(isinstance(g, ops.Tensor) for g in grads):
+        if len(grads) < 3 or all(isinstance(g, indexed_slices.IndexedSlices)
+                                 for g in grads):
             return super().aggregate(grads)
         return _add_n_in_order([ops.convert_to_tensor(g) for g in grads])
 
