@@ -47,6 +47,9 @@ TOLERANCES = {
 
 
 EXACT_DEFAULT = os.environ.get("FASTTAPE_PARITY_EXACT", "") not in ("", "0")
+# The exact comparisons that fell back to tolerances (TF's results differ
+# run to run), by case name: tests may check it stays empty.
+TF_NONDETERMINISTIC = []
 
 
 class Raised:
@@ -157,6 +160,7 @@ def assert_parity(case, rtol=None, atol=None, allow_tf_error=True,
             raise
     # TF's own results differ run to run: the last bits are not TF's to
     # give, only the tolerances apply.
+    TF_NONDETERMINISTIC.append(getattr(case, "__qualname__", repr(case)))
     return compare(expected, actual, rtol, atol, allow_tf_error)
 
 
