@@ -358,9 +358,14 @@ class _BuildVSpace(TFVSpace):
         # reads) to the front, and so sums in another order: the last bits
         # would differ from the eager pass (TF's). Three or more dense
         # gradients are summed by the additions the eager AddN kernel
-        # makes, one AddV2 each (two commute: their sum cannot differ).
+        # makes, one AddV2 each (two commute: their sum cannot differ;
+        # integer sums do not depend on the order; variants are summed by
+        # AddN alone).
         if len(grads) < 3 or all(isinstance(g, indexed_slices.IndexedSlices)
                                  for g in grads):
+            return super().aggregate(grads)
+        dtype = grads[0].dtype
+        if not (dtype.is_floating or dtype.is_complex):
             return super().aggregate(grads)
         return _add_n_in_order([ops.convert_to_tensor(g) for g in grads])
 
