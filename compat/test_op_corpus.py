@@ -2,7 +2,8 @@
 
 Every case records one op (plus a weighted-sum reduction) under
 tf.GradientTape and under fasttape.GradientTape, eagerly, and compares the
-gradients with respect to every differentiable input (harness.assert_parity).
+gradients with respect to every differentiable input bit for bit
+(harness.assert_parity, exact mode: fasttape sums in TF's order).
 Ids are op type names, with a variant tag and a dtype suffix where the case
 is not the op's primary float case.
 
@@ -53,7 +54,8 @@ def _check(case, body, tf_raises=None):
     says TF raises, and then it must raise."""
     raises = case.entry.raises if tf_raises is None else tf_raises
     tol = case.entry.tol or (None, None)
-    result = assert_parity(body, rtol=tol[0], atol=tol[1], allow_tf_error=raises)
+    result = assert_parity(body, rtol=tol[0], atol=tol[1], allow_tf_error=raises,
+                           exact=True)
     if raises:
         assert isinstance(result, Raised), f"{case.id}: TF was expected to raise"
 

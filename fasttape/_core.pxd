@@ -85,6 +85,8 @@ cdef class GradientTapeCore:
     cdef void _walk_path(self, vector[int64_t]& targets, vector[int64_t]& sources,
                          vector[int64_t]& op_list,
                          unordered_set[int64_t]& needed, bint all_watched) except *
+    cdef int _tf_order(self, vector[int64_t]& targets,
+                       vector[int64_t]& init) except -1
     cdef list _compute(self, VSpace vspace, vector[int64_t]& targets,
                        vector[int64_t]& sources, dict sources_that_are_targets,
                        output_gradients, bint build_default_zeros, bint keep,

@@ -17,8 +17,10 @@ Terms (as in tape.h):
 
 Only integers live in C++ containers; Python objects (op entries, gradients)
 live in Python lists and dicts. Nothing here recurses, so tapes of millions
-of ops work, and every traversal is ordered by op id, never by hash order, so
-that float summation order is the same run to run.
+of ops work. The backward pass runs the ops, and so sums each tensor's
+gradient contributions, in exactly the order TF's tape does (so results
+agree with TF's bit for bit); nothing depends on Python's hashing, so that
+order is the same run to run.
 """
 
 cimport cython
@@ -634,19 +636,26 @@ cdef class GradientTapeCore:
     #    from another source passes its gradient on) to find the reachable
     #    ops. Prune them to
     #    the ops that read, transitively, a tracked source: the others cannot
-    #    change any result. Count, per tensor, how many pruned ops read it
+    #    change any result, nor the order in which the kept ones run (every
+    #    reader of a kept op's output is kept, so when a kept op is ready
+    #    does not depend on the others). Count, per tensor, how many pruned ops read it
     #    (tensor_usage_counts) and, per op, how many of its outputs are still
     #    awaiting gradients (op_missing_tensor).
-    # 2. Initial stack: ops awaiting nothing (their outputs are only targets).
+    # 2. Initial stack: ops awaiting nothing (their outputs are only targets),
+    #    in TF's order (see _tf_order).
     # 3. Initial gradients: the given output gradients, else ones for targets
     #    that a recorded op produced (or that are also sources).
-    # 4. Loop: pop an op; sum each output's pending gradients (zeros where an
+    # 4. Loop: take the next op; sum each output's pending gradients, in the
+    #    order they arrived, with the vspace's aggregate (zeros where an
     #    output got none, unless the op's gradient accepts None there; an op
     #    with no gradient at all is skipped); call its backward function,
     #    telling it which inputs need no gradient; push each input gradient;
     #    when a tensor's last reader is done, its producer loses one missing
-    #    output, and an op missing none is pushed. Pending lists for one
-    #    tensor are summed early when they hold many large gradients.
+    #    output, and an op missing none is queued. The order is TF's: its
+    #    loop pops from the back of its stack but inserts newly ready ops at
+    #    the front, so the initial ops run first and then the others, first
+    #    ready first run (a queue). Pending lists for one tensor are summed
+    #    early when they hold many large gradients (tape.h's thresholds).
     # 5. Results: the summed gradient of each source, or None.
     # A non-persistent tape drops every backward payload as soon as it is
     # used (and the unreachable ones at once), so memory falls during the
@@ -720,7 +729,9 @@ cdef class GradientTapeCore:
         appearance (so repeated runs of one program give equal codes), then
         per renumbered tensor its producer (entry position, -1 watched,
         -2 untracked, -3 an op outside the pass), then the targets' and the
-        sources' numbers. Equal codes, with equal payloads up to their
+        sources' numbers, then, when several ops start the pass, their
+        positions in the order TF's tape runs them (that order depends on
+        their op ids, see _tf_order). Equal codes, with equal payloads up to their
         tensors' values, mean the same computation.
         """
         if self.consumed:
@@ -795,6 +806,35 @@ cdef class GradientTapeCore:
             else:
                 it = position.find(deref(it).second)
                 code.push_back(-3 if it == position.end() else deref(it).second)
+        # The order of the initial ops, when more than one: it depends on
+        # their op ids (see _tf_order), which the numbering above hides.
+        cdef vector[char] is_read = vector[char](order.size(), 0)
+        cdef vector[int64_t] init
+        cdef size_t pos = 0, k, n_in, n_out
+        cdef bint ready
+        for i in range(op_list.size()):
+            n_in = code[pos]
+            n_out = code[pos + 1]
+            for k in range(n_in):
+                is_read[code[pos + 2 + k]] = 1
+            pos += 2 + n_in + n_out
+        pos = 0
+        for i in range(op_list.size()):
+            n_in = code[pos]
+            n_out = code[pos + 1]
+            ready = True
+            for k in range(n_out):
+                if is_read[code[pos + 2 + n_in + k]]:
+                    ready = False
+                    break
+            if ready:
+                init.push_back(op_list[i])
+            pos += 2 + n_in + n_out
+        if init.size() > 1:
+            self._tf_order(targets, init)
+            code.push_back(-9)
+            for op_id in init:
+                code.push_back(position[op_id])
         cdef bytes out = (<char*>code.data())[:code.size() * sizeof(int64_t)]
         return out, entries
 
@@ -895,6 +935,53 @@ cdef class GradientTapeCore:
                 op_list.push_back(op_id)
 
 
+    cdef int _tf_order(self, vector[int64_t]& targets,
+                       vector[int64_t]& init) except -1:
+        """Put the initial ops (more than one) in the order TF's tape runs
+        them. tape.h's PrepareBackprop inserts every op reachable from the
+        targets into a std::unordered_map, depth first from the last
+        target; InitialStack lists the ready ones in that map's iteration
+        order, and the loop pops from the back. The map is replayed here
+        (same keys, same insertion order, the same C++ container), so the
+        order is TF's and still independent of Python's hashing. Needs the
+        entries, so it runs before a non-persistent pass releases them."""
+        cdef unordered_map[int64_t, char] tf_ops   # TF's state.op_tape keys
+        cdef unordered_set[int64_t] counted        # TF's tensor_usage_counts keys
+        cdef unordered_set[int64_t] ready
+        cdef vector[int64_t] stack = targets
+        cdef unordered_map[int64_t, int64_t].iterator it
+        cdef int64_t tid, op_id
+        cdef OpEntry entry
+        cdef size_t i
+        while not stack.empty():
+            tid = stack.back()
+            stack.pop_back()
+            it = self.tensor_tape.find(tid)
+            if it == self.tensor_tape.end():
+                continue
+            op_id = deref(it).second
+            if op_id == -1 or tf_ops.count(op_id):
+                continue
+            entry = self.op_tape[op_id]
+            if entry is None:
+                continue
+            tf_ops[op_id] = 0
+            for tid in entry.input_ids:
+                if counted.insert(tid).second and self.tensor_tape.count(tid):
+                    stack.push_back(tid)
+        for op_id in init:
+            ready.insert(op_id)
+        init.clear()
+        for kv in tf_ops:
+            if ready.count(kv.first):
+                init.push_back(kv.first)
+        # Popped from the back: reverse, so the first to run comes first.
+        for i in range(init.size() // 2):
+            op_id = init[i]
+            init[i] = init[init.size() - 1 - i]
+            init[init.size() - 1 - i] = op_id
+        return 0
+
     cdef list _compute(self, VSpace vspace, vector[int64_t]& targets,
                        vector[int64_t]& sources, dict sources_that_are_targets,
                        output_gradients, bint build_default_zeros, bint keep,
@@ -923,6 +1010,15 @@ cdef class GradientTapeCore:
                     it = self.tensor_tape.find(tid)
                     if it != self.tensor_tape.end() and deref(it).second != -1:
                         inc(op_missing_tensor[deref(it).second])
+
+        # 2. Initial stack: in the order TF's tape pops it (see _tf_order).
+        cdef vector[int64_t] op_stack
+        for op_id in op_list:
+            if op_missing_tensor.count(op_id) == 0:
+                op_stack.push_back(op_id)
+        if op_stack.size() > 1:
+            self._tf_order(targets, op_stack)
+        cdef size_t head = 0
 
         # 3. Initial gradients (before releasing: targets' producers may have
         # been pruned yet still give their meta for ones).
@@ -964,11 +1060,6 @@ cdef class GradientTapeCore:
             self.op_tape = [None] * n_ops
             self.live_ops = 0
 
-        # 2. Initial stack, highest op id on top.
-        cdef vector[int64_t] op_stack
-        for op_id in op_list:
-            if op_missing_tensor.count(op_id) == 0:
-                op_stack.push_back(op_id)
 
         # 4. The loop.
         cdef dict none_ok = vspace.none_ok_indices
@@ -978,9 +1069,9 @@ cdef class GradientTapeCore:
         cdef bint any_nonzero
         cdef Py_ssize_t n_out, n_in, k
         cdef int64_t size
-        while not op_stack.empty():
-            op_id = op_stack.back()
-            op_stack.pop_back()
+        while head < op_stack.size():
+            op_id = op_stack[head]
+            head += 1
             entry = ops.pop(op_id, None)
             if entry is None:
                 continue
@@ -1070,6 +1161,8 @@ cdef class GradientTapeCore:
                 if uit != op_missing_tensor.end():
                     deref(uit).second = deref(uit).second - 1
                     if deref(uit).second == 0:
+                        # TF inserts it at the bottom of its stack: first
+                        # ready, first run, after the whole initial stack.
                         op_stack.push_back(producer)
             in_grads = None
 

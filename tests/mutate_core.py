@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-EQUIVALENT = {"M28"}
+EQUIVALENT = set()
 TESTS = ["tests/test_core.py", "tests/test_core_forward.py", "tests/test_core_scale.py"]
 
 _ORDER_HELPER = '''
@@ -106,11 +106,12 @@ MUTANTS = [
     ("M32", "batched forward rules get unbatched zeros for inputs without tangent",
      "op_type, payload, own_tangents if self.use_batch else in_tangents,",
      "op_type, payload, in_tangents,", 1),
-    # Equivalent mutant (expected to survive): any order of the initial
-    # stack is correct and deterministic; tape.h itself does not fix it.
-    ("M28", "initial stack order reversed (lowest op id on top) [equivalent]",
-     "        for op_id in op_list:\n            if op_missing_tensor.count(op_id) == 0:\n                op_stack.push_back(op_id)",
-     "        for op_id in reversed(list(op_list)):\n            if op_missing_tensor.count(op_id) == 0:\n                op_stack.push_back(op_id)", 1),
+    ("M28", "several initial ops by op id, not in TF's hash-map order",
+     "        if op_stack.size() > 1:\n            self._tf_order(targets, op_stack)",
+     "        if False:\n            self._tf_order(targets, op_stack)", 1),
+    ("M33", "ready ops run last ready first (a stack, not TF's queue)",
+     "            op_id = op_stack[head]\n            head += 1",
+     "            op_id = op_stack.back()\n            op_stack.pop_back()", 1),
 ]
 
 

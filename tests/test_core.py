@@ -579,6 +579,77 @@ def test_unneeded_index_for_a_tracked_input_that_is_not_a_source(vs):
     assert vs.calls["bw:transpose"] == 0   # k's side of matmul's rule skipped
 
 
+# -- TF's order -----------------------------------------------------------------
+#
+# tape.h's loop pops ops from the back of its stack but inserts newly ready
+# ops at the front: the ops ready at the start run first, then the others
+# first ready, first run. A tensor's gradient contributions are summed in
+# the order they arrived, so this order fixes the last bits of every result.
+
+
+class _LoggingVSpace(NumpyVSpace):
+    """Logs the values handed to each aggregate call."""
+
+    def __init__(self):
+        super().__init__()
+        self.aggregated = []
+
+    def aggregate(self, grads):
+        self.aggregated.append([float(g.value) for g in grads])
+        return super().aggregate(grads)
+
+
+def test_ops_run_first_ready_first_run_and_contributions_sum_in_that_order():
+    vs = _LoggingVSpace()
+    x = T(0.5)
+    with tape(watch=[x]) as tp:
+        y = nv.add(nv.add(nv.sin(x), nv.exp(x)), nv.cos(x))
+    g = gradient(tp, vs, y, x)
+    # The outer add readies the inner add (its input 0) and cos (input 1);
+    # the inner add then readies sin and exp, which run after cos.
+    assert [c.op_type for c in vs.backward_log] == [
+        "add", "add", "cos", "sin", "exp"]
+    v = 0.5
+    assert vs.aggregated == [[-np.sin(v), np.cos(v), np.exp(v)]]
+    close(g, np.cos(v) + np.exp(v) - np.sin(v))
+
+
+def test_a_deep_branch_waits_for_the_shallow_ones():
+    # x feeds a chain of three ops and two single ops: the single ops'
+    # contributions arrive first although the chain was recorded last.
+    vs = _LoggingVSpace()
+    x = T(0.25)
+    with tape(watch=[x]) as tp:
+        deep = nv.sin(nv.sin(nv.sin(x)))
+        y = nv.add(nv.add(deep, nv.exp(x)), nv.neg(x))
+    gradient(tp, vs, y, x)
+    assert [c.op_type for c in vs.backward_log] == [
+        "add", "add", "neg", "sin", "exp", "sin", "sin"]
+    assert vs.aggregated[0][:2] == [-1.0, float(np.exp(0.25))]
+
+
+@pytest.mark.parametrize("k, expected", [
+    (0, ["neg", "exp", "cos", "sin"]),
+    # 14 reachable ops: TF's unordered_map has rehashed to 29 buckets.
+    (10, ["cos", "exp", "neg", "sin"]),
+    (11, ["exp", "neg", "cos", "sin"]),
+])
+def test_several_initial_ops_run_in_the_order_of_tf_s_hash_map(k, expected):
+    """Ops whose outputs are only targets start the pass in the iteration
+    order of tape.h's unordered_map of the reachable ops (filled depth
+    first from the last target; a std::unordered_map<int64>, replayed),
+    popped from the back: not simply by op id."""
+    vs = NumpyVSpace()
+    x = T(0.5)
+    with tape(watch=[x]) as tp:
+        h = x
+        for _ in range(k):
+            h = nv.identity(h)
+        ys = [nv.sin(h), nv.cos(h), nv.exp(h), nv.neg(h)]
+    gradient(tp, vs, ys, x)
+    assert [c.op_type for c in vs.backward_log[:4]] == expected
+
+
 # -- early aggregation ----------------------------------------------------------
 
 @pytest.mark.parametrize("dtype, fake, expected", [

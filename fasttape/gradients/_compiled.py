@@ -111,6 +111,7 @@ from tensorflow.python.framework import indexed_slices
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor_spec
+from tensorflow.python.ops import gen_math_ops
 from tensorflow.python.ops import math_ops
 from tensorflow.python.platform import tf_logging as logging
 
@@ -385,6 +386,24 @@ def config_inputs_of(op_type):
     return found
 
 
+def _add_n_in_order(xs):
+    """The sum TF's AddN kernel (aggregate_ops.h) computes from its inputs
+    in order, as AddV2 ops: the first r = n % 8 inputs (8 or 9 for 0 or 1)
+    added left to right, then each further group of 8, itself added left
+    to right, added to that."""
+    r = len(xs) % 8
+    r = r + 8 if r < 2 else r
+    total = xs[0]
+    for x in xs[1:r]:
+        total = gen_math_ops.add_v2(total, x)
+    for k in range(r, len(xs), 8):
+        group = xs[k]
+        for x in xs[k + 1:k + 8]:
+            group = gen_math_ops.add_v2(group, x)
+        total = gen_math_ops.add_v2(total, group)
+    return total
+
+
 class _BuildVSpace(TFVSpace):
     """The TF vspace, run while tracing: each real payload is swapped for
     its symbolic stand-in, so the registered gradient functions build the
@@ -398,6 +417,23 @@ class _BuildVSpace(TFVSpace):
     def call_backward(self, op_type, payload, unneeded_indices, out_grads):
         return self._call_backward(op_type, self._stand_ins[id(payload)],
                                    unneeded_indices, out_grads)
+
+    def aggregate(self, grads):
+        # TF's eager AddN sums its inputs in order. In a graph, its kernel
+        # first moves an input whose buffer it may reuse (one nothing else
+        # reads) to the front, and so sums in another order: the last bits
+        # would differ from the eager pass (TF's). Three or more dense
+        # gradients are summed by the additions the eager AddN kernel
+        # makes, one AddV2 each (two commute: their sum cannot differ;
+        # integer sums do not depend on the order; variants are summed by
+        # AddN alone).
+        if len(grads) < 3 or all(isinstance(g, indexed_slices.IndexedSlices)
+                                 for g in grads):
+            return super().aggregate(grads)
+        dtype = grads[0].dtype
+        if not (dtype.is_floating or dtype.is_complex):
+            return super().aggregate(grads)
+        return _add_n_in_order([ops.convert_to_tensor(g) for g in grads])
 
 
 class _Compiled:

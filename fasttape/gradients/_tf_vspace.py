@@ -133,9 +133,10 @@ class TFVSpace(VSpace):
         return backprop._num_elements(grad)  # pylint: disable=protected-access
 
     def element_size(self, grad):
-        if isinstance(grad, indexed_slices.IndexedSlices):
-            grad = grad.values
-        return grad.dtype.size
+        # tape.h counts 4 bytes per element whatever the dtype: the same
+        # count makes early aggregation sum the same groups as TF's tape,
+        # so the summation order (and the last bits) are TF's.
+        return 4
 
     def aggregate(self, grads):
         return backprop._aggregate_grads(grads)  # pylint: disable=protected-access
