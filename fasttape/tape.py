@@ -40,8 +40,12 @@ from fasttape import anomaly as _anomaly
 from fasttape._callback import is_trainable, output_meta
 _handle_or_self = backprop._handle_or_self  # pylint: disable=protected-access
 
+# TF's text, then what to do about it.
+_USE_PERSISTENT = (". To compute more than one, create the tape with "
+                   "GradientTape(persistent=True) (and `del` it when done, "
+                   "to free what it holds)")
 _CONSUMED = ("A non-persistent GradientTape can only be used to compute one "
-             "set of gradients (or jacobians)")
+             "set of gradients (or jacobians)" + _USE_PERSISTENT)
 
 
 def _unconnected(value):
@@ -430,7 +434,8 @@ class GradientTape:
         """Computes and stacks per-example jacobians."""
         if self._tape is None:
             raise RuntimeError("A non-persistent GradientTape can only be used to"
-                               "compute one set of gradients (or jacobians)")
+                               "compute one set of gradients (or jacobians)"
+                               + _USE_PERSISTENT)
         target_shape = target.shape
         loop = _use_loop(target, batch=True)
         nested = nest.is_nested(source)
@@ -617,10 +622,17 @@ def _vlog_untrainable(what, t):
 
 
 def _check_tensors(flat, what):
-    """TF fails on a non-tensor target or source with an AttributeError."""
-    del what
+    """TF fails on a non-tensor target or source with Python's
+    AttributeError (reading its dtype or _id); fasttape adds what to do."""
     for t in flat:
         for attr in ("dtype", "_id"):
-            if not hasattr(t, attr):
-                raise AttributeError(
-                    f"{type(t).__name__!r} object has no attribute {attr!r}")
+            try:
+                getattr(t, attr)
+            except AttributeError as exc:
+                hint = (". Sources must be tensors or Variables: convert a "
+                        "NumPy array or Python number with x = tf.constant(a) "
+                        "and call tape.watch(x) before computing the target "
+                        "from x" if what == "sources" else
+                        ". Targets must be tensors (or Variables) computed "
+                        "while the tape recorded")
+                raise AttributeError(str(exc) + hint) from None
