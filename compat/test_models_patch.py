@@ -113,3 +113,21 @@ def test_tape_made_while_patched_still_works_after_unpatch():
         tape.watch(x)
         y = x * x * x
     assert float(tape.gradient(y, x)) == 27.0
+
+
+def test_what_patch_does_not_reach():
+    """docs/differences.md: a tape object made before patch() stays TF's, and
+    so does TF's class held anywhere but a module attribute."""
+    before = tf.GradientTape()
+
+    def default_argument(cls=tf.GradientTape):
+        return cls
+
+    class Holder:
+        cls = tf.GradientTape
+
+    with fasttape.patched():
+        assert tf.GradientTape is fasttape.GradientTape
+        assert type(before) is _TF["GradientTape"]
+        assert default_argument() is _TF["GradientTape"]
+        assert Holder.cls is _TF["GradientTape"]
