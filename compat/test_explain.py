@@ -240,6 +240,30 @@ def test_integer_path_without_lineage_says_it_cannot_tell():
         fasttape.explain_none(previous)
     assert e.cause == ex.TARGET_NOT_RECORDED and not e.certain
     assert "explain_none(True)" in e.message and "integer" in e.message
+    assert "while the tape recorded, but not from anything the tape tracks" \
+        in e.message
+
+
+def test_watched_integer_source_is_named_as_the_source(lineage):
+    """Watching an int32 tensor: the source itself is the non-differentiable
+    dtype (no producer op to name), with or without lineage."""
+    x = tf.constant([1, 2], tf.int32)
+    with GT(persistent=True) as tape:
+        tape.watch(x)  # watch-int
+        y = tf.cast(x, tf.float32) * 2.0
+    e = tape.explain(y, x)
+    assert e.cause == ex.NON_DIFFERENTIABLE_DTYPE, str(e)
+    assert "the source itself has dtype int32" in e.message
+    assert "(at None)" not in e.message
+    assert "tf.cast(x, tf.float32)" in e.message
+    assert at(e, "watch-int")
+
+    def case(GradientTape):
+        with GradientTape() as t:
+            t.watch(x)
+            z = tf.cast(x, tf.float32) * 2.0
+        return [t.gradient(z, x)]
+    tf_gives_none(case)
 
 
 # -- the path is cut -------------------------------------------------------------

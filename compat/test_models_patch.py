@@ -317,3 +317,21 @@ def test_an_interrupt_at_any_point_of_patch_or_unpatch_leaves_no_half_patch():
         fasttape.unpatch()
         assert not fasttape.is_patched(), n
         assert _holders(_TF["GradientTape"]) == before, n
+
+
+def test_what_patch_does_not_reach():
+    """docs/differences.md: a tape object made before patch() stays TF's, and
+    so does TF's class held anywhere but a module attribute."""
+    before = tf.GradientTape()
+
+    def default_argument(cls=tf.GradientTape):
+        return cls
+
+    class Holder:
+        cls = tf.GradientTape
+
+    with fasttape.patched():
+        assert tf.GradientTape is fasttape.GradientTape
+        assert type(before) is _TF["GradientTape"]
+        assert default_argument() is _TF["GradientTape"]
+        assert Holder.cls is _TF["GradientTape"]

@@ -15,8 +15,12 @@ from fasttape.recording._callback import output_meta
 
 handle_or_self = backprop._handle_or_self  # pylint: disable=protected-access
 
+# TF's text, then what to do about it.
+USE_PERSISTENT = (". To compute more than one, create the tape with "
+                  "GradientTape(persistent=True) (and `del` it when done, "
+                  "to free what it holds)")
 CONSUMED = ("A non-persistent GradientTape can only be used to compute one "
-            "set of gradients (or jacobians)")
+            "set of gradients (or jacobians)" + USE_PERSISTENT)
 
 
 def unconnected(value):
@@ -71,10 +75,17 @@ def vlog_untrainable(what, t):
 
 
 def check_tensors(flat, what):
-    """TF fails on a non-tensor target or source with an AttributeError."""
-    del what
+    """TF fails on a non-tensor target or source with Python's
+    AttributeError (reading its dtype or _id); fasttape adds what to do."""
     for t in flat:
         for attr in ("dtype", "_id"):
-            if not hasattr(t, attr):
-                raise AttributeError(
-                    f"{type(t).__name__!r} object has no attribute {attr!r}")
+            try:
+                getattr(t, attr)
+            except AttributeError as exc:
+                hint = (". Sources must be tensors or Variables: convert a "
+                        "NumPy array or Python number with x = tf.constant(a) "
+                        "and call tape.watch(x) before computing the target "
+                        "from x" if what == "sources" else
+                        ". Targets must be tensors (or Variables) computed "
+                        "while the tape recorded")
+                raise AttributeError(str(exc) + hint) from None

@@ -151,7 +151,8 @@ def batch_jacobian(tape, target, source,
     """Computes and stacks per-example jacobians."""
     if tape._tape is None:
         raise RuntimeError("A non-persistent GradientTape can only be used to"
-                           "compute one set of gradients (or jacobians)")
+                           "compute one set of gradients (or jacobians)"
+                           + _backward.USE_PERSISTENT)
     target_shape = target.shape
     loop = _use_loop(target, batch=True)
     nested = nest.is_nested(source)

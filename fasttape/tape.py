@@ -28,12 +28,42 @@ from fasttape import _jacobians
 
 
 class GradientTape:
-    """Record operations for automatic differentiation (see tf.GradientTape).
+    """Record operations for automatic differentiation, as ``tf.GradientTape``.
 
-    A drop-in replacement: same constructor, methods, results and errors.
+    A drop-in replacement: the same constructor, methods, results, warnings
+    and exception types (``fasttape.patch()`` swaps it in for TF's class).
+    Operations are recorded if they run inside the ``with`` block and at
+    least one of their inputs is watched; trainable Variables are watched
+    when read.
+
+    >>> x = tf.constant(3.0)
+    >>> with fasttape.GradientTape() as g:
+    ...   g.watch(x)
+    ...   y = x * x
+    >>> print(g.gradient(y, x))
+    tf.Tensor(6.0, shape=(), dtype=float32)
+
+    Tapes nest for higher-order derivatives, and a persistent tape
+    (``persistent=True``) allows several ``gradient()`` calls, as in TF.
+
+    Beyond TF's API: ``explain()`` (why a gradient is None), ``summary()``
+    and ``to_dot()`` (what the tape holds). Differences from TF are listed,
+    each with its test, in docs/differences.md.
     """
 
     def __init__(self, persistent=False, watch_accessed_variables=True):
+        """Creates a new GradientTape.
+
+        Args:
+          persistent: Boolean controlling whether a persistent gradient tape
+            is created. False by default, which means at most one call can
+            be made to the gradient() method on this object.
+          watch_accessed_variables: Boolean controlling whether the tape will
+            automatically `watch` any (trainable) variables accessed while
+            the tape is active. Defaults to True. If False users must
+            explicitly `watch` any `Variable`s they want to request
+            gradients from.
+        """
         self._tape = None
         self._persistent = persistent
         self._watch_accessed_variables = watch_accessed_variables
@@ -76,7 +106,16 @@ class GradientTape:
             yield
 
     def watch(self, tensor):
-        """Ensures that `tensor` (tensors, variables, nests of them) is traced."""
+        """Ensures that `tensor` is being traced by this tape.
+
+        Args:
+          tensor: a Tensor/Variable or a nested structure of them. A tensor
+            of an integer or boolean dtype is accepted with TF's warning;
+            its gradient is None.
+
+        Raises:
+          ValueError: if it encounters something that is not a tensor.
+        """
         could_record = _recording.could_record()
         for t in backprop._extract_tensors_and_variables(tensor):  # pylint: disable=protected-access
             if not backprop_util.IsTrainable(t):
@@ -97,7 +136,16 @@ class GradientTape:
 
     @tf_contextlib.contextmanager
     def stop_recording(self):
-        """Temporarily stops recording operations on this tape."""
+        """Temporarily stops recording operations on this tape.
+
+        Operations executed while this context manager is active are not
+        recorded on the tape, which reduces the memory it holds.
+
+        Yields:
+          None
+        Raises:
+          RuntimeError: if the tape is not currently recording.
+        """
         if self._tape is None:
             raise RuntimeError(
                 "Trying to stop recording a tape which is not recording.")
@@ -108,33 +156,104 @@ class GradientTape:
             self._push_tape()
 
     def reset(self):
-        """Clears all information stored in this tape."""
+        """Clears all information stored in this tape.
+
+        Equivalent to exiting and re-entering the tape's context manager
+        with a new tape, for a reset point inside the ``with`` block (in a
+        branch, say).
+        """
         self._pop_tape()
         self._tape = None
         self._push_tape()
 
     def summary(self):
-        """What this tape holds for its backward pass: a TapeSummary (ops,
-        saved tensors and bytes by op type, watched tensors and variables);
-        ``print(tape.summary())`` shows it as a table."""
+        """What this tape holds for its backward pass (not in TF).
+
+        Returns:
+          A TapeSummary: the recorded ops by type, the tensors each type
+          keeps alive for the backward pass and their bytes (``held_bytes``
+          is what the tape adds to memory), and the watched tensors and
+          variables. ``print(tape.summary())`` shows it as a table.
+        """
         return _inspect_tape.summary(self._tape)
 
     def to_dot(self, targets=None, sources=None):
-        """The recorded trace as Graphviz DOT text: ops with their output
-        shapes, watched tensors and variables; with ``targets`` and
-        ``sources``, the ops and edges on a path from the sources to the
-        targets drawn in red."""
+        """The recorded trace as Graphviz DOT text (not in TF).
+
+        Args:
+          targets: optional, a tensor or nested structure of tensors.
+          sources: optional, a tensor/Variable or nested structure of them.
+            With both, the ops and edges on a path from the sources to the
+            targets are drawn in red.
+
+        Returns:
+          A str in the DOT language: a box per op (its type and output
+          shapes, where known) and an ellipse per watched tensor or
+          variable. Render it with Graphviz (``dot -Tpng``).
+        """
         return _inspect_tape.to_dot(self._tape, targets, sources)
 
     def watched_variables(self):
-        """Returns variables watched by this tape in order of construction."""
+        """Returns variables watched by this tape in order of construction.
+
+        Returns:
+          A tuple of the watched Variables.
+        """
         if self._tape is not None:
             self._watched_variables = self._tape.watched_variables()
         return self._watched_variables
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=UnconnectedGradients.NONE):
-        """Computes the gradient using operations recorded in context of this tape."""
+        """Computes the gradient using operations recorded in context of this tape.
+
+        Note: Unless you set `persistent=True` a GradientTape can only be used
+        to compute one set of gradients (or jacobians).
+
+        Composite tensors (RaggedTensor, IndexedSlices...) are supported as
+        targets and sources, as in TF.
+
+        Args:
+          target: a list or nested structure of Tensors or Variables or
+            CompositeTensors to be differentiated.
+          sources: a list or nested structure of Tensors or Variables or
+            CompositeTensors. `target` will be differentiated against
+            elements in `sources`.
+          output_gradients: a list of gradients, one for each differentiable
+            element of target. Defaults to None.
+          unconnected_gradients: a value which can either hold 'none' or
+            'zero' and alters the value which will be returned if the target
+            and sources are unconnected. The possible values and effects are
+            detailed in 'tf.UnconnectedGradients' and it defaults to 'none'.
+
+        Returns:
+          a list or nested structure of Tensors (or IndexedSlices, or None,
+          or CompositeTensor), one for each element in `sources`. Returned
+          structure is the same as the structure of `sources`.
+
+        Raises:
+          RuntimeError: If called on a used, non-persistent tape (the
+            message adds: create it with ``persistent=True``).
+          RuntimeError: If called inside the context of the tape.
+          TypeError: If the target is a None object.
+          ValueError: If the target is a variable or if unconnected
+            gradients is called with an unknown value.
+          AttributeError: If a target or source is not a tensor (a NumPy
+            array, say), as TF; the message adds how to fix it.
+          LookupError: If an op on a path to a source has no registered
+            gradient, as TF.
+          fasttape.AnomalyError: In anomaly mode, if a backward function
+            returns a NaN or Inf gradient.
+
+        Differences from TF: the backward pass of a loop that records the
+        same program step after step is compiled once and replayed (same
+        results; ``FASTTAPE_COMPILED_BACKWARD=off`` turns it off); with
+        ``fasttape.explain_none(True)`` each None is also logged with its
+        cause. Misuse where TF misbehaves is refused: more or fewer
+        `output_gradients` than targets raises ValueError (TF uses the
+        first ones, or crashes), and a None entry in `output_gradients`
+        stands for ones. See docs/differences.md.
+        """
         if self._tape is None:
             raise RuntimeError(_backward.CONSUMED)
         unconnected_gradients = _backward.unconnected(unconnected_gradients)
@@ -224,11 +343,27 @@ class GradientTape:
         return nest.pack_sequence_as(sources, flat_grad)
 
     def explain(self, target, sources):
-        """Why would gradient(target, sources) be None for each source? A
-        nest like ``sources`` of fasttape.explain.Explanation (cause code,
-        message, op and line where known). On a persistent tape, or before
-        the first gradient() of a non-persistent one (which it leaves
-        usable)."""
+        """Why would ``gradient(target, sources)`` be None for each source?
+        (Not in TF.)
+
+        Works on a persistent tape, or on a non-persistent one before its
+        ``gradient()``, which it leaves usable. With
+        ``fasttape.explain_none(True)`` on before the tape was entered, every
+        cause can be told apart; without it, some are listed as possible.
+
+        Args:
+          target: a Tensor or nested structure of Tensors, as for gradient().
+          sources: a Tensor/Variable or nested structure of them.
+
+        Returns:
+          A nested structure like `sources` of fasttape.Explanation: `cause`
+          (a code of fasttape.explain.CAUSES), `message` (what happened and
+          what to do), `op_type`, `op_name`, `line` (the user's
+          ``file:line``) where known, and `certain`.
+
+        Raises:
+          RuntimeError: If called on a used, non-persistent tape.
+        """
         if self._tape is None:
             raise RuntimeError(_backward.CONSUMED)
         return _explain.explain(self._tape, target, sources)
@@ -236,14 +371,90 @@ class GradientTape:
     def jacobian(self, target, sources,
                  unconnected_gradients=UnconnectedGradients.NONE,
                  parallel_iterations=None, experimental_use_pfor=True):
-        """Computes the jacobian using operations recorded in context of this tape."""
+        """Computes the jacobian using operations recorded in context of this tape.
+
+        Note: Unless you set `persistent=True` a GradientTape can only be used
+        to compute one set of gradients (or jacobians).
+
+        Args:
+          target: Tensor to be differentiated.
+          sources: a list or nested structure of Tensors or Variables.
+            `target` will be differentiated against elements in `sources`.
+          unconnected_gradients: a value which can either hold 'none' or
+            'zero' and alters the value which will be returned if the target
+            and sources are unconnected. The possible values and effects are
+            detailed in 'tf.UnconnectedGradients' and it defaults to 'none'.
+          parallel_iterations: A knob to control how many iterations are
+            dispatched in parallel (pfor and while_loop paths).
+          experimental_use_pfor: If true, vectorizes the jacobian
+            computation. Else falls back to a sequential while_loop.
+
+        Returns:
+          A list or nested structure of Tensors (or None), one for each
+          element in `sources`. Returned structure is the same as the
+          structure of `sources`. Sparse (IndexedSlices) gradients are made
+          dense, as in TF.
+
+        Raises:
+          RuntimeError: If called on a used, non-persistent tape.
+          RuntimeError: If called on a non-persistent tape with eager
+            execution enabled and without enabling experimental_use_pfor.
+          ValueError: If vectorization of jacobian computation fails.
+
+        Differences from TF: in eager mode, for a target of up to 1024
+        elements, fasttape runs one backward pass per element over the
+        recorded trace instead of tracing a pfor function on each call (no
+        tracing; the same results, and right ones where TF's pfor fails or
+        gives wrong zeros); errors are raised as TF's traced pfor raises
+        them. See docs/differences.md.
+        """
         return _jacobians.jacobian(self, target, sources, unconnected_gradients,
                                    parallel_iterations, experimental_use_pfor)
 
     def batch_jacobian(self, target, source,
                        unconnected_gradients=UnconnectedGradients.NONE,
                        parallel_iterations=None, experimental_use_pfor=True):
-        """Computes and stacks per-example jacobians."""
+        """Computes and stacks per-example jacobians.
+
+        Essentially ``tf.stack([self.jacobian(y[i], x[i]) for i in
+        range(x.shape[0])])``, for a `target` whose ``target[i, ...]``
+        depends only on ``source[i, ...]``.
+
+        Note: Unless you set `persistent=True` a GradientTape can only be used
+        to compute one set of gradients (or jacobians).
+
+        Args:
+          target: A tensor with rank 2 or higher and with shape
+            [b, y1, ..., y_n]. `target[i,...]` should only depend on
+            `source[i,...]`.
+          source: A tensor with rank 2 or higher and with shape
+            [b, x1, ..., x_m]. In eager mode fasttape also accepts a nested
+            structure of such tensors (not in TF).
+          unconnected_gradients: a value which can either hold 'none' or
+            'zero' and alters the value which will be returned if the target
+            and sources are unconnected. The possible values and effects are
+            detailed in 'tf.UnconnectedGradients' and it defaults to 'none'.
+          parallel_iterations: A knob to control how many iterations are
+            dispatched in parallel (pfor and while_loop paths).
+          experimental_use_pfor: If true, uses pfor for computing the
+            Jacobian. Else uses a tf.while_loop.
+
+        Returns:
+          A tensor `t` with shape [b, y_1, ..., y_n, x1, ..., x_m] where
+          `t[i, ...]` is the jacobian of `target[i, ...]` w.r.t.
+          `source[i, ...]`, i.e. stacked per-example jacobians (for a nested
+          `source`, a structure of such tensors).
+
+        Raises:
+          RuntimeError: If called on a used, non-persistent tape.
+          RuntimeError: If called on a non-persistent tape with eager
+            execution enabled and without enabling experimental_use_pfor.
+          ValueError: If vectorization of jacobian computation fails or if
+            first dimension of `target` and `source` do not match.
+
+        Differences from TF: as jacobian(), eager batch jacobians of up to
+        1024 rows run one backward pass per row instead of tracing pfor.
+        """
         return _jacobians.batch_jacobian(self, target, source, unconnected_gradients,
                                          parallel_iterations, experimental_use_pfor)
 

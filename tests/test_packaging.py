@@ -92,6 +92,8 @@ def test_sdist_wheel_and_install_into_a_clean_venv(tmp_path):
         assert any(n.startswith(f"fasttape/{ext}.") and n.endswith((".so", ".pyd"))
                    for n in names), f"compiled {ext} missing from the wheel"
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    for typed in ("fasttape/__init__.pyi", "fasttape/py.typed"):
+        assert typed in names, f"{typed} missing from the wheel (type checkers need it)"
     assert not [n for n in names if n.endswith((".cpp", ".c"))]
 
     # 3. a venv with nothing in it; the wheel installed by this interpreter's

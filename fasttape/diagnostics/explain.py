@@ -465,6 +465,18 @@ class _Analysis:
             return Explanation(raw, CONNECTED,
                                "the source is also a target: its gradient "
                                "includes ones")
+        if not hasattr(raw, "handle") and not _callback.is_trainable(source):
+            watch = self.info.watches.get(sid)
+            line = watch[1] if watch is not None else None
+            return Explanation(
+                raw, NON_DIFFERENTIABLE_DTYPE,
+                f"the source itself has dtype {source.dtype.name}"
+                f"{f' (watched at {line})' if line else ''}: gradients do not "
+                "flow to integer or boolean tensors (tape.watch accepts one "
+                "with a warning; its gradient is always None). Watch a "
+                "floating-point "
+                "tensor instead: x = tf.cast(x, tf.float32), then "
+                "tape.watch(x)", line=line)
         if not self.core.is_watched(sid):
             other = self._other_tape(raw, sid)
             if other is not None:
@@ -792,11 +804,13 @@ class _Analysis:
                         op)
                 if t in op.cut_inputs:
                     src, src_line = self._producer_of(t)
+                    made = (f"{src} (at {src_line}) gives an integer or "
+                            "boolean tensor" if src is not None else
+                            "a tensor the tape tracks is integer or boolean")
                     return Explanation(
                         raw, NON_DIFFERENTIABLE_DTYPE,
                         f"the path passes through a non-differentiable dtype: "
-                        f"{src} (at {src_line}) gives an integer or boolean "
-                        f"tensor, and {op.op_type} (at {op.line}) computes on "
+                        f"{made}, and {op.op_type} (at {op.line}) computes on "
                         "from it; gradients do not flow through integers. "
                         "Keep the path in floating point (a soft version, or "
                         "a straight-through estimator)",
