@@ -9,6 +9,7 @@ from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.platform import tf_logging as logging
 
 from fasttape.gradients import _compiled
+from fasttape.recording import _budget
 from fasttape.recording import _recording
 from fasttape.recording._callback import output_meta
 
@@ -58,9 +59,15 @@ def compute(tape_state, flat_targets, flat_sources, output_gradients,
 
     # (Anomaly mode and the profiler are properties of the vspace, for
     # which the compiled cache runs eager_pass.)
-    grads = _compiled.gradient(core, vspace, target_ids, source_ids,
-                               sources_that_are_targets, output_gradients,
-                               retain, target_meta, eager_pass, all_watched)
+    if tape_state.budget is not None:
+        # Never compiled: a replayed pass would read dropped tensors (and
+        # skip their recomputation).
+        vspace = _budget.backward_vspace(tape_state, vspace)
+        grads = eager_pass()
+    else:
+        grads = _compiled.gradient(core, vspace, target_ids, source_ids,
+                                   sources_that_are_targets, output_gradients,
+                                   retain, target_meta, eager_pass, all_watched)
     if unconnected_gradients == UnconnectedGradients.ZERO:
         grads = [default_gradient.zeros_like(flat_sources_raw[i])
                  if g is None else g for i, g in enumerate(grads)]

@@ -20,6 +20,7 @@ from tensorflow.python.util import nest
 from tensorflow.python.util import tf_contextlib
 
 from fasttape.diagnostics import _inspect_tape
+from fasttape.recording import _budget
 from fasttape.recording import _recording
 from fasttape.diagnostics import explain as _explain
 from fasttape.recording._callback import is_trainable
@@ -51,7 +52,8 @@ class GradientTape:
     each with its test, in docs/differences.md.
     """
 
-    def __init__(self, persistent=False, watch_accessed_variables=True):
+    def __init__(self, persistent=False, watch_accessed_variables=True,
+                 memory_budget=None):
         """Creates a new GradientTape.
 
         Args:
@@ -63,12 +65,24 @@ class GradientTape:
             the tape is active. Defaults to True. If False users must
             explicitly `watch` any `Variable`s they want to request
             gradients from.
+          memory_budget: None, or the bytes (an int, or a string such as
+            "512MB" or "2GiB") the tape may hold for the backward pass:
+            beyond it, saved tensors that can be recomputed exactly are
+            dropped and recomputed when the backward pass needs them (see
+            docs/memory.md). None: the ``FASTTAPE_MEMORY_BUDGET``
+            environment variable's value, else no budget.
+
+        Raises:
+          ValueError: if memory_budget is neither None, a number of bytes
+            nor a size string.
         """
         self._tape = None
         self._persistent = persistent
         self._watch_accessed_variables = watch_accessed_variables
         self._watched_variables = ()
         self._recording = False
+        self._memory_budget = (_budget.default_budget() if memory_budget is None
+                               else _budget.parse_budget(memory_budget))
 
     def __enter__(self):
         self._push_tape()
@@ -85,6 +99,8 @@ class GradientTape:
         if self._tape is None:
             self._tape = _recording.TapeState(self._persistent,
                                               self._watch_accessed_variables)
+            if self._memory_budget is not None:
+                self._tape.budget = _budget.Store(self._memory_budget)
         _recording.push_tape(self._tape)
         self._recording = True
 
@@ -132,6 +148,8 @@ class GradientTape:
                     pywrap_tfe.TFE_Py_VariableWatcherVariableAccessed(var)
             else:
                 self._tape.core.watch(t._id)  # pylint: disable=protected-access
+                if self._tape.budget is not None:   # never dropped
+                    self._tape.budget.watched.add(t._id)  # pylint: disable=protected-access
             _explain.note_watch(self._tape, _backward.handle_or_self(t)._id)  # pylint: disable=protected-access
 
     @tf_contextlib.contextmanager

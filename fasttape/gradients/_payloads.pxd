@@ -6,7 +6,8 @@ cimport cython
 @cython.no_gc
 cdef class EagerOp:
     cdef readonly tuple attrs
-    cdef readonly tuple saved           # inputs then outputs
+    cdef public tuple saved             # inputs then outputs (a memory budget swaps
+                                        # dropped ones for recipes: recording._budget)
     cdef readonly Py_ssize_t num_inputs
     cdef object __weakref__
 

@@ -71,6 +71,7 @@ cdef class TapeState:
     cdef public dict variables          # handle id -> variable
     cdef public long long nesting_id    # set at every push (see _recording)
     cdef public object explain_info     # fasttape.explain's facts (None: none kept)
+    cdef public object budget           # a memory budget's store (_budget.Store), or None
     # TF's unique-id counter when the tape was made: tensors with a greater
     # _id were made after it (tape.summary() tells them apart).
     cdef readonly long long first_uid
@@ -84,6 +85,7 @@ cdef class TapeState:
         self.variables = {}
         self.nesting_id = 0
         self.explain_info = None
+        self.budget = None
 
     def watch_variable(self, variable):
         hid = variable.handle._id
@@ -815,9 +817,15 @@ cdef int _record_on_tapes(list tapes, op_type, vector[int64_t]& ids,
     for t in outputs:
         out_ids.push_back((<object>t)._id)
     objs = outputs if mortal else None
+    cdef int64_t op_id
     for tp in tapes:
-        (<TapeState>tp).core.record_ids(op_type, ids, out_ids, meta, payload,
-                                        objs)
+        op_id = (<TapeState>tp).core.record_ids(op_type, ids, out_ids, meta,
+                                                payload, objs)
+        if (<TapeState>tp).budget is not None:
+            # A memory budget (recording._budget): one pointer test per tape
+            # and op when there is none.
+            (<TapeState>tp).budget.recorded(op_id, op_type, inputs, outputs,
+                                            payload)
     if _anomaly_hook is not None:
         # Anomaly mode (fasttape.anomaly): where in the user's code this op
         # ran. One C-level test per recorded op when off.

@@ -1,0 +1,580 @@
+"""A memory budget for a gradient tape: Dynamic Tensor Rematerialization
+(Kirisame et al., ICLR 2021) over what the tape saves, in eager mode.
+
+Terms:
+  slot     one tensor the budget knows (by TF's tensor id): the tensor while
+           it is resident (held by this store), how to recompute it (its
+           recipe) if it can be, its bytes, when it was last used.
+  recipe   one recorded op that can be re-run exactly: op type, attrs (as the
+           recorder kept them), input slots, device, number of outputs.
+  holder   a recorded op's payload (EagerOp) whose ``saved`` tuple holds the
+           tensor; dropping a tensor swaps it, in every holder, for its slot
+           (the slot then is the marker that says how to recompute it).
+  held     bytes of resident tensors that only the tape holds: a tensor the
+           program still references frees nothing when the tape drops it,
+           so it is neither counted nor dropped (sys.getrefcount tells).
+
+While recording, after each op, when the resident bytes pass the budget the
+store counts what it alone holds and, while that is over the budget, drops
+the candidate with the lowest ``h = cost / (bytes * staleness)``: cost is
+the op's own estimate plus that of its dropped inputs (DTR's neighbourhood,
+one level deep). Only what can be recomputed exactly is dropped: outputs of
+ops whose OpDef is stateless, that take and make no resource or variant,
+carry no function attr and are not random; never a watched tensor, and
+never a leaf (a tensor no recipe makes: a variable read, a random op's
+output, a constant, what a tf.function or custom_gradient returned). A leaf
+that a dropped tensor's recomputation needs is pinned (kept) instead.
+
+In the backward pass the budget's vspace rematerializes the dropped tensors
+a gradient function reads just before calling it, re-running recipes from
+what is resident (iteratively, with an explicit stack), and keeps the
+recomputed tensors resident under the same budget (dropped again by score).
+A tape without a budget has no store: the recorder tests one pointer.
+"""
+
+import math
+import os
+import re
+import sys
+import weakref
+
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from tensorflow.python.eager import context
+from tensorflow.python.eager import execute
+from tensorflow.python.framework import op_def_registry
+from tensorflow.python.framework import ops
+
+from fasttape._core import VSpace
+from fasttape.gradients._payloads import EagerOp
+from fasttape.gradients._tf_vspace import nbytes as _nbytes
+
+ENV_VAR = "FASTTAPE_MEMORY_BUDGET"
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000 ** 2, "mb": 1000 ** 2,
+    "g": 1000 ** 3, "gb": 1000 ** 3, "t": 1000 ** 4, "tb": 1000 ** 4,
+    "kib": 1024, "mib": 1024 ** 2, "gib": 1024 ** 3, "tib": 1024 ** 4,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_budget(value):
+    """Bytes from an int or a string such as "512MB" (SI: kB, MB, GB, TB,
+    powers of 1000) or "2GiB" (IEC: KiB, MiB, GiB, TiB, powers of 1024);
+    None stays None. ValueError for anything else."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"memory_budget must be a number of bytes or a size "
+                         f"string such as '512MB' or '2GiB', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"memory_budget must be >= 0 bytes, got {value}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        unit = _UNITS.get(m.group(2).lower()) if m else None
+        if unit is not None:
+            n = float(m.group(1)) * unit
+            if math.isfinite(n):
+                return int(n)
+    raise ValueError(f"memory_budget must be a number of bytes or a size "
+                     f"string such as '512MB' or '2GiB', got {value!r}")
+
+
+def default_budget():
+    """The budget FASTTAPE_MEMORY_BUDGET sets for every tape (None: unset)."""
+    value = os.environ.get(ENV_VAR, "").strip()
+    if not value:
+        return None
+    try:
+        return parse_budget(value)
+    except ValueError as exc:
+        raise ValueError(f"{ENV_VAR}: {exc}") from None
+
+
+# -- which ops can be re-run exactly -----------------------------------------------
+
+_DT_RESOURCE = 20
+_DT_VARIANT = 21
+# Stateless by their OpDef yet not to be re-run: reads of state, host-side
+# effects, and anything random (seeded stateless ops too: kept out, to be
+# conservative).
+_NEVER = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
+                    "VarHandleOp", "VarIsInitializedOp", "Const", "Placeholder",
+                    "EagerPyFunc", "PyFunc", "PyFuncStateless", "Timestamp",
+                    "Print", "PrintV2", "DebugIdentity", "DebugIdentityV2",
+                    "DebugIdentityV3", "CheckNumerics", "CheckNumericsV2"})
+_recomputable_cache = {}
+
+
+def recomputable(op_type):
+    """Can an op of this type be re-run to give the same values (bit for
+    bit on CPU)? From its OpDef: not stateful, no resource or variant
+    argument, no function attr, not random, not on the deny list."""
+    ok = _recomputable_cache.get(op_type)
+    if ok is None:
+        ok = _recomputable(op_type)
+        _recomputable_cache[op_type] = ok
+    return ok
+
+
+def _recomputable(op_type):
+    if op_type in _NEVER or "Random" in op_type or op_type.startswith(
+            ("Stateless", "Stateful")):
+        return False
+    op_def = op_def_registry.get(op_type)
+    if op_def is None or op_def.is_stateful:
+        return False
+    for arg in list(op_def.input_arg) + list(op_def.output_arg):
+        if arg.type in (_DT_RESOURCE, _DT_VARIANT):
+            return False
+    for attr in op_def.attr:
+        if "func" in attr.type:
+            return False
+    return True
+
+
+def _plain(tensors):
+    """Eager tensors, none a resource or variant (checked per op: a type
+    attr may make them so)."""
+    for t in tensors:
+        if type(t) is not ops.EagerTensor or \
+                t._datatype_enum() in (_DT_RESOURCE, _DT_VARIANT):  # pylint: disable=protected-access
+            return False
+    return True
+
+
+_INNER_DIM_OPS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
+                  "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv1D")
+
+
+def _cost(op_type, inputs, outputs):
+    """A recipe's cost estimate: elements read and written, times the
+    contracted dimension for matmuls and convolutions (their work grows
+    with it; elementwise ops' does not)."""
+    n_in = sum(t._num_elements() for t in inputs)  # pylint: disable=protected-access
+    n_out = sum(t._num_elements() for t in outputs)  # pylint: disable=protected-access
+    factor = 1
+    if op_type in _INNER_DIM_OPS and inputs:
+        shape = inputs[-1]._shape_tuple() if op_type.startswith(("Conv", "Depth")) \
+            else inputs[0]._shape_tuple()  # pylint: disable=protected-access
+        if shape:
+            factor = max(1, math.prod(d or 1 for d in shape[:-1])
+                         if op_type.startswith(("Conv", "Depth")) else shape[-1] or 1)
+    return 1 + n_in + n_out * factor
+
+
+# -- the store ------------------------------------------------------------------
+
+
+class Recipe:
+    """One recorded op that can be re-run: what re-running it needs."""
+    __slots__ = ("op_type", "attrs", "inputs", "outputs", "device", "cost")
+
+    def __init__(self, op_type, attrs, inputs, device, cost):
+        self.op_type = op_type
+        self.attrs = attrs
+        self.inputs = inputs        # input Slots
+        self.outputs = []           # output Slots
+        self.device = device
+        self.cost = cost
+
+    def __repr__(self):
+        return f"<Recipe {self.op_type} on {self.device}>"
+
+
+class Slot:
+    """One tensor the budget knows. In a payload's ``saved`` tuple in place
+    of a dropped tensor, it is the marker that says how to recompute it."""
+    __slots__ = ("tid", "tensor", "wref", "recipe", "nbytes", "holders",
+                 "payloads", "last", "pinned", "closure_ok", "__weakref__")
+
+    def __init__(self, t, recipe):
+        self.tid = t._id  # pylint: disable=protected-access
+        self.tensor = None          # the tensor, while this store holds it
+        self.wref = weakref.ref(t)  # the original, while anyone holds it
+        self.recipe = recipe        # Recipe, or None for a leaf
+        self.nbytes = _nbytes(t)
+        self.holders = {}           # payload weakref -> occurrences of the tensor in its saved
+        self.payloads = 0           # live payloads that save it (the tensor or this slot)
+        self.last = 0               # clock of the last use
+        self.pinned = False         # a leaf some dropped tensor's recipe needs
+        self.closure_ok = False     # every leaf it is recomputed from is pinned
+
+    def __repr__(self):
+        what = self.recipe.op_type if self.recipe is not None else "leaf"
+        state = "resident" if self.tensor is not None else "dropped"
+        return f"<fasttape dropped-tensor slot {self.tid}: {what}, {state}>"
+
+
+class Store:
+    """A tape's memory budget: its slots, recipes and counters."""
+
+    def __init__(self, budget):
+        self.budget = budget
+        self.slots = {}             # tensor id -> Slot
+        self.resident = {}          # tensor id -> Slot whose tensor is held here
+        self.resident_bytes = 0
+        self.clock = 0
+        self.dropped = 0            # tensors dropped (counted each time)
+        self.dropped_bytes = 0
+        self.recomputed = 0         # tensors recomputed (ops re-run: recomputed_ops)
+        self.recomputed_bytes = 0
+        self.recomputed_ops = 0
+        self.largest = 0            # bytes of the largest saved tensor seen
+        self.debug = False          # measure held bytes after every step
+        self.max_held = 0           # (debug) the most held bytes seen
+        self.max_over = 0           # (debug) the most held bytes over budget seen
+        self.passes = 0             # backward passes run with this store
+        self._locked = ()
+        self._saved_by = {}         # payload weakref -> Slots its saved tuple names
+        self.watched = set()        # ids the program asked the tape to watch
+
+    # -- recording ----------------------------------------------------------
+
+    def recorded(self, op_id, op_type, inputs, outputs, payload):
+        """Called by the recorder after it recorded an op on the tape."""
+        if type(payload) is not EagerOp:
+            return
+        self.clock += 1
+        clock = self.clock
+        slots = self.slots
+        if outputs and recomputable(op_type) and _plain(outputs) \
+                and _plain(inputs):
+            recipe = Recipe(op_type, payload.attrs,
+                            [self._slot(t) for t in inputs], outputs[0].device,
+                            _cost(op_type, inputs, outputs))
+            for t in outputs:
+                s = Slot(t, recipe)
+                s.last = clock
+                slots[s.tid] = s          # last writer wins, as in the core
+                recipe.outputs.append(s)
+        saved = payload.saved
+        ref = None
+        mine = []
+        for t in saved:
+            if t is None or type(t) is not ops.EagerTensor:
+                continue
+            s = slots.get(t._id)  # pylint: disable=protected-access
+            if s is None:
+                s = self._slot(t)
+            self._hold(s, t)
+            if s.nbytes > self.largest:
+                self.largest = s.nbytes
+            if ref is None:
+                ref = weakref.ref(payload, self._payload_died)
+            n = s.holders.get(ref)
+            if n is None:
+                s.holders[ref] = 1
+                s.payloads += 1
+                mine.append(s)
+            else:
+                s.holders[ref] = n + 1
+            s.last = clock
+        if ref is not None:
+            self._saved_by[ref] = mine
+        if self.resident_bytes > self.budget or self.debug:
+            self.enforce()
+
+    def _slot(self, t):
+        s = self.slots.get(t._id)  # pylint: disable=protected-access
+        if s is None:
+            s = Slot(t, None)
+            self.slots[s.tid] = s
+        return s
+
+    def _payload_died(self, ref):
+        # (A weakref callback: may run inside the garbage collector; it only
+        # lets go of references.)
+        for s in self._saved_by.pop(ref, ()):
+            s.holders.pop(ref, None)
+            s.payloads -= 1
+            if s.payloads <= 0 and not s.pinned:
+                self._release(s)
+
+    def _release(self, s):
+        if s.tensor is not None:
+            s.tensor = None
+            del self.resident[s.tid]
+            self.resident_bytes -= s.nbytes
+
+    def _hold(self, s, t):
+        if s.tensor is None:
+            s.tensor = t
+            self.resident[s.tid] = s
+            self.resident_bytes += s.nbytes
+
+    # -- dropping -----------------------------------------------------------
+
+    def held_bytes(self):
+        """Bytes of resident tensors only this tape holds (dropping them
+        frees memory)."""
+        return sum(s.nbytes for s in self.resident.values() if self._sole(s))
+
+    @staticmethod
+    def _sole(s):
+        # References: the slot's, one per holder's saved entry while they
+        # hold the tensor itself, and getrefcount's argument.
+        expected = 2 + sum(s.holders.values())
+        return sys.getrefcount(s.tensor) <= expected
+
+    def _droppable(self, s, watched):
+        if s.recipe is None or s.tid in self._locked or watched(s.tid):
+            return False
+        return self._check_closure(s)
+
+    def _check_closure(self, s):
+        """Can s be recomputed from what stays? Pin every leaf it needs;
+        False if one is gone (nobody holds it any more)."""
+        if s.closure_ok:
+            return True
+        stack, seen, leaves = [s], set(), []
+        while stack:
+            x = stack.pop()
+            if x.closure_ok or x.tid in seen:
+                continue
+            seen.add(x.tid)
+            if x.recipe is None:
+                if x.tensor is None:
+                    t = x.wref()
+                    if t is None:
+                        return False
+                    leaves.append((x, t))
+                else:
+                    leaves.append((x, x.tensor))
+                continue
+            stack.extend(x.recipe.inputs)
+        for x, t in leaves:
+            x.pinned = True
+            self._hold(x, t)
+        s.closure_ok = True
+        return True
+
+    def enforce(self):
+        """Drop candidates by DTR's score until what only the tape holds
+        fits the budget (or no candidate is left)."""
+        budget = self.budget
+        if self.resident_bytes <= budget and not self.debug:
+            return
+        watched = self.watched.__contains__
+        held = 0
+        candidates = []
+        for s in list(self.resident.values()):
+            if self._sole(s):
+                held += s.nbytes
+                candidates.append(s)
+        if held > budget:
+            clock = self.clock
+            scored = []
+            for s in candidates:
+                if not self._droppable(s, watched):
+                    continue
+                cost = s.recipe.cost
+                for x in s.recipe.inputs:
+                    if x.tensor is None and x.recipe is not None:
+                        cost += x.recipe.cost
+                scored.append((cost / (max(s.nbytes, 1) * (clock - s.last + 1)),
+                               s.tid, s))
+            scored.sort(key=lambda e: (e[0], e[1]))
+            for _, _, s in scored:
+                if held <= budget:
+                    break
+                self._drop(s)
+                held -= s.nbytes
+        if self.debug:
+            if held > self.max_held:
+                self.max_held = held
+            if held - budget > self.max_over:
+                self.max_over = held - budget
+
+    def _drop(self, s):
+        """Let go of s: swap it for its slot in every holder's saved tuple."""
+        t = s.tensor
+        for ref, n in s.holders.items():
+            if not n:
+                continue
+            p = ref()
+            if p is not None:
+                p.saved = tuple([s if x is t else x for x in p.saved])
+            s.holders[ref] = 0
+        del t
+        self._release(s)
+        self.dropped += 1
+        self.dropped_bytes += s.nbytes
+
+    # -- recomputing --------------------------------------------------------
+
+    def _get(self, s):
+        t = s.tensor
+        if t is None:
+            t = s.wref()
+            if t is not None:
+                self._hold(s, t)   # the program still holds the original
+        return t
+
+    def materialize(self, s):
+        """The tensor of slot s, recomputed if it was dropped (re-running its
+        recipe, and first those of its dropped inputs: an explicit stack, no
+        recursion). Recomputed tensors stay resident under the budget."""
+        self.clock += 1
+        t = self._get(s)
+        if t is not None:
+            s.last = self.clock
+            return t
+        stack = [s]
+        ctx = context.context()
+        while stack:
+            top = stack[-1]
+            if self._get(top) is not None:
+                stack.pop()
+                continue
+            recipe = top.recipe
+            if recipe is None:
+                raise RuntimeError(
+                    f"fasttape memory budget: tensor {top.tid} was dropped and "
+                    f"cannot be recomputed (a leaf that nobody holds); this is "
+                    f"a bug in fasttape, please report it")
+            missing = [x for x in recipe.inputs if self._get(x) is None]
+            if missing:
+                stack.extend(missing)
+                continue
+            inputs = [x.tensor for x in recipe.inputs]
+            outputs = _run(recipe, inputs, ctx)
+            del inputs
+            self.recomputed_ops += 1
+            for x, t in zip(recipe.outputs, outputs):
+                if self.slots.get(x.tid) is x and x.tensor is None:
+                    self._hold(x, t)
+                    x.last = self.clock
+                    self.recomputed += 1
+                    self.recomputed_bytes += x.nbytes
+            del outputs, t
+            stack.pop()
+            # What the rest of the stack reads stays; the rest may go again.
+            locked = set(self._locked)
+            locked.add(s.tid)
+            for x in stack:
+                locked.add(x.tid)
+                for i in x.recipe.inputs:
+                    locked.add(i.tid)
+            self._enforce_locked(locked)
+        t = s.tensor
+        s.last = self.clock
+        return t
+
+    def _enforce_locked(self, locked):
+        previous = self._locked
+        self._locked = locked
+        try:
+            self.enforce()
+        finally:
+            self._locked = previous
+
+    def restore(self, payload):
+        """A copy of payload with every dropped tensor recomputed."""
+        saved = list(payload.saved)
+        locked = set(self._locked)
+        for k, x in enumerate(saved):
+            if type(x) is Slot:
+                previous = self._locked
+                self._locked = locked
+                try:
+                    saved[k] = self.materialize(x)
+                finally:
+                    self._locked = previous
+                locked.add(x.tid)
+        return EagerOp(payload.attrs, tuple(saved), payload.num_inputs)
+
+    def summary(self):
+        """The budget's counters (tape.summary() reports them)."""
+        return {
+            "budget": self.budget,
+            "resident_bytes": self.resident_bytes,
+            "held_bytes": self.held_bytes(),
+            "dropped_tensors": self.dropped,
+            "dropped_bytes": self.dropped_bytes,
+            "recomputed_tensors": self.recomputed,
+            "recomputed_bytes": self.recomputed_bytes,
+            "recomputed_ops": self.recomputed_ops,
+        }
+
+
+def _run(recipe, inputs, ctx):
+    """Re-run a recipe's op eagerly, on its device. Through execute.execute
+    as a module attribute: an outer tape (higher order) records it."""
+    if not context.executing_eagerly():
+        # Backprop traced in a graph (a jacobian's pfor): the recorded
+        # tensors are eager, and so are their recomputations.
+        with ops.init_scope():
+            return _run(recipe, inputs, context.context())
+    with ops.device(recipe.device):
+        return execute.execute(recipe.op_type, len(recipe.outputs), inputs,
+                               recipe.attrs, ctx)
+
+
+def _has_slots(payload):
+    for x in payload.saved:
+        if type(x) is Slot:
+            return True
+    return False
+
+
+def backward_vspace(tape_state, base):
+    """The vspace for a backward pass over a budgeted tape."""
+    from fasttape.recording import _callback  # pylint: disable=import-outside-toplevel
+    if any(ts is tape_state for ts in _callback.current().tapes):
+        raise NotImplementedError(
+            "fasttape: a tape with a memory_budget cannot compute gradients "
+            "while it is still recording (a persistent tape inside its own "
+            "`with` block): its recomputations would be recorded on it. Call "
+            "gradient() after the block, or record the higher-order pass on "
+            "another tape (without a budget) around this one.")
+    store = tape_state.budget
+    store.passes += 1
+    return BudgetVSpace(base, store)
+
+
+class BudgetVSpace(VSpace):
+    """The vspace of a budgeted tape's backward pass: the recording layer's
+    own (so anomaly mode and the profiler still see every call), with each
+    dropped tensor a gradient function reads recomputed just before it
+    runs."""
+
+    def __init__(self, base, store):
+        super().__init__(base.none_ok_indices)
+        self.base = base
+        self.store = store
+
+    def num_elements(self, grad):
+        return self.base.num_elements(grad)
+
+    def element_size(self, grad):
+        return self.base.element_size(grad)
+
+    def aggregate(self, grads):
+        return self.base.aggregate(grads)
+
+    def ones_like(self, meta):
+        return self.base.ones_like(meta)
+
+    def zeros_like(self, meta):
+        return self.base.zeros_like(meta)
+
+    def tensor_id(self, tensor):
+        return self.base.tensor_id(tensor)
+
+    def call_backward(self, op_type, payload, unneeded_indices, out_grads):
+        store = self.store
+        if type(payload) is EagerOp and _has_slots(payload):
+            payload = store.restore(payload)
+            grads = self.base.call_backward(op_type, payload, unneeded_indices,
+                                            out_grads)
+            del payload
+        else:
+            grads = self.base.call_backward(op_type, payload, unneeded_indices,
+                                            out_grads)
+        if store.resident_bytes > store.budget or store.debug:
+            store.enforce()
+        return grads
