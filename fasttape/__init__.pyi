@@ -24,7 +24,8 @@ _Unconnected = _UnconnectedGradients | Literal["none", "zero"]
 
 class GradientTape:
     def __init__(self, persistent: bool = False,
-                 watch_accessed_variables: bool = True) -> None: ...
+                 watch_accessed_variables: bool = True,
+                 memory_budget: int | str | None = None) -> None: ...
     def __enter__(self) -> GradientTape: ...
     def __exit__(self, typ: type[BaseException] | None, value: BaseException | None,
                  traceback: types.TracebackType | None) -> None: ...
@@ -64,6 +65,7 @@ class _TapeSummary:
     graph_ops: int
     persistent: bool
     consumed: bool
+    memory: dict[str, int] | None
     @property
     def num_ops(self) -> int: ...
     @property

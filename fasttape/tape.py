@@ -5,6 +5,8 @@ Every argument, result structure, warning and exception type follows
 the backward loop differ.
 """
 
+import dataclasses
+
 from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import backprop
@@ -83,6 +85,7 @@ class GradientTape:
         self._recording = False
         self._memory_budget = (_budget.default_budget() if memory_budget is None
                                else _budget.parse_budget(memory_budget))
+        self._budget_store = None
 
     def __enter__(self):
         self._push_tape()
@@ -101,6 +104,7 @@ class GradientTape:
                                               self._watch_accessed_variables)
             if self._memory_budget is not None:
                 self._tape.budget = _budget.Store(self._memory_budget)
+                self._budget_store = self._tape.budget
         _recording.push_tape(self._tape)
         self._recording = True
 
@@ -193,7 +197,12 @@ class GradientTape:
           is what the tape adds to memory), and the watched tensors and
           variables. ``print(tape.summary())`` shows it as a table.
         """
-        return _inspect_tape.summary(self._tape)
+        result = _inspect_tape.summary(self._tape)
+        if result.memory is None and self._budget_store is not None:
+            # (A used-up tape: what its budget did.)
+            result = dataclasses.replace(result,
+                                         memory=self._budget_store.summary())
+        return result
 
     def to_dot(self, targets=None, sources=None):
         """The recorded trace as Graphviz DOT text (not in TF).

@@ -76,6 +76,9 @@ class TapeSummary:
     graph_ops: int                # ops recorded while tracing
     persistent: bool
     consumed: bool                # a non-persistent tape that has computed
+    # A tape with a memory_budget: its budget, the bytes it holds, and the
+    # tensors and bytes dropped and recomputed so far (None: no budget).
+    memory: dict = None
 
     @property
     def num_ops(self):
@@ -115,6 +118,7 @@ class TapeSummary:
             "graph_ops": self.graph_ops,
             "persistent": self.persistent,
             "consumed": self.consumed,
+            "memory": self.memory,
         }
 
     def __str__(self):
@@ -140,6 +144,14 @@ class TapeSummary:
         lines.append(f"watched: {self.watched_tensors} tensors, "
                      f"{len(self.watched_variables)} variables"
                      + (f" ({names})" if names else ""))
+        m = self.memory
+        if m is not None:
+            lines.append(
+                f"memory budget {_human(m['budget'])}: holds "
+                f"{_human(m['held_bytes'])} alone; dropped "
+                f"{m['dropped_tensors']} tensors ({_human(m['dropped_bytes'])}), "
+                f"recomputed {m['recomputed_tensors']} "
+                f"({_human(m['recomputed_bytes'])}, {m['recomputed_ops']} ops)")
         if self.python_backward_ops:
             lines.append(f"{self.python_backward_ops} ops have a Python "
                          "backward function (custom_gradient, tf.function): "
@@ -174,7 +186,7 @@ def summary(tape_state):
     if tape_state is None or tape_state.core.consumed:
         return TapeSummary((), (), 0, (), 0, 0,
                            bool(tape_state is not None and tape_state.persistent),
-                           True)
+                           True, _memory(tape_state))
     core = tape_state.core
     first_uid = tape_state.first_uid
     rows = {}             # op type -> [ops, tensors, bytes]
@@ -217,7 +229,12 @@ def summary(tape_state):
     watched = [i for i in core.watched_ids() if i not in handle_ids]
     return TapeSummary(tuple(op_rows), tuple(saved.values()), len(watched),
                        variables, python_ops, graph_ops,
-                       tape_state.persistent, False)
+                       tape_state.persistent, False, _memory(tape_state))
+
+
+def _memory(tape_state):
+    store = tape_state.budget if tape_state is not None else None
+    return None if store is None else store.summary()
 
 
 def _is_variable_read(core, tid):

@@ -231,6 +231,8 @@ class Store:
         self._locked = ()
         self._saved_by = {}         # payload weakref -> Slots its saved tuple names
         self.watched = set()        # ids the program asked the tape to watch
+        self.dropped_by_type = {}   # op type (of the dropped tensor's recipe) -> count
+        self.dropped_ids = set()    # (debug) ids of every tensor dropped
 
     # -- recording ----------------------------------------------------------
 
@@ -243,8 +245,23 @@ class Store:
         slots = self.slots
         if outputs and recomputable(op_type) and _plain(outputs) \
                 and _plain(inputs):
-            recipe = Recipe(op_type, payload.attrs,
-                            [self._slot(t) for t in inputs], outputs[0].device,
+            in_slots = []
+            for t in inputs:
+                x = self._slot(t)
+                if x.recipe is None and not x.pinned:
+                    # A leaf a recipe reads (a variable's value, a constant,
+                    # a random op's output) is kept: by the backward pass
+                    # it may be gone, or the variable changed.
+                    x.pinned = True
+                    self._hold(x, t)
+                in_slots.append(x)
+            attrs = payload.attrs
+            if any([v is None for v in attrs[1::2]]):
+                # (None: the default, as the fast path passes it.)
+                attrs = tuple([v for k in range(0, len(attrs), 2)
+                               if attrs[k + 1] is not None
+                               for v in attrs[k:k + 2]])
+            recipe = Recipe(op_type, attrs, in_slots, outputs[0].device,
                             _cost(op_type, inputs, outputs))
             for t in outputs:
                 s = Slot(t, recipe)
@@ -360,16 +377,18 @@ class Store:
             return
         watched = self.watched.__contains__
         held = 0
+        kept = 0        # held bytes that cannot be dropped now
         candidates = []
         for s in list(self.resident.values()):
             if self._sole(s):
                 held += s.nbytes
                 candidates.append(s)
-        if held > budget:
+        if held > budget or self.debug:
             clock = self.clock
             scored = []
             for s in candidates:
                 if not self._droppable(s, watched):
+                    kept += s.nbytes
                     continue
                 cost = s.recipe.cost
                 for x in s.recipe.inputs:
@@ -384,10 +403,13 @@ class Store:
                 self._drop(s)
                 held -= s.nbytes
         if self.debug:
+            # Over the budget only by what cannot be dropped (leaves,
+            # watched tensors, what the running step reads) and by the
+            # last tensor that stepped over it.
             if held > self.max_held:
                 self.max_held = held
-            if held - budget > self.max_over:
-                self.max_over = held - budget
+            if held - max(budget, kept) > self.max_over:
+                self.max_over = held - max(budget, kept)
 
     def _drop(self, s):
         """Let go of s: swap it for its slot in every holder's saved tuple."""
@@ -403,6 +425,10 @@ class Store:
         self._release(s)
         self.dropped += 1
         self.dropped_bytes += s.nbytes
+        op_type = s.recipe.op_type
+        self.dropped_by_type[op_type] = self.dropped_by_type.get(op_type, 0) + 1
+        if self.debug:
+            self.dropped_ids.add(s.tid)
 
     # -- recomputing --------------------------------------------------------
 
@@ -533,6 +559,9 @@ def backward_vspace(tape_state, base):
             "another tape (without a budget) around this one.")
     store = tape_state.budget
     store.passes += 1
+    # Recording is over and the program's own references to the tape's
+    # tensors have mostly gone: what only the tape holds is known now.
+    store.enforce()
     return BudgetVSpace(base, store)
 
 

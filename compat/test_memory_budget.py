@@ -1,0 +1,439 @@
+"""A memory-budgeted tape (GradientTape(memory_budget=...)): gradients equal
+the unbudgeted tape's bit for bit while saved tensors are dropped and
+recomputed; what the tape holds stays within the budget; what cannot be
+recomputed exactly is never dropped.
+
+The parity here is budgeted fasttape against unbudgeted fasttape (whose
+parity with tf.GradientTape the rest of compat/ proves), bit for bit.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import fasttape
+from fasttape.recording import _budget
+import op_corpus as oc
+from harness import Raised, assert_same
+
+TINY = 0   # bytes: every tensor that can be dropped is
+
+
+class Budgeted:
+    """A GradientTape class whose tapes all have ``budget``; keeps them."""
+
+    def __init__(self, budget, debug=False):
+        self.budget = budget
+        self.debug = debug
+        self.tapes = []
+
+    def __call__(self, *args, **kwargs):
+        tape = fasttape.GradientTape(*args, memory_budget=self.budget, **kwargs)
+        self.tapes.append(tape)
+        return tape
+
+    def stores(self):
+        return [t._budget_store for t in self.tapes]  # pylint: disable=protected-access
+
+    def total(self, key):
+        return sum(s.summary()[key] for s in self.stores() if s is not None)
+
+
+def _run(body, tape_cls):
+    try:
+        return body(tape_cls)
+    except Exception as exc:  # noqa: BLE001 - compared
+        return Raised(exc)
+
+
+def _parity(body, budget=TINY):
+    """body under an unbudgeted and a budgeted fasttape tape: the same
+    results, bit for bit. Returns the Budgeted class used."""
+    expected = _run(body, fasttape.GradientTape)
+    if isinstance(expected, Raised):
+        raise AssertionError(f"the unbudgeted tape raised: {expected!r}")
+    budgeted = Budgeted(budget)
+    actual = _run(body, budgeted)
+    assert_same(expected, actual, exact=True)
+    return budgeted
+
+
+# -- the argument --------------------------------------------------------------
+
+@pytest.mark.parametrize("value,expected", [
+    (None, None), (0, 0), (1234, 1234), ("512MB", 512 * 10 ** 6),
+    ("2GiB", 2 * 2 ** 30), ("1.5 kB", 1500), ("10KiB", 10240), ("7", 7),
+    ("3b", 3), ("1TB", 10 ** 12), ("64mib", 64 * 2 ** 20)])
+def test_parse_budget(value, expected):
+    assert _budget.parse_budget(value) == expected
+
+
+@pytest.mark.parametrize("value", ["", "lots", "12XB", "-5MB", "MB", "1e3",
+                                   -1, 1.5, True, [1], "nan", "5 M B"])
+def test_parse_budget_refuses_garbage(value):
+    with pytest.raises(ValueError, match="memory_budget"):
+        _budget.parse_budget(value)
+    with pytest.raises(ValueError, match="memory_budget"):
+        fasttape.GradientTape(memory_budget=value)
+
+
+def test_no_budget_no_bookkeeping():
+    """Without a budget the recorder's per-op hook is one None test: the
+    tape state has no store, and summary() reports no memory section."""
+    x = tf.constant([1.0, 2.0])
+    with fasttape.GradientTape() as tape:
+        tape.watch(x)
+        y = tf.sin(x) * x
+        assert tape._tape.budget is None  # pylint: disable=protected-access
+        assert tape.summary().memory is None
+    tape.gradient(y, x)
+
+
+def test_no_budget_record_time_unchanged():
+    """A 400-op chain records in about the time it did: the unbudgeted tape's
+    hot path gains one pointer test (a loose bound here; the exact numbers
+    are in the report)."""
+    x = tf.constant([[0.5, 0.25], [0.125, 1.0]])
+
+    def record(**kw):
+        t0 = time.perf_counter()
+        with fasttape.GradientTape(**kw) as tape:
+            tape.watch(x)
+            y = x
+            for _ in range(400):
+                y = tf.sin(y)
+        return time.perf_counter() - t0
+
+    for _ in range(3):
+        record()
+        record(memory_budget=10 ** 9)
+    plain = min(record() for _ in range(7))
+    budgeted = min(record(memory_budget=10 ** 9) for _ in range(7))
+    # The budgeted tape does work per op; the plain one must not be slower.
+    assert plain < budgeted * 1.1
+
+
+# -- parity: the op corpus -------------------------------------------------------
+
+CASES = [c for c in oc.expand() if c.dtype == c.entry.dtypes[0]
+         and not c.entry.raises]
+SLICE = CASES[::2]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in SLICE])
+def test_op_corpus_tiny_budget(case):
+    """Every op of (half) the corpus, recorded with a budget that drops
+    every tensor that can be: the unbudgeted gradients, bit for bit."""
+    _parity(case.body)
+
+
+def test_op_corpus_tiny_budget_drops_and_recomputes():
+    """The parity above is not vacuous: across a slice of the corpus most
+    cases drop and recompute tensors."""
+    dropped = recomputed = 0
+    cases = CASES[1::7]
+    for case in cases:
+        budgeted = _parity(case.body)
+        dropped += budgeted.total("dropped_tensors") > 0
+        recomputed += budgeted.total("recomputed_tensors") > 0
+    assert dropped >= len(cases) // 2, (dropped, len(cases))
+    assert recomputed >= len(cases) // 2, (recomputed, len(cases))
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES[::9]
+                                  if "persistent" not in c.entry.no_modes])
+def test_op_corpus_persistent(case):
+    """A persistent budgeted tape: several gradient() calls over dropped
+    tensors (each recomputed as often as needed)."""
+    def body(GradientTape):
+        args, sources = case.build()
+        return case._record(GradientTape, args, sources, persistent=True)  # pylint: disable=protected-access
+    _parity(body)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES[::9]
+                                  if "second_order" not in c.entry.no_modes])
+def test_op_corpus_second_order(case):
+    """Second order with both tapes budgeted: the inner pass's
+    recomputations are recorded on the outer tape, as the original ops
+    were."""
+    _parity(case.second_order_body)
+
+
+# -- parity: chains and small models ------------------------------------------------
+
+def _chain(GradientTape, n=60):
+    x = tf.constant(np.random.RandomState(0).randn(4, 4).astype("float32"))
+    with GradientTape() as tape:
+        tape.watch(x)
+        y = x
+        for _ in range(n):
+            y = tf.exp(tf.tanh(tf.sin(y) * x))
+        loss = tf.reduce_sum(y)
+    return tape.gradient(loss, x)
+
+
+def test_chain_tiny_budget():
+    budgeted = _parity(_chain)
+    m = budgeted.tapes[0].summary().memory
+    assert m["dropped_tensors"] > 60 and m["recomputed_tensors"] > 60
+
+
+def test_long_chain_no_recursion():
+    """Recomputing the 5000th tensor of a chain from the first goes through
+    an explicit stack, not Python recursion."""
+    x = tf.constant([0.5, 0.25])
+    with fasttape.GradientTape(memory_budget=TINY) as tape:
+        tape.watch(x)
+        y = x
+        for _ in range(5000):
+            y = tf.sin(y)
+    store = tape._tape.budget  # pylint: disable=protected-access
+    store.enforce()
+    slot = store.slots[y._id]  # pylint: disable=protected-access
+    assert slot.recipe is not None
+    del y
+    # Drop everything, then ask for the last tensor.
+    for s in list(store.resident.values()):
+        if s.recipe is not None:
+            store._drop(s)  # pylint: disable=protected-access
+    assert sys.getrecursionlimit() < 5000
+    assert store.materialize(slot) is not None
+    assert store.recomputed_ops >= 4999
+
+
+def _model_step(make_model, x, y, seed=1):
+    def body(GradientTape):
+        tf.keras.utils.set_random_seed(seed)
+        model = make_model()
+        model(x[:1])
+        with GradientTape() as tape:
+            out = model(x, training=True)
+            loss = tf.reduce_mean(tf.square(y - out))
+        return loss, tape.gradient(loss, model.trainable_variables)
+    return body
+
+
+def _mlp():
+    return tf.keras.Sequential([tf.keras.layers.Dense(32, activation="tanh"),
+                                tf.keras.layers.Dense(32, activation="relu"),
+                                tf.keras.layers.Dense(16, activation="sigmoid"),
+                                tf.keras.layers.Dense(4)])
+
+
+def _convnet():
+    return tf.keras.Sequential([
+        tf.keras.layers.Conv2D(8, 3, activation="relu", padding="same"),
+        tf.keras.layers.MaxPooling2D(),
+        tf.keras.layers.Conv2D(8, 3, activation="elu"),
+        tf.keras.layers.BatchNormalization(),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dropout(0.3),
+        tf.keras.layers.Dense(4)])
+
+
+def _rnn():
+    return tf.keras.Sequential([tf.keras.layers.LSTM(8, return_sequences=True),
+                                tf.keras.layers.SimpleRNN(6),
+                                tf.keras.layers.Dense(4)])
+
+
+_RNG = np.random.RandomState(3)
+MODELS = {
+    "mlp": (_mlp, _RNG.randn(16, 12).astype("float32"), _RNG.randn(16, 4).astype("float32")),
+    "convnet": (_convnet, _RNG.randn(4, 10, 10, 3).astype("float32"),
+                _RNG.randn(4, 4).astype("float32")),
+    "rnn": (_rnn, _RNG.randn(4, 7, 5).astype("float32"), _RNG.randn(4, 4).astype("float32")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_models_tiny_budget(name):
+    make, x, y = MODELS[name]
+    budgeted = _parity(_model_step(make, x, y))
+    assert budgeted.total("dropped_tensors") > 0
+    assert budgeted.total("recomputed_tensors") > 0
+
+
+# -- the budget holds ----------------------------------------------------------------
+
+def _held_run(make, x, y, budget):
+    tf.keras.utils.set_random_seed(1)
+    model = make()
+    model(x[:1])
+    with fasttape.GradientTape(memory_budget=budget) as tape:
+        store = tape._tape.budget  # pylint: disable=protected-access
+        store.debug = True
+        out = model(x, training=True)
+        loss = tf.reduce_mean(tf.square(y - out))
+    grads = tape.gradient(loss, model.trainable_variables)
+    return store, grads
+
+
+def _unbudgeted_held(make, x, y):
+    tf.keras.utils.set_random_seed(1)
+    model = make()
+    model(x[:1])
+    with fasttape.GradientTape(memory_budget=10 ** 12) as tape:
+        store = tape._tape.budget  # pylint: disable=protected-access
+        store.debug = True
+        out = model(x, training=True)
+        loss = tf.reduce_mean(tf.square(y - out))
+    tape.gradient(loss, model.trainable_variables)
+    return store.max_held
+
+
+@pytest.mark.parametrize("name", ["mlp", "convnet"])
+@pytest.mark.parametrize("fraction", [0.5, 0.25])
+def test_held_bytes_within_budget(name, fraction):
+    """At every recorded op and every backward step, the bytes only the tape
+    holds exceed the budget by at most the largest saved tensor."""
+    make, x, y = MODELS[name]
+    full = _unbudgeted_held(make, x, y)
+    assert full > 0
+    budget = int(full * fraction)
+    store, _ = _held_run(make, x, y, budget)
+    assert store.dropped > 0
+    assert store.max_held > 0
+    assert store.max_over <= store.largest, (store.max_over, store.largest, budget)
+
+
+# -- what is never dropped ------------------------------------------------------------
+
+def test_never_dropped_categories():
+    """Random ops' outputs, variable reads, watched tensors and the target
+    are never dropped, even with a budget of 0 bytes (and the gradients
+    are still the unbudgeted ones)."""
+    v = tf.Variable(np.linspace(0.5, 1.5, 6).reshape(2, 3).astype("float32"))
+
+    def body(GradientTape):
+        tf.random.set_seed(7)
+        x = tf.constant(np.linspace(0.5, 2.0, 6).reshape(2, 3).astype("float32"))
+        with GradientTape() as tape:
+            tape.watch(x)
+            h = tf.sin(x) * v
+            tape.watch(h)
+            g = tf.random.gamma([2], alpha=tf.exp(h))     # RandomGamma: saves its sample
+            loss = tf.reduce_sum(tf.exp(g) * tf.tanh(h))
+        ids = {"h": h._id, "loss": loss._id}  # pylint: disable=protected-access
+        return tape.gradient(loss, [x, v, h]), ids
+
+    expected, _ = body(fasttape.GradientTape)
+    budgeted = Budgeted(TINY)
+    actual, ids = body(budgeted)
+    assert_same(expected, actual, exact=True)
+    store = budgeted.stores()[0]
+    assert store.dropped > 0
+    for op_type in store.dropped_by_type:
+        assert _budget.recomputable(op_type), op_type
+    assert "RandomGamma" not in store.dropped_by_type
+    assert "ReadVariableOp" not in store.dropped_by_type
+    for name in ("h", "loss"):
+        slot = store.slots.get(ids[name])
+        assert slot is None or slot.tid in store.watched or slot.tensor is not None \
+            or slot.wref() is None
+
+
+@pytest.mark.parametrize("op_type,ok", [
+    ("Sin", True), ("MatMul", True), ("Conv2D", True), ("ReadVariableOp", False),
+    ("RandomGamma", False), ("RandomUniform", False), ("StatelessRandomUniformV2", False),
+    ("ResourceGather", False), ("EagerPyFunc", False), ("PartitionedCall", False),
+    ("TensorListFromTensor", False), ("Print", False), ("NoSuchOp", False)])
+def test_recomputable_table(op_type, ok):
+    assert _budget.recomputable(op_type) is ok
+
+
+def test_watched_intermediate_never_dropped():
+    x = tf.constant([0.5, 1.5, 2.5])
+    with fasttape.GradientTape(memory_budget=TINY) as tape:
+        tape.watch(x)
+        store = tape._tape.budget  # pylint: disable=protected-access
+        store.debug = True
+        h = tf.sin(x)
+        tape.watch(h)
+        hid = h._id  # pylint: disable=protected-access
+        del h
+        y = tf.exp(tf.sin(x) * tf.sin(x))
+    store.enforce()
+    assert store.dropped > 0
+    assert hid not in store.dropped_ids
+    tape.gradient(y, x)
+
+
+# -- modes: compiled backward, gradient inside the context, summary, env ---------------
+
+def test_budgeted_pass_never_compiled(monkeypatch):
+    """The compiled backward would replay a pass over dropped tensors: a
+    budgeted tape always runs its pass eagerly."""
+    from fasttape.gradients import _compiled
+    calls = []
+    original = _compiled.gradient
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_compiled, "gradient", spy)
+    for _ in range(4):
+        _chain(Budgeted(TINY), n=5)
+    assert not calls
+    _chain(fasttape.GradientTape, n=5)
+    assert calls
+
+
+def test_gradient_inside_own_context_refused():
+    x = tf.constant([0.5, 1.0])
+    with fasttape.GradientTape(persistent=True, memory_budget=TINY) as tape:
+        tape.watch(x)
+        y = tf.exp(tf.sin(x))
+        with pytest.raises(NotImplementedError, match="memory_budget"):
+            tape.gradient(y, x)
+    assert tape.gradient(y, x) is not None
+
+
+def test_summary_reports_budget():
+    with fasttape.GradientTape(memory_budget="1kB") as tape:
+        x = tf.constant(np.ones((8, 8), "float32"))
+        tape.watch(x)
+        y = x
+        for _ in range(6):
+            y = tf.exp(tf.sin(y))
+    m = tape.summary().memory
+    assert m["budget"] == 1000
+    assert set(m) >= {"held_bytes", "dropped_tensors", "dropped_bytes",
+                      "recomputed_tensors", "recomputed_bytes"}
+    assert "memory budget" in str(tape.summary())
+    tape.gradient(y, x)
+    m = tape.summary().memory
+    assert m["dropped_tensors"] > 0 and m["recomputed_tensors"] > 0
+    assert m["recomputed_bytes"] > 0
+
+
+def test_env_var_sets_default_budget():
+    code = (
+        "import tensorflow as tf, fasttape\n"
+        "t = fasttape.GradientTape()\n"
+        "print(t._memory_budget)\n"
+        "x = tf.constant([1.0, 2.0])\n"
+        "with fasttape.GradientTape() as g:\n"
+        "    g.watch(x)\n"
+        "    y = tf.exp(tf.sin(tf.exp(x)))\n"
+        "print(g.gradient(y, x).numpy().tolist())\n"
+        "print(g.summary().memory['dropped_tensors'] > 0)\n")
+    env = dict(os.environ, FASTTAPE_MEMORY_BUDGET="0", TF_CPP_MIN_LOG_LEVEL="3")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "0" and lines[-1] == "True", out.stdout
+    env["FASTTAPE_MEMORY_BUDGET"] = "plenty"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "FASTTAPE_MEMORY_BUDGET" in out.stderr
