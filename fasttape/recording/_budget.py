@@ -189,7 +189,8 @@ class Slot:
     """One tensor the budget knows. In a payload's ``saved`` tuple in place
     of a dropped tensor, it is the marker that says how to recompute it."""
     __slots__ = ("tid", "tensor", "wref", "recipe", "nbytes", "holders",
-                 "payloads", "last", "pinned", "closure_ok", "__weakref__")
+                 "payloads", "last", "pinned", "closure_ok", "aliased",
+                 "__weakref__")
 
     def __init__(self, t, recipe):
         self.tid = t._id  # pylint: disable=protected-access
@@ -202,6 +203,7 @@ class Slot:
         self.last = 0               # clock of the last use
         self.pinned = False         # a leaf some dropped tensor's recipe needs
         self.closure_ok = False     # every leaf it is recomputed from is pinned
+        self.aliased = False        # a variable's value: shares its buffer, frees nothing
 
     def __repr__(self):
         what = self.recipe.op_type if self.recipe is not None else "leaf"
@@ -240,6 +242,9 @@ class Store:
         """Called by the recorder after it recorded an op on the tape."""
         if type(payload) is not EagerOp:
             return
+        if op_type == "ReadVariableOp":
+            for t in outputs:
+                self._slot(t).aliased = True
         self.clock += 1
         clock = self.clock
         slots = self.slots
@@ -334,6 +339,8 @@ class Store:
     def _sole(s):
         # References: the slot's, one per holder's saved entry while they
         # hold the tensor itself, and getrefcount's argument.
+        if s.aliased:
+            return False
         expected = 2 + sum(s.holders.values())
         return sys.getrefcount(s.tensor) <= expected
 
