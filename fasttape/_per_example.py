@@ -18,10 +18,10 @@ from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsu
 from tensorflow.python.eager import context
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import ops
+from tensorflow.python.framework import random_seed
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import linalg_ops_impl
 from tensorflow.python.ops import math_ops
-from tensorflow.python.ops import random_ops
 from tensorflow.python.ops import stateless_random_ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.platform import tf_logging as logging
@@ -32,6 +32,7 @@ from fasttape import _jacobians
 from fasttape.diagnostics import _frames
 from fasttape.diagnostics import anomaly as _anomaly
 from fasttape.gradients import _norm_rules
+from fasttape.gradients._fast_grads import _const, _ex
 from fasttape.recording import _recording
 from fasttape.recording._callback import output_meta
 
@@ -257,11 +258,6 @@ def _rows(tape, losses, flat_raw, keys, basis=None):
     return dict(zip(keys, rows))
 
 
-def _sq_rows(t):
-    t = array_ops.reshape(t, [array_ops.shape(t)[0], -1])
-    return math_ops.reduce_sum(t * t, axis=1)
-
-
 def per_example_gradients(tape, losses, sources):
     tape_state, batch, flat_raw, flat = _start(tape, losses, sources,
                                                "per_example_gradients")
@@ -292,7 +288,7 @@ def _sq_norms(what, tape, tape_state, losses, flat, flat_raw, analysis):
         total = sq if total is None else total + math_ops.cast(sq, total.dtype)
     for r in rows.values():
         if r is not None:
-            sq = _sq_rows(r)
+            sq = _norm_rules.sq_rows(r)
             total = sq if total is None else total + math_ops.cast(sq, total.dtype)
     if total is None:
         total = array_ops.zeros(losses.shape, losses.dtype)
@@ -354,11 +350,12 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
             total = array_ops.zeros([m], losses.dtype)
             for r in rows.values():
                 if r is not None:
-                    total += math_ops.cast(_sq_rows(r), losses.dtype)
-        norms = math_ops.sqrt(total)
-        weights = clip / math_ops.maximum(norms, clip)
+                    total += math_ops.cast(_norm_rules.sq_rows(r), losses.dtype)
+        # min(1, C / norm), and the division by the number of microbatches.
+        weights = _ex("RealDiv", _const(clip / m, total.dtype), _ex(
+            "Maximum", _ex("Sqrt", total), _const(clip, total.dtype)))
         for k, (payload, pos, rule, src_shape, g) in ruled.items():
-            w = math_ops.cast(weights, g.dtype)
+            w = weights if g.dtype == weights.dtype else math_ops.cast(weights, g.dtype)
             out[k] = ops.convert_to_tensor(
                 rule.weighted(payload, pos, g, w, src_shape=src_shape))
         for k, r in rows.items():
@@ -367,19 +364,25 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
                 out[k] = math_ops.tensordot(w, r, 1)
     finally:
         _end(tape, tape_state)
-    stddev = clip * float(noise_multiplier)
+    stddev = clip * float(noise_multiplier) / m
     for k, g in enumerate(out):
         if g is None:
             continue
-        g = array_ops.reshape(g, flat_raw[k].shape)
+        shape = flat_raw[k].shape
+        if g.shape != shape:
+            g = array_ops.reshape(g, shape)
         if stddev > 0:
             if seed is None:
-                noise = random_ops.random_normal(
-                    array_ops.shape(g), stddev=stddev, dtype=g.dtype)
+                # random_normal's kernel and seeds, without its Python layers
+                seed1, seed2 = random_seed.get_seed(None)
+                noise = _ex("Mul", _ex(
+                    "RandomStandardNormal", _const(tuple(shape.as_list()), dtypes.int32),
+                    "seed", seed1, "seed2", seed2, "dtype", g.dtype),
+                    _const(stddev, g.dtype))
             else:
                 noise = stateless_random_ops.stateless_random_normal(
-                    array_ops.shape(g), seed=_noise_seed(seed, k),
-                    stddev=stddev, dtype=g.dtype)
-            g = g + noise
-        out[k] = g / math_ops.cast(m, g.dtype)
+                    shape, seed=_noise_seed(seed, k), stddev=stddev,
+                    dtype=g.dtype)
+            g = _ex("AddV2", g, noise)
+        out[k] = g
     return nest.pack_sequence_as(sources, out)

@@ -31,6 +31,7 @@ from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import math_ops
 from tensorflow.python.ops import special_math_ops
 
+from fasttape.gradients._fast_grads import _const, _ex
 from fasttape.gradients._payloads import EagerOp
 
 
@@ -43,10 +44,13 @@ def attr(payload, name, default=None):
     return default
 
 
-def _sq_rows(t):
+def sq_rows(t):
     """[B] sums of squares over all but the leading axis."""
-    t = array_ops.reshape(t, [array_ops.shape(t)[0], -1])
-    return math_ops.reduce_sum(t * t, axis=1)
+    rank = len(t.shape)
+    if rank == 1:
+        return _ex("Square", t)
+    axes = _const(tuple(range(1, rank)), dtypes.int32)
+    return _ex("Sum", _ex("Square", t), axes, "keep_dims", False)
 
 
 def _shape(t):
@@ -77,6 +81,8 @@ def norm_rule(*op_types):
 
 def _bcast(w, rank):
     """Per-example weights [B] shaped to multiply a rank-``rank`` tensor."""
+    if rank == 2:
+        return _ex("ExpandDims", w, _const(1, dtypes.int32))
     return array_ops.reshape(w, [-1] + [1] * (rank - 1))
 
 
@@ -93,14 +99,14 @@ class _MatMul:
                 and out_shape[0] == batch)
 
     def sq_norms(self, payload, pos, g, src_shape=None):
-        return _sq_rows(payload.inputs[0]) * _sq_rows(g)
+        return _ex("Mul", sq_rows(payload.inputs[0]), sq_rows(g))
 
     def weighted(self, payload, pos, g, w, src_shape=None):
         a = payload.inputs[0]
-        gw = g * _bcast(w, 2)
+        gw = _ex("Mul", g, _bcast(w, 2))
         if attr(payload, "transpose_b"):
-            return math_ops.matmul(gw, a, transpose_a=True)
-        return math_ops.matmul(a, gw, transpose_a=True)
+            return _ex("MatMul", gw, a, "transpose_a", True, "transpose_b", False)
+        return _ex("MatMul", a, gw, "transpose_a", True, "transpose_b", False)
 
     def per_example(self, payload, pos, g, src_shape=None):
         a = payload.inputs[0]
@@ -133,7 +139,7 @@ class _BatchMatMul:
             aa = math_ops.matmul(a, a, transpose_b=True)
             gg = math_ops.matmul(g, g, transpose_b=True)
             return math_ops.reduce_sum(aa * gg, axis=[1, 2])
-        return _sq_rows(math_ops.matmul(a, g, transpose_a=True))
+        return sq_rows(math_ops.matmul(a, g, transpose_a=True))
 
     def weighted(self, payload, pos, g, w, src_shape=None):
         a, g = self._flat(payload, g)
@@ -156,6 +162,8 @@ def _to_source(h, src_shape):
     """Reduce h [B, ...] (an op's output shape) to [B] + src_shape, summing
     the axes along which the source was broadcast."""
     rank = len(h.shape)
+    if rank == 2 and tuple(src_shape) == (h.shape[1],):
+        return h
     src = list(src_shape)
     if len(src) == rank:        # a leading 1 for the batch axis
         src = src[1:]
@@ -196,10 +204,15 @@ class _Elementwise:
         return _to_source(h, src_shape)
 
     def sq_norms(self, payload, pos, g, src_shape=None):
-        return _sq_rows(self.per_example(payload, pos, g, src_shape))
+        return sq_rows(self.per_example(payload, pos, g, src_shape))
 
     def weighted(self, payload, pos, g, w, src_shape=None):
         h = self._h(payload, pos, g)
+        if len(h.shape) == 2 and tuple(src_shape) == (h.shape[1],):
+            # sum_i w_i h_i as one matrix-vector product
+            return _ex("Squeeze", _ex("MatMul", _ex("ExpandDims", w, _const(0, dtypes.int32)),
+                                      h, "transpose_a", False, "transpose_b", False),
+                       "squeeze_dims", [0])
         h = h * _bcast(w, len(h.shape))
         return array_ops.reshape(math_ops.reduce_sum(
             _to_source(h, src_shape), axis=0), src_shape)
@@ -272,7 +285,7 @@ class _Gather:
         summed = math_ops.unsorted_segment_sum(
             values, segment, array_ops.shape(unique)[0])
         return math_ops.unsorted_segment_sum(
-            _sq_rows(summed), unique // rows, b)
+            sq_rows(summed), unique // rows, b)
 
     def weighted(self, payload, pos, g, w, src_shape=None):
         ids = array_ops.reshape(payload.inputs[1], [-1])
