@@ -232,9 +232,10 @@ def test_dp_gradient_without_noise(case, dtype, microbatches):
 
 
 def test_rules_cover_dense_and_embedding_without_rows():
-    """MatMul, bias adds, Mul scales and gathers take no per-example rows."""
+    """MatMul, bias adds, Mul scales and gathers take no per-example rows,
+    also through a reshape of the weight (MultiHeadAttention's kernels)."""
     for case in ("mlp", "sequence_gram", "embedding_resource", "embedding_read",
-                 "keras_dense", "keras_embedding"):
+                 "keras_dense", "keras_embedding", "keras_attention"):
         xs, loss, variables = ALL[case](tf.float32)
         with fasttape.GradientTape() as tape:
             losses = loss(*xs)

@@ -39,6 +39,7 @@ from fasttape.recording._callback import output_meta
 # Ops that pass a source on unchanged (a variable's read).
 _TRANSPARENT = frozenset({"ReadVariableOp", "Identity"})
 # Ops that reduce over axes given by their second input.
+_RESHAPES = frozenset({"Reshape", "ExpandDims", "Squeeze"})
 _REDUCERS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm"})
 _BATCH_NORMS = frozenset({"FusedBatchNorm", "FusedBatchNormV2",
                           "FusedBatchNormV3"})
@@ -151,7 +152,13 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
         if entry is None:
             continue
         ins = entry.input_ids
-        if entry.op_type in _TRANSPARENT and len(ins) == 1 and ins[0] in alias:
+        if ins and ins[0] in alias and (
+                (entry.op_type in _TRANSPARENT and len(ins) == 1)
+                or (entry.op_type in _RESHAPES and not any(
+                    i in alias for i in ins[1:]))):
+            # A read, or a reshape (Keras reshapes LayerNormalization's
+            # gamma and MultiHeadAttention's kernels): the rule sees the
+            # reshaped value; its results are reshaped back to the source.
             for o in entry.output_ids:
                 alias[o] = alias[ins[0]]
             continue
@@ -218,6 +225,11 @@ def _ruled_pass(what, tape_state, losses, flat, analysis):
         taken = []
         for pos, k in found[1]:
             rule, src_shape = analysis.ruled[k][2:]
+            saved = payload.inputs[pos]
+            if saved is not None and saved.dtype != dtypes.resource:
+                # the source as the op saw it (reshaped?)
+                src_shape = tuple(saved.shape.as_list())
+                analysis.ruled[k] = analysis.ruled[k][:3] + (src_shape,)
             if _norm_rules.applies(rule, payload, pos, out_shape, src_shape,
                                    batch):
                 captured[k] = g
@@ -269,7 +281,7 @@ def per_example_gradients(tape, losses, sources):
                 "per_example_gradients", tape_state, losses, flat, analysis).items():
             out[k] = array_ops.reshape(
                 rule.per_example(payload, pos, g, src_shape=src_shape),
-                (batch,) + src_shape)
+                [batch] + flat_raw[k].shape.as_list())
         for k, rows in _rows(tape, losses, flat_raw, list(analysis.fallback)).items():
             out[k] = rows
     finally:
