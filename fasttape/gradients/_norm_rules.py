@@ -126,14 +126,14 @@ class _BatchMatMul:
                 and out_shape[0] == batch and payload.inputs[0] is not None
                 and not attr(payload, "adj_x"))
 
-    def _flat(self, payload, g):
+    def _flat(self, payload, g, src_shape):
         a = payload.inputs[0]
         b = array_ops.shape(a)[0]
         return (array_ops.reshape(a, [b, -1, a.shape[-1]]),
                 array_ops.reshape(g, [b, -1, g.shape[-1]]))
 
     def sq_norms(self, payload, pos, g, src_shape=None):
-        a, g = self._flat(payload, g)
+        a, g = self._flat(payload, g, src_shape)
         t, k, n = a.shape[1], a.shape[2], g.shape[2]
         if t is not None and t * t < k * n:
             aa = math_ops.matmul(a, a, transpose_b=True)
@@ -142,7 +142,7 @@ class _BatchMatMul:
         return sq_rows(math_ops.matmul(a, g, transpose_a=True))
 
     def weighted(self, payload, pos, g, w, src_shape=None):
-        a, g = self._flat(payload, g)
+        a, g = self._flat(payload, g, src_shape)
         a = array_ops.reshape(a, [-1, a.shape[-1]])
         gw = array_ops.reshape(g * _bcast(w, 3), [-1, g.shape[-1]])
         if attr(payload, "adj_y"):
@@ -150,10 +150,48 @@ class _BatchMatMul:
         return math_ops.matmul(a, gw, transpose_a=True)
 
     def per_example(self, payload, pos, g, src_shape=None):
-        a, g = self._flat(payload, g)
+        a, g = self._flat(payload, g, src_shape)
         if attr(payload, "adj_y"):
             return math_ops.matmul(g, a, transpose_a=True)
         return math_ops.matmul(a, g, transpose_a=True)
+
+
+@norm_rule("Conv2D")
+class _Conv2D(_BatchMatMul):
+    """z = conv2d(x, K), NHWC, SAME or VALID: example i's gradient of K is
+    P_i^T G_i, P_i its image patches [T, kh kw cin] (extract_patches, the
+    kernel's layout), G_i its output gradient [T, cout]: the BatchMatMul
+    rule on patches (Opacus' unfold, Bu et al.'s mixed ghost clipping)."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        fmt = attr(payload, "data_format") or "NHWC"
+        fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
+        padding = attr(payload, "padding")
+        padding = padding.decode() if isinstance(padding, bytes) else padding
+        return (pos == 1 and fmt == "NHWC" and padding in ("SAME", "VALID")
+                and len(src_shape) == 4 and None not in src_shape
+                and len(out_shape) == 4 and out_shape[0] == batch
+                and payload.inputs[0] is not None)
+
+    def _flat(self, payload, g, src_shape):
+        x = payload.inputs[0]
+        kh, kw = src_shape[:2]
+        padding = attr(payload, "padding")
+        padding = padding.decode() if isinstance(padding, bytes) else padding
+        patches = array_ops.extract_image_patches_v2(
+            x, [1, kh, kw, 1], list(attr(payload, "strides")),
+            list(attr(payload, "dilations") or [1, 1, 1, 1]), padding)
+        b = array_ops.shape(x)[0]
+        return (array_ops.reshape(patches, [b, -1, patches.shape[-1]]),
+                array_ops.reshape(g, [b, -1, g.shape[-1]]))
+
+    def weighted(self, payload, pos, g, w, src_shape=None):
+        return array_ops.reshape(
+            super().weighted(payload, pos, g, w, src_shape), src_shape)
+
+    def per_example(self, payload, pos, g, src_shape=None):
+        return array_ops.reshape(super().per_example(payload, pos, g, src_shape),
+                                 [-1] + list(src_shape))
 
 
 # -- a bias or scale broadcast over the batch --------------------------------
