@@ -371,3 +371,15 @@ def test_unconnected_source_is_none():
     assert tape.dp_gradient(losses, {"a": other}, 1.0) == {"a": None}
     np.testing.assert_array_equal(tape.per_example_norms(losses, [other]),
                                   np.zeros(B))
+
+
+def test_dp_step_leaks_nothing():
+    from compat.harness import assert_leaks_nothing
+    xs, loss, variables = _mlp(tf.float32)
+
+    def step():
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        tape.dp_gradient(losses, variables, 1.0, 1.0, seed=1)
+
+    assert_leaks_nothing(step)
