@@ -28,9 +28,13 @@ from fasttape import _backward
 
 
 def gradient_rows(tape, target, flat_sources, unconnected_gradients,
-                   batch):
+                   batch, basis=None, release=True):
     """One backward pass per row of the (batch) Jacobian, all over the
-    same trace; returns per source the stacked rows, or None."""
+    same trace; returns per source the stacked rows, or None.
+
+    basis: the output gradients of the rows (default: the unit vectors).
+    release: end a non-persistent tape afterwards (False: its caller runs
+    more passes over it and ends it)."""
     unconnected_gradients = _backward.unconnected(unconnected_gradients)
     tape_state = tape._tape
     if tape._recording and not tape._persistent:
@@ -45,7 +49,9 @@ def gradient_rows(tape, target, flat_sources, unconnected_gradients,
             _backward.vlog_untrainable("source", t)
     _backward.check_tensors([target] + flat, "sources")
     shape = target.shape
-    if batch:
+    if basis is not None:
+        n = basis.shape[0]
+    elif batch:
         b = shape[0]
         n = shape.num_elements() // max(b, 1)
         basis = array_ops.reshape(
@@ -64,7 +70,7 @@ def gradient_rows(tape, target, flat_sources, unconnected_gradients,
             for col, g in zip(columns, grads):
                 col.append(g)
     finally:
-        if not tape._persistent:
+        if release and not tape._persistent:
             tape._watched_variables = tape_state.watched_variables()
             tape_state.core.release()
             tape._tape = None

@@ -28,6 +28,7 @@ from fasttape.diagnostics import explain as _explain
 from fasttape.recording._callback import is_trainable
 from fasttape import _backward
 from fasttape import _jacobians
+from fasttape import _per_example
 
 
 class GradientTape:
@@ -485,6 +486,75 @@ class GradientTape:
         return _jacobians.batch_jacobian(self, target, source, unconnected_gradients,
                                          parallel_iterations, experimental_use_pfor)
 
+
+    def per_example_gradients(self, losses, sources):
+        """Each example's gradient (not in TF).
+
+        Args:
+          losses: a Tensor of shape [B], one loss per example, each
+            depending only on its own example.
+          sources: a Tensor/Variable or nested structure of them.
+
+        Returns:
+          A nested structure like `sources` of Tensors of shape
+          ``[B] + source.shape`` (None for a source `losses` does not
+          depend on): row i equals the gradient of ``losses[i]``.
+
+        Raises:
+          ValueError: if `losses` is not of shape [B], or mixes examples (an
+            op on its path reduces over the batch axis).
+          RuntimeError: on a used non-persistent tape (this call uses it up,
+            as gradient() does), or inside tf.function (eager only).
+        """
+        return _per_example.per_example_gradients(self, losses, sources)
+
+    def per_example_norms(self, losses, sources):
+        """The L2 norm of each example's whole gradient (not in TF).
+
+        Ops with a per-example rule (MatMul, BatchMatMul, BiasAdd, a bias or
+        scale broadcast over the batch, Gather on a table) give their
+        sources' norms from one backward pass, without building the
+        gradients; other sources take one backward pass per example. See
+        docs/privacy.md. Arguments and errors as per_example_gradients().
+
+        Returns:
+          A Tensor of shape [B].
+        """
+        return _per_example.per_example_norms(self, losses, sources)
+
+    def dp_gradient(self, losses, sources, l2_norm_clip, noise_multiplier=0.0,
+                    num_microbatches=None, seed=None):
+        """The DP-SGD gradient, as TF Privacy's DP optimizers make it (not in TF).
+
+        Each microbatch's gradient (by default each example's) is clipped to
+        `l2_norm_clip`, the clipped gradients are summed, Gaussian noise of
+        standard deviation ``l2_norm_clip * noise_multiplier`` is added and
+        the sum divided by the number of microbatches.
+
+        Args:
+          losses: a Tensor of shape [B], one loss per example.
+          sources: a Tensor/Variable or nested structure of them.
+          l2_norm_clip: the clipping norm C (positive).
+          noise_multiplier: the noise's standard deviation over C.
+          num_microbatches: None (B: one example per microbatch), or a
+            divisor of B; microbatch j holds examples j*B/m ... (j+1)*B/m - 1
+            and its gradient is their mean's, as in TF Privacy.
+          seed: None, an int or a pair of ints: the same seed gives the
+            same noise.
+
+        Returns:
+          A nested structure like `sources` of dense Tensors (None for a
+          source `losses` does not depend on), ready for
+          ``optimizer.apply_gradients``.
+
+        Raises:
+          ValueError: as per_example_gradients(), or for a num_microbatches
+            that does not divide B.
+          RuntimeError: as per_example_gradients().
+        """
+        return _per_example.dp_gradient(self, losses, sources, l2_norm_clip,
+                                        noise_multiplier, num_microbatches,
+                                        seed)
 
 
 _ResourceVariable = resource_variable_ops.ResourceVariable

@@ -28,6 +28,7 @@ from fasttape.bench.timing import (  # noqa: F401
     _counts, check_equal, estimate_seconds, held_bytes, iqr_ms, run_workload)
 from fasttape.bench.workloads import (  # noqa: F401
     BY_NAME, RECORDING_OPS, VARIABLE_STEPS, WORKLOADS, Workload)
+from fasttape.bench.privacy import DP_BY_NAME, format_dp_table, run_dp_workload
 
 
 def _startup_output_hidden():
@@ -139,8 +140,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m fasttape bench",
         description="fasttape.GradientTape against tf.GradientTape, side by side.")
-    parser.add_argument("--workloads", nargs="+", choices=sorted(BY_NAME),
-                        default=[w.name for w in WORKLOADS])
+    parser.add_argument("--workloads", nargs="+",
+                        choices=sorted(BY_NAME) + sorted(DP_BY_NAME),
+                        default=[w.name for w in WORKLOADS],
+                        help="default: all but the DP-SGD ones (dp_*), which "
+                             "compare fasttape's dp_gradient with vectorized_map")
     parser.add_argument("--repeats", type=_at_least(1), default=30,
                         help="timed steps per workload and tape (default 30)")
     parser.add_argument("--warmup", type=_at_least(0), default=3,
@@ -163,7 +167,25 @@ def main(argv=None):
     tf_logger = logging.getLogger("tensorflow")
     tf_logger.addFilter(retracing)
     profiler = cProfile.Profile() if args.profile else None
-    workloads = [BY_NAME[name] for name in args.workloads]
+    dp_workloads = [DP_BY_NAME[name] for name in args.workloads
+                    if name in DP_BY_NAME]
+    workloads = [BY_NAME[name] for name in args.workloads if name in BY_NAME]
+    if dp_workloads:
+        dp_rows = [run_dp_workload(tf, fasttape, w, args.repeats, args.warmup)
+                   for w in dp_workloads]
+        print(format_dp_table(dp_rows))
+        print("\nms per DP-SGD step (clip and noise), medians of alternating "
+              "runs, ± half the interquartile range.\nplain = fasttape's "
+              "non-private step; dp = tape.dp_gradient; vmap fn / vmap eager = "
+              "vectorized_map over\nsingle-example tf.GradientTape's, in and "
+              "out of tf.function.\n")
+        if not all(r["grads_equal"] for r in dp_rows):
+            print("ERROR: dp_gradient differs from vectorized_map on: " + ", ".join(
+                r["workload"] for r in dp_rows if not r["grads_equal"]),
+                file=sys.stderr)
+            return 1
+        if not workloads:
+            return 0
     seconds = estimate_seconds(tf, workloads, args.repeats, args.warmup)
     print(f"{len(workloads)} workload(s), {args.repeats} timed steps each: "
           f"about {_duration(seconds)} (a rough estimate)", flush=True)

@@ -1,0 +1,385 @@
+"""Per-example gradients, their norms and DP-SGD gradients
+(GradientTape.per_example_gradients / per_example_norms / dp_gradient)
+against a loop of B single-example tf.GradientTape's, for every op rule,
+the rows fallback, and Keras 3 models."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import fasttape
+from fasttape import _per_example
+from compat.harness import TOLERANCES
+
+B = 6
+DTYPES = [tf.float32, tf.float64]
+
+
+def _var(rng, shape, dtype):
+    return tf.Variable(rng.normal(size=shape), dtype=dtype)
+
+
+# Each case: (build(dtype) -> (xs, loss_fn, variables), ops the rules cover).
+# loss_fn(*xs) maps a batch to its [batch] losses; the reference calls it on
+# slices [i:i+1].
+
+def _mlp(dtype):
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(B, 5)), rng.normal(size=(B, 3))
+    w1, b1 = _var(rng, (5, 4), dtype), _var(rng, (4,), dtype)
+    w2, b2 = _var(rng, (4, 3), dtype), _var(rng, (3,), dtype)
+
+    def loss(x, y):
+        h = tf.tanh(x @ w1 + b1)                     # MatMul, AddV2
+        out = tf.nn.bias_add(tf.matmul(h, w2, transpose_b=False), b2)  # BiasAdd
+        return tf.reduce_sum((out - y) ** 2, axis=-1)
+    return [tf.constant(x, dtype), tf.constant(y, dtype)], loss, [w1, b1, w2, b2]
+
+
+def _transposed(dtype):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(B, 5))
+    w = _var(rng, (3, 5), dtype)
+    bias = _var(rng, (1, 3), dtype)       # rank 2, broadcast over the batch
+
+    def loss(x):
+        return tf.reduce_sum(tf.sin(tf.matmul(x, w, transpose_b=True) - bias), -1)
+    return [tf.constant(x, dtype)], loss, [w, bias]
+
+
+def _sequence(t, k, n):
+    def build(dtype):
+        rng = np.random.default_rng(2)
+        x = rng.normal(size=(B, t, k))
+        w, bias = _var(rng, (k, n), dtype), _var(rng, (n,), dtype)
+        gamma = _var(rng, (n,), dtype)
+
+        def loss(x):
+            z = tf.matmul(x, w) + bias          # BatchMatMulV2, AddV2
+            z = tf.tanh(z) * gamma              # Mul (a scale)
+            return tf.reduce_sum(z * z, axis=[1, 2])
+        return [tf.constant(x, dtype)], loss, [w, bias, gamma]
+    return build
+
+
+def _embedding(read_first):
+    def build(dtype):
+        rng = np.random.default_rng(3)
+        ids = np.array([[1, 2, 1, 4], [0, 0, 0, 0], [3, 2, 3, 5],
+                        [5, 4, 3, 2], [1, 1, 2, 2], [0, 5, 0, 5]])
+        table = _var(rng, (6, 3), dtype)
+        w = _var(rng, (3, 2), dtype)
+
+        def loss(ids):
+            src = table.read_value() if read_first else table
+            e = tf.gather(src, ids)             # GatherV2 / ResourceGather
+            z = tf.reduce_mean(e, axis=1) @ w
+            return tf.reduce_sum(tf.cos(z), axis=-1)
+        return [tf.constant(ids)], loss, [table, w]
+    return build
+
+
+def _conv(strides, padding, dilations):
+    def build(dtype):
+        rng = np.random.default_rng(6)
+        x = rng.normal(size=(B, 7, 6, 2))
+        kernel = _var(rng, (3, 2, 2, 3), dtype)
+
+        def loss(x):
+            z = tf.nn.conv2d(x, kernel, strides, padding, dilations=dilations)
+            return tf.reduce_sum(tf.sin(z), axis=[1, 2, 3])
+        return [tf.constant(x, dtype)], loss, [kernel]
+    return build
+
+
+def _fallback(dtype):
+    """A tied weight (two uses): rows, not rules; beside a convolution."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(B, 5, 5, 2))
+    kernel = _var(rng, (3, 3, 2, 2), dtype)
+    tied = _var(rng, (2, 2), dtype)
+
+    def loss(x):
+        z = tf.nn.conv2d(x, kernel, 1, "SAME")
+        z = tf.reshape(z, [-1, 25, 2]) @ tied
+        z = tf.tanh(z) @ tf.transpose(tied)
+        return tf.reduce_sum(z * z, axis=[1, 2])
+    return [tf.constant(x, dtype)], loss, [kernel, tied]
+
+
+CASES = {
+    "mlp": _mlp,
+    "transposed": _transposed,
+    "sequence_gram": _sequence(2, 4, 3),       # T^2 < K N: the ghost norm
+    "sequence_built": _sequence(5, 2, 2),      # T^2 >= K N: built per example
+    "embedding_resource": _embedding(False),
+    "embedding_read": _embedding(True),
+    "fallback": _fallback,
+    "conv_same": _conv(1, "SAME", 1),
+    "conv_strided_valid": _conv(2, "VALID", 1),
+    "conv_dilated": _conv(1, "SAME", 2),
+}
+
+
+def _keras_case(kind):
+    def build(dtype):
+        import keras  # pylint: disable=import-outside-toplevel
+        keras.utils.set_random_seed(0)
+        rng = np.random.default_rng(5)
+        name = tf.as_dtype(dtype).name
+        if kind == "dense":
+            x = rng.normal(size=(B, 4))
+            layers = [keras.layers.Dense(5, activation="tanh", dtype=name),
+                      keras.layers.Dense(2, dtype=name)]
+        elif kind == "conv":
+            x = rng.normal(size=(B, 6, 6, 2))
+            layers = [keras.layers.Conv2D(3, 3, activation="relu", dtype=name),
+                      keras.layers.Flatten(dtype=name),
+                      keras.layers.Dense(2, dtype=name)]
+        elif kind == "embedding":
+            x = rng.integers(0, 7, size=(B, 5))
+            layers = [keras.layers.Embedding(7, 3, dtype=name),
+                      keras.layers.GlobalAveragePooling1D(dtype=name),
+                      keras.layers.Dense(2, dtype=name)]
+        elif kind == "layernorm":
+            x = rng.normal(size=(B, 3, 4))
+            layers = [keras.layers.Dense(4, dtype=name),
+                      keras.layers.LayerNormalization(dtype=name),
+                      keras.layers.Flatten(dtype=name),
+                      keras.layers.Dense(2, dtype=name)]
+        else:   # attention
+            x = rng.normal(size=(B, 3, 4))
+            mha = keras.layers.MultiHeadAttention(2, 2, dtype=name)
+            layers = [lambda z: mha(z, z), keras.layers.Flatten(dtype=name),
+                      keras.layers.Dense(2, dtype=name)]
+        xs = [tf.constant(x) if kind == "embedding" else tf.constant(x, dtype)]
+        model = keras.Sequential([keras.Input(x.shape[1:], dtype="int64" if kind == "embedding" else name)]
+                                 + [l for l in layers if not callable(l) or hasattr(l, "weights")]) \
+            if kind != "attention" else None
+        if model is None:
+            inp = keras.Input(x.shape[1:], dtype=name)
+            out = inp
+            for l in layers:
+                out = l(out)
+            model = keras.Model(inp, out)
+
+        def loss(x):
+            return tf.reduce_sum(tf.square(model(x)), axis=-1)
+        return xs, loss, model.trainable_variables
+    return build
+
+
+KERAS = {f"keras_{k}": _keras_case(k)
+         for k in ("dense", "conv", "embedding", "layernorm", "attention")}
+ALL = {**CASES, **KERAS}
+
+
+# TF's CPU kernels have no float64 Conv2D backprop with dilations (TF's own
+# loop fails there too).
+PAIRS = [(c, d) for c in sorted(ALL) for d in DTYPES
+         if not (c == "conv_dilated" and d == tf.float64)]
+PAIR_IDS = [f"{c}-{d.name}" for c, d in PAIRS]
+
+
+def _reference(loss, xs, variables):
+    """Per-example gradients from B single-example tf.GradientTape's."""
+    rows = []
+    for i in range(B):
+        with tf.GradientTape() as tape:
+            li = loss(*[x[i:i + 1] for x in xs])[0]
+        rows.append([tf.convert_to_tensor(g) for g in tape.gradient(li, variables)])
+    return [tf.stack([r[k] for r in rows]) for k in range(len(variables))]
+
+
+def _ref_norms(ref):
+    return tf.sqrt(tf.add_n([
+        tf.reduce_sum(tf.reshape(g, [B, -1]) ** 2, axis=1) for g in ref]))
+
+
+def _close(actual, expected, dtype):
+    rtol, atol = TOLERANCES[dtype]
+    # Per-example sums are taken in another order than the loop's.
+    np.testing.assert_allclose(np.asarray(actual), np.asarray(expected),
+                               rtol=rtol * 20, atol=atol * 20)
+
+
+@pytest.mark.parametrize("case,dtype", PAIRS, ids=PAIR_IDS)
+def test_per_example_gradients(case, dtype):
+    xs, loss, variables = ALL[case](dtype)
+    ref = _reference(loss, xs, variables)
+    with fasttape.GradientTape() as tape:
+        losses = loss(*xs)
+    got = tape.per_example_gradients(losses, variables)
+    assert len(got) == len(ref)
+    for g, r, v in zip(got, ref, variables):
+        assert g.shape == [B] + v.shape
+        _close(g, r, dtype)
+
+
+@pytest.mark.parametrize("case,dtype", PAIRS, ids=PAIR_IDS)
+def test_per_example_norms(case, dtype):
+    xs, loss, variables = ALL[case](dtype)
+    ref = _reference(loss, xs, variables)
+    with fasttape.GradientTape() as tape:
+        losses = loss(*xs)
+    norms = tape.per_example_norms(losses, variables)
+    assert norms.shape == [B]
+    _close(norms, _ref_norms(ref), dtype)
+
+
+@pytest.mark.parametrize("microbatches", [None, 3, 1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("case", ["mlp", "embedding_resource", "fallback",
+                                  "keras_dense", "keras_conv"])
+def test_dp_gradient_without_noise(case, dtype, microbatches):
+    xs, loss, variables = ALL[case](dtype)
+    ref = _reference(loss, xs, variables)
+    m = B if microbatches is None else microbatches
+    # TF Privacy: microbatch j's gradient is the mean of its examples'.
+    micro = [tf.reduce_mean(tf.reshape(g, [m, B // m] + g.shape[1:].as_list()), 1)
+             for g in ref]
+    norms = tf.sqrt(tf.add_n([tf.reduce_sum(tf.reshape(g, [m, -1]) ** 2, 1)
+                              for g in micro]))
+    clip = float(np.median(norms.numpy()))     # some clipped, some not
+    scale = clip / tf.maximum(norms, clip)
+    expected = [tf.tensordot(scale, g, 1) / m for g in micro]
+    with fasttape.GradientTape() as tape:
+        losses = loss(*xs)
+    got = tape.dp_gradient(losses, variables, clip,
+                           num_microbatches=microbatches)
+    for g, e in zip(got, expected):
+        assert isinstance(g, tf.Tensor)
+        _close(g, e, dtype)
+
+
+def test_rules_cover_dense_and_embedding_without_rows():
+    """MatMul, bias adds, Mul scales and gathers take no per-example rows,
+    also through a reshape of the weight (MultiHeadAttention's kernels);
+    nor do Conv2D kernels."""
+    for case in ("mlp", "sequence_gram", "embedding_resource", "embedding_read",
+                 "keras_dense", "keras_embedding", "keras_attention",
+                 "keras_conv", "conv_strided_valid", "conv_dilated"):
+        xs, loss, variables = ALL[case](tf.float32)
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        flat = [v.handle for v in variables]
+        analysis = _per_example._analyse("test", tape._tape, losses, flat,
+                                         variables, B)
+        _per_example._ruled_pass("test", tape._tape, losses, flat, analysis)
+        assert not analysis.fallback, (case, analysis.fallback)
+
+
+def test_noise_std_and_seed():
+    xs, loss, variables = _mlp(tf.float64)
+    clip, multiplier, m = 0.5, 1.3, 3
+
+    def step(seed):
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        return tape.dp_gradient(losses, variables, clip, multiplier,
+                                num_microbatches=m, seed=seed)
+
+    with fasttape.GradientTape() as tape:
+        losses = loss(*xs)
+    clean = tape.dp_gradient(losses, variables, clip, num_microbatches=m)
+    noise = np.concatenate([
+        np.concatenate([np.ravel(g - c) for g, c in zip(step(s), clean)])
+        for s in range(40)])
+    expected = clip * multiplier / m
+    assert noise.size > 1000
+    assert abs(noise.std() / expected - 1) < 0.06, (noise.std(), expected)
+    assert abs(noise.mean()) < 0.1 * expected
+    for a, b in zip(step(7), step(7)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(step((1, 2)), step((1, 2))):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(step(7)[0], step(8)[0])
+    # Unseeded noise differs call to call.
+    assert not np.array_equal(step(None)[0], step(None)[0])
+
+
+def test_mixing_raises_value_error():
+    xs, loss, variables = _mlp(tf.float32)
+    with fasttape.GradientTape() as tape:
+        losses = loss(*xs)
+        losses = losses - tf.reduce_mean(losses, axis=0)
+    with pytest.raises(ValueError, match="Mean op .*batch axis"):
+        tape.per_example_gradients(losses, variables)
+
+
+def test_mixing_names_the_line_under_anomaly_mode():
+    import keras  # pylint: disable=import-outside-toplevel
+    x = tf.random.normal([B, 4])
+    dense = keras.layers.Dense(3)
+    bn = keras.layers.BatchNormalization()
+    dense(x)
+    bn(dense(x), training=True)
+    with fasttape.detect_anomaly():
+        with fasttape.GradientTape() as tape:
+            z = bn(dense(x), training=True)  # the mixing line
+            losses = tf.reduce_sum(z * z, axis=-1)
+    with pytest.raises(ValueError, match="test_per_example.py:[0-9]+ reduces"):
+        tape.dp_gradient(losses, dense.trainable_variables, 1.0)
+
+
+def test_losses_must_be_per_example():
+    xs, loss, variables = _mlp(tf.float32)
+    with fasttape.GradientTape() as tape:
+        total = tf.reduce_sum(loss(*xs))
+    with pytest.raises(ValueError, match=r"shape \[batch\]"):
+        tape.per_example_norms(total, variables)
+
+
+def test_tape_use_follows_gradient():
+    xs, loss, variables = _mlp(tf.float32)
+    with fasttape.GradientTape() as tape:
+        losses = loss(*xs)
+    tape.per_example_norms(losses, variables)
+    with pytest.raises(RuntimeError, match="only be used to compute one"):
+        tape.gradient(losses, variables)
+    with fasttape.GradientTape(persistent=True) as tape:
+        losses = loss(*xs)
+    g1 = tape.gradient(losses, variables)
+    pe = tape.per_example_gradients(losses, variables)
+    tape.dp_gradient(losses, variables, 1.0)
+    tape.per_example_norms(losses, variables)
+    g2 = tape.gradient(losses, variables)
+    for a, b, p in zip(g1, g2, pe):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(tf.reduce_sum(p, 0), a, rtol=1e-5, atol=1e-6)
+
+
+def test_eager_only():
+    xs, loss, variables = _mlp(tf.float32)
+
+    @tf.function
+    def step():
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        return tape.dp_gradient(losses, variables, 1.0)
+
+    with pytest.raises(RuntimeError, match="eager-only"):
+        step()
+
+
+def test_unconnected_source_is_none():
+    xs, loss, variables = _mlp(tf.float32)
+    other = tf.Variable(1.0)
+    with fasttape.GradientTape(persistent=True) as tape:
+        losses = loss(*xs)
+    assert tape.per_example_gradients(losses, [other])[0] is None
+    assert tape.dp_gradient(losses, {"a": other}, 1.0) == {"a": None}
+    np.testing.assert_array_equal(tape.per_example_norms(losses, [other]),
+                                  np.zeros(B))
+
+
+def test_dp_step_leaks_nothing():
+    from compat.harness import assert_leaks_nothing
+    xs, loss, variables = _mlp(tf.float32)
+
+    def step():
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        tape.dp_gradient(losses, variables, 1.0, 1.0, seed=1)
+
+    assert_leaks_nothing(step)

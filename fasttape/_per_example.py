@@ -1,0 +1,400 @@
+"""GradientTape.per_example_gradients, per_example_norms and dp_gradient
+(DP-SGD with TF Privacy's semantics), over one recorded forward pass.
+
+``losses`` [B] holds one loss per example, each depending only on its own
+example. Then the ordinary backward pass of ``sum(losses)`` hands every op
+its output gradient with example i's cotangent at index i of the batch
+axis. For a source used by exactly one op that has a rule in
+gradients._norm_rules (MatMul, BatchMatMul, BiasAdd, a bias or scale
+broadcast over the batch, Gather on a table), the rule reads that output
+gradient and the op's saved inputs during this one pass (the vspace's
+per-op hook) and gives each example's squared norm, its gradient, or the
+clipped sum (book-keeping: no second backward pass). Every other source
+goes through per-example rows: one backward pass per example over the same
+trace (the Jacobian's machinery).
+"""
+
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from tensorflow.python.eager import context
+from tensorflow.python.framework import dtypes
+from tensorflow.python.framework import ops
+from tensorflow.python.framework import random_seed
+from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import linalg_ops_impl
+from tensorflow.python.ops import math_ops
+from tensorflow.python.ops import stateless_random_ops
+from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
+from tensorflow.python.platform import tf_logging as logging
+from tensorflow.python.util import nest
+
+from fasttape import _backward
+from fasttape import _jacobians
+from fasttape.diagnostics import _frames
+from fasttape.diagnostics import anomaly as _anomaly
+from fasttape.gradients import _norm_rules
+from fasttape.gradients._fast_grads import _const, _ex
+from fasttape.recording import _recording
+from fasttape.recording._callback import output_meta
+
+# Ops that pass a source on unchanged (a variable's read).
+_TRANSPARENT = frozenset({"ReadVariableOp", "Identity"})
+# Ops that reduce over axes given by their second input.
+_RESHAPES = frozenset({"Reshape", "ExpandDims", "Squeeze"})
+_REDUCERS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm"})
+_BATCH_NORMS = frozenset({"FusedBatchNorm", "FusedBatchNormV2",
+                          "FusedBatchNormV3"})
+
+
+class _Analysis:
+    """Which sources have an op rule (ruled: k -> (payload, pos, rule,
+    source shape)) and which go through rows (fallback: k -> op types)."""
+
+    def __init__(self):
+        self.ruled = {}
+        self.fallback = {}
+        self.op_types = {}
+
+
+def _meta_shape(meta):
+    if isinstance(meta, tuple) and len(meta) == 2 and isinstance(meta[0], tuple):
+        return meta[0]
+    return None
+
+
+def _start(tape, losses, sources, what):
+    """Checks shared by the three methods; returns (tape state, batch size,
+    flat sources, flat handles)."""
+    if not context.executing_eagerly():
+        raise RuntimeError(
+            f"GradientTape.{what} is eager-only: call it outside tf.function "
+            "(inside one, compute per-example gradients with "
+            "tf.vectorized_map over single-example tapes).")
+    if tape._tape is None:  # pylint: disable=protected-access
+        raise RuntimeError(_backward.CONSUMED)
+    if tape._recording and not tape._persistent:  # pylint: disable=protected-access
+        tape._pop_tape()  # pylint: disable=protected-access
+    if losses is None or not hasattr(losses, "_id"):
+        raise TypeError(f"GradientTape.{what}: `losses` must be a tensor of "
+                        f"shape [batch], got {losses!r}")
+    if losses.shape.rank != 1 or losses.shape[0] is None:
+        raise ValueError(
+            f"GradientTape.{what}: `losses` must have shape [batch] (one loss "
+            f"per example, not reduced over the batch), got shape "
+            f"{losses.shape}.")
+    flat_raw = nest.flatten(sources)
+    flat = [_backward.handle_or_self(s) for s in flat_raw]
+    _backward.check_tensors(flat, "sources")
+    return tape._tape, int(losses.shape[0]), flat_raw, flat  # pylint: disable=protected-access
+
+
+def _end(tape, tape_state):
+    """A non-persistent tape is used up, as by gradient()."""
+    if not tape._persistent:  # pylint: disable=protected-access
+        tape._watched_variables = tape_state.watched_variables()  # pylint: disable=protected-access
+        tape_state.core.release()
+        tape._tape = None  # pylint: disable=protected-access
+
+
+def _mixing_error(what, entry, batch):
+    record = _anomaly.record_of(entry.payload)
+    if record is not None and record.stack:
+        where = "at " + str(_frames.Where(record.stack[0][:2]))
+    else:
+        where = ("(record the forward pass under fasttape.detect_anomaly() to "
+                 "see its line)")
+    return ValueError(
+        f"GradientTape.{what}: `losses` mixes examples: a {entry.op_type} op "
+        f"{where} reduces over the batch axis (axis 0, of size {batch}) on "
+        "the path from the sources to `losses`, so one example's loss "
+        "depends on the others and has no per-example gradient. Compute one "
+        "loss per example (reduce over the other axes only), and use layers "
+        "without batch statistics (LayerNormalization, or BatchNormalization "
+        "with training=False).")
+
+
+def _check_mixing(what, entry, shapes, batch):
+    op_type = entry.op_type
+    payload = entry.payload
+    inputs = getattr(payload, "inputs", None)
+    if inputs is None or batch < 2:
+        return
+    if op_type in _BATCH_NORMS:
+        if _norm_rules.attr(payload, "is_training"):
+            shape = shapes.get(entry.input_ids[0])
+            if shape is not None and shape[0] == batch:
+                raise _mixing_error(what, entry, batch)
+        return
+    if op_type not in _REDUCERS or len(inputs) < 2 or inputs[1] is None:
+        return
+    shape = shapes.get(entry.input_ids[0])
+    if shape is None and inputs[0] is not None:
+        shape = tuple(inputs[0].shape.as_list())
+    if not shape or shape[0] != batch:
+        return
+    axes = [int(a) % len(shape) for a in nest.flatten(inputs[1].numpy().tolist())]
+    if 0 in axes:
+        raise _mixing_error(what, entry, batch)
+
+
+def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
+    """Walk the ops between the sources and `losses` once: refuse a losses
+    that mixes examples, and find each source's rule or its fallback."""
+    core = tape_state.core
+    source_ids = [t._id for t in flat]  # pylint: disable=protected-access
+    op_ids, _ = core.path([losses._id], source_ids)  # pylint: disable=protected-access
+    alias = {}
+    for k, sid in enumerate(source_ids):
+        alias.setdefault(sid, k)
+    uses = {k: [] for k in range(len(flat))}
+    shapes = {}
+    for op_id in op_ids:
+        entry = core.op(op_id)
+        if entry is None:
+            continue
+        ins = entry.input_ids
+        if ins and ins[0] in alias and (
+                (entry.op_type in _TRANSPARENT and len(ins) == 1)
+                or (entry.op_type in _RESHAPES and not any(
+                    i in alias for i in ins[1:]))):
+            # A read, or a reshape (Keras reshapes LayerNormalization's
+            # gamma and MultiHeadAttention's kernels): the rule sees the
+            # reshaped value; its results are reshaped back to the source.
+            for o in entry.output_ids:
+                alias[o] = alias[ins[0]]
+            continue
+        for pos, tid in enumerate(ins):
+            k = alias.get(tid)
+            if k is not None:
+                uses[k].append((entry, pos))
+        _check_mixing(what, entry, shapes, batch)
+        for o, meta in zip(entry.output_ids, entry.output_meta):
+            shape = _meta_shape(meta)
+            if shape is not None:
+                shapes[o] = shape
+    result = _Analysis()
+    for k, used in uses.items():
+        if not used:
+            continue    # not connected: None, as gradient()
+        src_shape = tuple(flat_raw[k].shape.as_list())
+        rule = None
+        if use_rules and len(used) == 1 and None not in src_shape:
+            entry, pos = used[0]
+            rule = _norm_rules.candidate(entry.op_type, entry.payload)
+        if rule is not None:
+            result.ruled[k] = (entry.payload, pos, rule, src_shape)
+            result.op_types[k] = entry.op_type
+        else:
+            result.fallback[k] = sorted({e.op_type for e, _ in used})
+    return result
+
+
+def _log_fallback(what, analysis):
+    if analysis.fallback:
+        logging.debug(
+            "fasttape %s: per-example rows (one backward pass per example) for "
+            "%d source(s) used by ops without a per-example rule: %s", what,
+            len(analysis.fallback),
+            ", ".join(sorted({t for ts in analysis.fallback.values() for t in ts})))
+
+
+def _ruled_pass(what, tape_state, losses, flat, analysis):
+    """One backward pass of sum(losses) that hands each ruled op's output
+    gradient to its rule; returns {k: (payload, pos, rule, src_shape, g)}.
+    A source whose rule declines (the output's shape, an attribute) moves to
+    analysis.fallback."""
+    batch = int(losses.shape[0])
+    if not analysis.ruled:
+        _log_fallback(what, analysis)
+        return {}
+    vspace = _recording.VSPACE
+    table = {}      # id(payload) -> (payload, [(pos, k)])
+    for k, (payload, pos, _, _) in analysis.ruled.items():
+        table.setdefault(id(payload), (payload, []))[1].append((pos, k))
+    captured = {}
+
+    def hook(op_type, payload, unneeded, out_grads):
+        found = table.get(id(payload))
+        if found is None or found[0] is not payload:
+            return None
+        g = out_grads[0]
+        if g is None:
+            return None
+        g = ops.convert_to_tensor(g)
+        out_shape = tuple(g.shape.as_list())
+        skip = list(unneeded)
+        taken = []
+        for pos, k in found[1]:
+            rule, src_shape = analysis.ruled[k][2:]
+            saved = payload.inputs[pos]
+            if saved is not None and saved.dtype != dtypes.resource:
+                # the source as the op saw it (reshaped?)
+                src_shape = tuple(saved.shape.as_list())
+                analysis.ruled[k] = analysis.ruled[k][:3] + (src_shape,)
+            if _norm_rules.applies(rule, payload, pos, out_shape, src_shape,
+                                   batch):
+                captured[k] = g
+                skip.append(pos)
+                taken.append(pos)
+        if not taken:
+            return None
+        grads = list(vspace._call_backward(op_type, payload, skip, out_grads))  # pylint: disable=protected-access
+        for pos in taken:
+            grads[pos] = None
+        return grads
+
+    ids = [flat[k]._id for k in analysis.ruled]  # pylint: disable=protected-access
+    if vspace.per_op_hook is not None:
+        raise RuntimeError("per-example gradients cannot nest inside another "
+                           "per-example backward pass")
+    vspace.per_op_hook = hook
+    try:
+        tape_state.core.compute_gradient(vspace, [losses._id], ids, {}, None,  # pylint: disable=protected-access
+                                         True, True, [output_meta(losses)])
+    finally:
+        vspace.per_op_hook = None
+    for k in list(analysis.ruled):
+        if k not in captured:
+            del analysis.ruled[k]
+            analysis.fallback[k] = [analysis.op_types[k]]
+    _log_fallback(what, analysis)
+    return {k: analysis.ruled[k] + (g,) for k, g in captured.items()}
+
+
+def _rows(tape, losses, flat_raw, keys, basis=None):
+    """{k: per-example (or per-basis-row) gradients of source k, or None}."""
+    if not keys:
+        return {}
+    rows = _jacobians.gradient_rows(tape, losses, [flat_raw[k] for k in keys],
+                                    UnconnectedGradients.NONE, batch=False,
+                                    basis=basis, release=False)
+    return dict(zip(keys, rows))
+
+
+def per_example_gradients(tape, losses, sources):
+    tape_state, batch, flat_raw, flat = _start(tape, losses, sources,
+                                               "per_example_gradients")
+    try:
+        analysis = _analyse("per_example_gradients", tape_state, losses, flat,
+                            flat_raw, batch)
+        out = [None] * len(flat)
+        for k, (payload, pos, rule, src_shape, g) in _ruled_pass(
+                "per_example_gradients", tape_state, losses, flat, analysis).items():
+            out[k] = array_ops.reshape(
+                rule.per_example(payload, pos, g, src_shape=src_shape),
+                [batch] + flat_raw[k].shape.as_list())
+        for k, rows in _rows(tape, losses, flat_raw, list(analysis.fallback)).items():
+            out[k] = rows
+    finally:
+        _end(tape, tape_state)
+    return nest.pack_sequence_as(sources, out)
+
+
+def _sq_norms(what, tape, tape_state, losses, flat, flat_raw, analysis):
+    """[B] squared norms summed over sources, and what dp_gradient needs to
+    finish without another pass (ruled contexts, fallback rows)."""
+    ruled = _ruled_pass(what, tape_state, losses, flat, analysis)
+    rows = _rows(tape, losses, flat_raw, list(analysis.fallback))
+    total = None
+    for payload, pos, rule, src_shape, g in ruled.values():
+        sq = rule.sq_norms(payload, pos, g, src_shape=src_shape)
+        total = sq if total is None else total + math_ops.cast(sq, total.dtype)
+    for r in rows.values():
+        if r is not None:
+            sq = _norm_rules.sq_rows(r)
+            total = sq if total is None else total + math_ops.cast(sq, total.dtype)
+    if total is None:
+        total = array_ops.zeros(losses.shape, losses.dtype)
+    return total, ruled, rows
+
+
+def per_example_norms(tape, losses, sources):
+    tape_state, batch, flat_raw, flat = _start(tape, losses, sources,
+                                               "per_example_norms")
+    try:
+        analysis = _analyse("per_example_norms", tape_state, losses, flat,
+                            flat_raw, batch)
+        total, _, _ = _sq_norms("per_example_norms", tape, tape_state,
+                                losses, flat, flat_raw, analysis)
+    finally:
+        _end(tape, tape_state)
+    return math_ops.sqrt(total)
+
+
+def _noise_seed(seed, k):
+    """The stateless seed of source k's noise: a seed (an int, or a pair
+    of ints as TF's stateless ops take) moved along by the source's index."""
+    first, second = (0, seed) if isinstance(seed, int) else seed
+    return ops.convert_to_tensor([int(first) + k, int(second)], dtypes.int64)
+
+
+def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
+                num_microbatches=None, seed=None):
+    tape_state, batch, flat_raw, flat = _start(tape, losses, sources,
+                                               "dp_gradient")
+    if not l2_norm_clip > 0:
+        raise ValueError(f"l2_norm_clip must be positive, got {l2_norm_clip!r}")
+    if noise_multiplier < 0:
+        raise ValueError(
+            f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
+    m = batch if num_microbatches is None else int(num_microbatches)
+    if m < 1 or batch % m:
+        raise ValueError(
+            f"num_microbatches ({num_microbatches}) must divide the batch size "
+            f"({batch}), as in TF Privacy.")
+    clip = float(l2_norm_clip)
+    out = [None] * len(flat)
+    try:
+        if m == batch:
+            analysis = _analyse("dp_gradient", tape_state, losses, flat,
+                                flat_raw, batch)
+            total, ruled, rows = _sq_norms("dp_gradient", tape, tape_state,
+                                           losses, flat, flat_raw, analysis)
+        else:
+            # TF Privacy: losses reshaped to [m, B/m] and averaged per
+            # microbatch; a microbatch's gradient goes through rows.
+            analysis = _analyse("dp_gradient", tape_state, losses, flat,
+                                flat_raw, batch, use_rules=False)
+            size = batch // m
+            basis = array_ops.repeat(
+                linalg_ops_impl.eye(m, dtype=losses.dtype), size, axis=1) / size
+            ruled = {}
+            rows = _rows(tape, losses, flat_raw, list(analysis.fallback), basis)
+            total = array_ops.zeros([m], losses.dtype)
+            for r in rows.values():
+                if r is not None:
+                    total += math_ops.cast(_norm_rules.sq_rows(r), losses.dtype)
+        # min(1, C / norm), and the division by the number of microbatches.
+        weights = _ex("RealDiv", _const(clip / m, total.dtype), _ex(
+            "Maximum", _ex("Sqrt", total), _const(clip, total.dtype)))
+        for k, (payload, pos, rule, src_shape, g) in ruled.items():
+            w = weights if g.dtype == weights.dtype else math_ops.cast(weights, g.dtype)
+            out[k] = ops.convert_to_tensor(
+                rule.weighted(payload, pos, g, w, src_shape=src_shape))
+        for k, r in rows.items():
+            if r is not None:
+                w = math_ops.cast(weights, r.dtype)
+                out[k] = math_ops.tensordot(w, r, 1)
+    finally:
+        _end(tape, tape_state)
+    stddev = clip * float(noise_multiplier) / m
+    for k, g in enumerate(out):
+        if g is None:
+            continue
+        shape = flat_raw[k].shape
+        if g.shape != shape:
+            g = array_ops.reshape(g, shape)
+        if stddev > 0:
+            if seed is None:
+                # random_normal's kernel and seeds, without its Python layers
+                seed1, seed2 = random_seed.get_seed(None)
+                noise = _ex("Mul", _ex(
+                    "RandomStandardNormal", _const(tuple(shape.as_list()), dtypes.int32),
+                    "seed", seed1, "seed2", seed2, "dtype", g.dtype),
+                    _const(stddev, g.dtype))
+            else:
+                noise = stateless_random_ops.stateless_random_normal(
+                    shape, seed=_noise_seed(seed, k), stddev=stddev,
+                    dtype=g.dtype)
+            g = _ex("AddV2", g, noise)
+        out[k] = g
+    return nest.pack_sequence_as(sources, out)

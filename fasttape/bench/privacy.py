@@ -1,0 +1,172 @@
+"""The bench's DP-SGD workloads: one model step four ways, side by side.
+
+  plain     fasttape: the mean loss's gradient (a non-private step)
+  dp        fasttape: tape.dp_gradient (per-example clip, sum, noise)
+  vmap fn   tf.function(vectorized_map) over single-example tf.GradientTape's,
+            clipped, summed and noised (how TF Privacy's Keras optimizers do it)
+  vmap eager  the same vectorized_map step, not wrapped in tf.function
+
+The dp and vmap steps are checked equal without noise before anything is
+timed. Each arm runs in alternation; medians, with ratios to the plain step.
+"""
+
+import time
+
+import numpy as np
+
+from fasttape.bench.report import with_spread
+from fasttape.bench.timing import check_equal, iqr_ms
+
+CLIP = 1.0
+NOISE = 1.1
+BATCH = 32
+# The eager vectorized_map step traces a function each call (tens of ms):
+# timed on at most this many steps.
+EAGER_VMAP_REPEATS = 5
+
+
+class DPWorkload:
+    """name, description, and ``make(tf)`` -> (params, batch, per_example_losses):
+    ``per_example_losses(*batch)`` gives one loss per example."""
+
+    def __init__(self, name, make, description):
+        self.name = name
+        self.make = make
+        self.description = description
+
+
+def _mlp(tf):
+    rng = np.random.default_rng(10)
+    sizes = [64, 128, 10]
+    params = []
+    for n_in, n_out in zip(sizes[:-1], sizes[1:]):
+        params += [tf.Variable(rng.normal(0, 1 / np.sqrt(n_in), (n_in, n_out)).astype("float32")),
+                   tf.Variable(np.zeros(n_out, "float32"))]
+    x = tf.constant(rng.normal(size=(BATCH, 64)).astype("float32"))
+    labels = tf.constant(rng.integers(0, 10, BATCH))
+
+    def losses(x, labels):
+        h = tf.nn.relu(tf.nn.bias_add(tf.matmul(x, params[0]), params[1]))
+        logits = tf.nn.bias_add(tf.matmul(h, params[2]), params[3])
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+
+    return params, (x, labels), losses
+
+
+def _convnet(tf):
+    rng = np.random.default_rng(11)
+    params = [tf.Variable(rng.normal(0, 0.2, (3, 3, 3, 8)).astype("float32")),
+              tf.Variable(np.zeros(8, "float32")),
+              tf.Variable(rng.normal(0, 0.2, (3, 3, 8, 16)).astype("float32")),
+              tf.Variable(np.zeros(16, "float32")),
+              tf.Variable(rng.normal(0, 0.1, (16 * 4 * 4, 10)).astype("float32")),
+              tf.Variable(np.zeros(10, "float32"))]
+    x = tf.constant(rng.normal(size=(BATCH, 16, 16, 3)).astype("float32"))
+    labels = tf.constant(rng.integers(0, 10, BATCH))
+
+    def losses(x, labels):
+        h = tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, params[0], 1, "SAME"), params[1]))
+        h = tf.nn.max_pool2d(h, 2, 2, "VALID")
+        h = tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(h, params[2], 1, "SAME"), params[3]))
+        h = tf.nn.max_pool2d(h, 2, 2, "VALID")
+        logits = tf.nn.bias_add(
+            tf.matmul(tf.reshape(h, (-1, 16 * 4 * 4)), params[4]), params[5])
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+
+    return params, (x, labels), losses
+
+
+def _text(tf):
+    rng = np.random.default_rng(12)
+    params = [tf.Variable(rng.normal(0, 0.1, (1000, 32)).astype("float32")),
+              tf.Variable(rng.normal(0, 0.2, (32, 10)).astype("float32")),
+              tf.Variable(np.zeros(10, "float32"))]
+    ids = tf.constant(rng.integers(0, 1000, (BATCH, 16)))
+    labels = tf.constant(rng.integers(0, 10, BATCH))
+
+    def losses(ids, labels):
+        e = tf.reduce_mean(tf.gather(params[0], ids), axis=1)
+        logits = tf.nn.bias_add(tf.matmul(e, params[1]), params[2])
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+
+    return params, (ids, labels), losses
+
+
+def _steps(tf, fasttape, params, batch, losses):
+    """The four steps, each ``step(noise_multiplier) -> gradients``."""
+
+    def plain(noise):
+        del noise
+        with fasttape.GradientTape() as tape:
+            loss = tf.reduce_mean(losses(*batch))
+        return tape.gradient(loss, params)
+
+    def dp(noise):
+        with fasttape.GradientTape() as tape:
+            per_example = losses(*batch)
+        return tape.dp_gradient(per_example, params, CLIP, noise)
+
+    def vmap(noise):
+        def one(example):
+            with tf.GradientTape() as tape:
+                loss = losses(*[t[None] for t in example])[0]
+            return [tf.convert_to_tensor(g) for g in tape.gradient(loss, params)]
+        grads = tf.vectorized_map(one, batch)
+        norms = tf.sqrt(tf.add_n([
+            tf.reduce_sum(tf.reshape(g, [BATCH, -1]) ** 2, axis=1) for g in grads]))
+        scale = CLIP / tf.maximum(norms, CLIP)
+        out = []
+        for g in grads:
+            summed = tf.tensordot(scale, g, 1)
+            summed += tf.random.normal(tf.shape(summed), stddev=CLIP * noise)
+            out.append(summed / BATCH)
+        return out
+
+    vmap_fn = tf.function(vmap)
+    return {"plain": plain, "dp": dp, "vmap fn": vmap_fn, "vmap eager": vmap}
+
+
+def run_dp_workload(tf, fasttape, workload, repeats, warmup):
+    """One row: median ms per arm (with spreads) and the ratios."""
+    params, batch, losses = workload.make(tf)
+    steps = _steps(tf, fasttape, params, batch, losses)
+    equal = check_equal(tf, steps["vmap fn"](0.0), steps["dp"](0.0))
+    for _ in range(warmup):
+        for step in steps.values():
+            step(NOISE)
+    times = {name: [] for name in steps}
+    for i in range(repeats):
+        for name, step in steps.items():
+            if name == "vmap eager" and i >= EAGER_VMAP_REPEATS:
+                continue
+            t0 = time.perf_counter()
+            step(NOISE)
+            times[name].append(time.perf_counter() - t0)
+    row = {"workload": workload.name, "grads_equal": bool(equal)}
+    for name, seconds in times.items():
+        row[name] = float(np.median(seconds) * 1e3)
+        row[name + " spread"] = iqr_ms(seconds)
+    return row
+
+
+def format_dp_table(rows):
+    arms = ["plain", "dp", "vmap fn", "vmap eager"]
+    header = (f"{'workload':<14}" + "".join(f"{a:>16}" for a in arms)
+              + f"{'dp/plain':>10}{'dp/vmap fn':>12}{'vfn/plain':>11}"
+              f"{'veager/plain':>14}")
+    lines = [header]
+    for r in rows:
+        cells = "".join(f"{with_spread(r[a], r[a + ' spread']):>16}" for a in arms)
+        lines.append(
+            f"{r['workload']:<14}{cells}"
+            f"{r['dp'] / r['plain']:>10.2f}{r['dp'] / r['vmap fn']:>12.2f}"
+            f"{r['vmap fn'] / r['plain']:>11.2f}{r['vmap eager'] / r['plain']:>14.1f}")
+    return "\n".join(lines)
+
+
+DP_WORKLOADS = [
+    DPWorkload("dp_mlp", _mlp, "DP-SGD step: MLP 64-128-10, batch 32"),
+    DPWorkload("dp_convnet", _convnet, "DP-SGD step: 2 Conv2D + dense, batch 32, 16x16"),
+    DPWorkload("dp_text", _text, "DP-SGD step: embedding 1000x32 + dense, batch 32"),
+]
+DP_BY_NAME = {w.name: w for w in DP_WORKLOADS}

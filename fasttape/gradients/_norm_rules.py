@@ -1,0 +1,355 @@
+"""Per-example gradient rules at the op level (ghost norms, book-keeping).
+
+For an op whose output has the batch on its leading axis and one of whose
+inputs is a source (a parameter shared by every example), the gradient of
+that source is a sum over examples of terms each built from example i's
+saved input and example i's output gradient. A rule computes, from the
+op's saved payload and its output gradient ``g`` (the per-example
+cotangents stacked on the batch axis, as the backward pass of
+``sum(losses)`` hands them over when examples are independent):
+
+  sq_norms(payload, pos, g)        [B] squared norms of each example's
+                                   gradient of input ``pos`` (without
+                                   building it where an identity allows:
+                                   |a_i|^2 |g_i|^2 for z = a W);
+  weighted(payload, pos, g, w)     sum_i w_i grad_i, the source's gradient of
+                                   the reweighted loss (one op, no second
+                                   backward pass);
+  per_example(payload, pos, g)     [B] + source shape, every example's
+                                   gradient.
+
+``applies(payload, pos, out_shape, src_shape, batch)`` decides before the
+pass (shapes, attributes, what the payload saved). Each rule is an entry of
+NORM_RULES, keyed by op type; an op type without one sends its sources to
+the per-example rows (one backward pass per example).
+"""
+
+from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from tensorflow.python.framework import dtypes
+from tensorflow.python.framework import indexed_slices
+from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import math_ops
+from tensorflow.python.ops import special_math_ops
+
+from fasttape.gradients._fast_grads import _const, _ex
+from fasttape.gradients._payloads import EagerOp
+
+
+def attr(payload, name, default=None):
+    """An attribute of an eager op's flat (name, value, ...) attrs."""
+    attrs = payload.attrs
+    for i in range(0, len(attrs) - 1, 2):
+        if attrs[i] == name:
+            return attrs[i + 1]
+    return default
+
+
+def sq_rows(t):
+    """[B] sums of squares over all but the leading axis."""
+    rank = len(t.shape)
+    if rank == 1:
+        return _ex("Square", t)
+    axes = _const(tuple(range(1, rank)), dtypes.int32)
+    return _ex("Sum", _ex("Square", t), axes, "keep_dims", False)
+
+
+def _shape(t):
+    return tuple(t.shape.as_list())
+
+
+class NormRule:
+    """One op type's rule (see the module docstring)."""
+
+    def __init__(self, applies, sq_norms, weighted, per_example):
+        self.applies = applies
+        self.sq_norms = sq_norms
+        self.weighted = weighted
+        self.per_example = per_example
+
+
+NORM_RULES = {}
+
+
+def norm_rule(*op_types):
+    def register(cls):
+        rule = cls()
+        for op_type in op_types:
+            NORM_RULES[op_type] = rule
+        return cls
+    return register
+
+
+def _bcast(w, rank):
+    """Per-example weights [B] shaped to multiply a rank-``rank`` tensor."""
+    if rank == 2:
+        return _ex("ExpandDims", w, _const(1, dtypes.int32))
+    return array_ops.reshape(w, [-1] + [1] * (rank - 1))
+
+
+# -- z = a @ W (MatMul), z = A @ W with A [B, ..., T, K] (BatchMatMul) -------
+
+@norm_rule("MatMul")
+class _MatMul:
+    """z = a W, a [B, K]: example i's gradient of W is the outer product
+    a_i g_i^T, whose squared norm is |a_i|^2 |g_i|^2 (Goodfellow's trick)."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        return (pos == 1 and not attr(payload, "transpose_a")
+                and payload.inputs[0] is not None and len(out_shape) == 2
+                and out_shape[0] == batch)
+
+    def sq_norms(self, payload, pos, g, src_shape=None):
+        return _ex("Mul", sq_rows(payload.inputs[0]), sq_rows(g))
+
+    def weighted(self, payload, pos, g, w, src_shape=None):
+        a = payload.inputs[0]
+        gw = _ex("Mul", g, _bcast(w, 2))
+        if attr(payload, "transpose_b"):
+            return _ex("MatMul", gw, a, "transpose_a", True, "transpose_b", False)
+        return _ex("MatMul", a, gw, "transpose_a", True, "transpose_b", False)
+
+    def per_example(self, payload, pos, g, src_shape=None):
+        a = payload.inputs[0]
+        if attr(payload, "transpose_b"):
+            return special_math_ops.einsum("bk,bn->bnk", a, g)
+        return special_math_ops.einsum("bk,bn->bkn", a, g)
+
+
+@norm_rule("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
+class _BatchMatMul:
+    """Z = A W with A [B, ..., T, K] and a 2-D W shared by all: example i's
+    gradient is A_i^T G_i; its squared norm is <A_i A_i^T, G_i G_i^T> (the
+    ghost norm, T x T per example) when T^2 < K N, else built and summed."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        return (pos == 1 and len(src_shape) == 2 and len(out_shape) >= 3
+                and out_shape[0] == batch and payload.inputs[0] is not None
+                and not attr(payload, "adj_x"))
+
+    def _flat(self, payload, g, src_shape):
+        a = payload.inputs[0]
+        b = array_ops.shape(a)[0]
+        return (array_ops.reshape(a, [b, -1, a.shape[-1]]),
+                array_ops.reshape(g, [b, -1, g.shape[-1]]))
+
+    def sq_norms(self, payload, pos, g, src_shape=None):
+        a, g = self._flat(payload, g, src_shape)
+        t, k, n = a.shape[1], a.shape[2], g.shape[2]
+        if t is not None and t * t < k * n:
+            aa = math_ops.matmul(a, a, transpose_b=True)
+            gg = math_ops.matmul(g, g, transpose_b=True)
+            return math_ops.reduce_sum(aa * gg, axis=[1, 2])
+        return sq_rows(math_ops.matmul(a, g, transpose_a=True))
+
+    def weighted(self, payload, pos, g, w, src_shape=None):
+        a, g = self._flat(payload, g, src_shape)
+        a = array_ops.reshape(a, [-1, a.shape[-1]])
+        gw = array_ops.reshape(g * _bcast(w, 3), [-1, g.shape[-1]])
+        if attr(payload, "adj_y"):
+            return math_ops.matmul(gw, a, transpose_a=True)
+        return math_ops.matmul(a, gw, transpose_a=True)
+
+    def per_example(self, payload, pos, g, src_shape=None):
+        a, g = self._flat(payload, g, src_shape)
+        if attr(payload, "adj_y"):
+            return math_ops.matmul(g, a, transpose_a=True)
+        return math_ops.matmul(a, g, transpose_a=True)
+
+
+@norm_rule("Conv2D")
+class _Conv2D(_BatchMatMul):
+    """z = conv2d(x, K), NHWC, SAME or VALID: example i's gradient of K is
+    P_i^T G_i, P_i its image patches [T, kh kw cin] (extract_patches, the
+    kernel's layout), G_i its output gradient [T, cout]: the BatchMatMul
+    rule on patches (Opacus' unfold, Bu et al.'s mixed ghost clipping)."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        fmt = attr(payload, "data_format") or "NHWC"
+        fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
+        padding = attr(payload, "padding")
+        padding = padding.decode() if isinstance(padding, bytes) else padding
+        return (pos == 1 and fmt == "NHWC" and padding in ("SAME", "VALID")
+                and len(src_shape) == 4 and None not in src_shape
+                and len(out_shape) == 4 and out_shape[0] == batch
+                and payload.inputs[0] is not None)
+
+    def _flat(self, payload, g, src_shape):
+        x = payload.inputs[0]
+        kh, kw = src_shape[:2]
+        padding = attr(payload, "padding")
+        padding = padding.decode() if isinstance(padding, bytes) else padding
+        patches = array_ops.extract_image_patches_v2(
+            x, [1, kh, kw, 1], list(attr(payload, "strides")),
+            list(attr(payload, "dilations") or [1, 1, 1, 1]), padding)
+        b = array_ops.shape(x)[0]
+        return (array_ops.reshape(patches, [b, -1, patches.shape[-1]]),
+                array_ops.reshape(g, [b, -1, g.shape[-1]]))
+
+    def weighted(self, payload, pos, g, w, src_shape=None):
+        return array_ops.reshape(
+            super().weighted(payload, pos, g, w, src_shape), src_shape)
+
+    def per_example(self, payload, pos, g, src_shape=None):
+        return array_ops.reshape(super().per_example(payload, pos, g, src_shape),
+                                 [-1] + list(src_shape))
+
+
+# -- a bias or scale broadcast over the batch --------------------------------
+
+def _to_source(h, src_shape):
+    """Reduce h [B, ...] (an op's output shape) to [B] + src_shape, summing
+    the axes along which the source was broadcast."""
+    rank = len(h.shape)
+    if rank == 2 and tuple(src_shape) == (h.shape[1],):
+        return h
+    src = list(src_shape)
+    if len(src) == rank:        # a leading 1 for the batch axis
+        src = src[1:]
+    aligned = [1] * (rank - 1 - len(src)) + src
+    axes = [k + 1 for k, d in enumerate(aligned)
+            if d == 1 and h.shape[k + 1] != 1]
+    if axes:
+        h = math_ops.reduce_sum(h, axis=axes, keepdims=True)
+    return array_ops.reshape(h, [-1] + list(src_shape))
+
+
+def _broadcast_over_batch(out_shape, src_shape, batch):
+    """A source of shape src_shape broadcast against an output [B, ...]."""
+    if not out_shape or out_shape[0] != batch or None in out_shape:
+        return False
+    if len(src_shape) > len(out_shape):
+        return False
+    if len(src_shape) == len(out_shape) and src_shape[0] != 1:
+        return False
+    return True
+
+
+class _Elementwise:
+    """z = x op s with s broadcast over the batch: example i's gradient is
+    example i's h_i = g_i (Add) or g_i * x_i (Mul), summed over the axes s
+    was broadcast along."""
+
+    sign = 1.0
+
+    def _h(self, payload, pos, g):
+        return g
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        return _broadcast_over_batch(out_shape, src_shape, batch)
+
+    def per_example(self, payload, pos, g, src_shape=None):
+        h = self._h(payload, pos, g)
+        return _to_source(h, src_shape)
+
+    def sq_norms(self, payload, pos, g, src_shape=None):
+        return sq_rows(self.per_example(payload, pos, g, src_shape))
+
+    def weighted(self, payload, pos, g, w, src_shape=None):
+        h = self._h(payload, pos, g)
+        if len(h.shape) == 2 and tuple(src_shape) == (h.shape[1],):
+            # sum_i w_i h_i as one matrix-vector product
+            return _ex("Squeeze", _ex("MatMul", _ex("ExpandDims", w, _const(0, dtypes.int32)),
+                                      h, "transpose_a", False, "transpose_b", False),
+                       "squeeze_dims", [0])
+        h = h * _bcast(w, len(h.shape))
+        return array_ops.reshape(math_ops.reduce_sum(
+            _to_source(h, src_shape), axis=0), src_shape)
+
+
+@norm_rule("Add", "AddV2")
+class _Add(_Elementwise):
+    pass
+
+
+@norm_rule("Sub")
+class _Sub(_Elementwise):
+    def _h(self, payload, pos, g):
+        return g if pos == 0 else -g
+
+
+@norm_rule("Mul")
+class _Mul(_Elementwise):
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        return (payload.inputs[1 - pos] is not None
+                and _broadcast_over_batch(out_shape, src_shape, batch))
+
+    def _h(self, payload, pos, g):
+        return g * payload.inputs[1 - pos]
+
+
+@norm_rule("BiasAdd", "BiasAddV1")
+class _BiasAdd(_Elementwise):
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        fmt = attr(payload, "data_format") or "NHWC"
+        fmt = fmt.decode() if isinstance(fmt, bytes) else fmt
+        return (pos == 1 and fmt == "NHWC"
+                and _broadcast_over_batch(out_shape, src_shape, batch))
+
+
+# -- embeddings: Gather on a table --------------------------------------------
+
+@norm_rule("GatherV2", "ResourceGather")
+class _Gather:
+    """z = table[ids], ids [B, ...]: example i's gradient is its output
+    gradients scattered to its ids (summed over an id repeated within the
+    example), so its norm sums over example i's distinct ids."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        if pos != 0 or len(payload.inputs) < 2 or payload.inputs[1] is None:
+            return False
+        if attr(payload, "batch_dims", 0) != 0:
+            return False
+        if len(payload.inputs) > 2:     # GatherV2's axis
+            axis = payload.inputs[2]
+            if axis is None or int(axis) != 0:
+                return False
+        ids = payload.inputs[1]
+        return (len(ids.shape) >= 1 and ids.shape[0] == batch
+                and len(src_shape) >= 1 and None not in src_shape)
+
+    def _segments(self, payload, g, src_shape):
+        ids = math_ops.cast(payload.inputs[1], dtypes.int64)
+        b = array_ops.shape(ids, out_type=dtypes.int64)[0]
+        ids = array_ops.reshape(ids, [b, -1])
+        rows = src_shape[0]
+        example = array_ops.broadcast_to(
+            math_ops.range(b, dtype=dtypes.int64)[:, None], array_ops.shape(ids))
+        values = array_ops.reshape(g, [-1] + list(src_shape[1:]))
+        return array_ops.reshape(example * rows + ids, [-1]), values, b, rows
+
+    def sq_norms(self, payload, pos, g, src_shape=None):
+        keys, values, b, rows = self._segments(payload, g, src_shape)
+        unique, segment = array_ops.unique(keys)
+        summed = math_ops.unsorted_segment_sum(
+            values, segment, array_ops.shape(unique)[0])
+        return math_ops.unsorted_segment_sum(
+            sq_rows(summed), unique // rows, b)
+
+    def weighted(self, payload, pos, g, w, src_shape=None):
+        ids = array_ops.reshape(payload.inputs[1], [-1])
+        gw = g * _bcast(w, len(g.shape))
+        return indexed_slices.IndexedSlices(
+            array_ops.reshape(gw, [-1] + list(src_shape[1:])), ids,
+            src_shape)
+
+    def per_example(self, payload, pos, g, src_shape=None):
+        keys, values, b, rows = self._segments(payload, g, src_shape)
+        out = math_ops.unsorted_segment_sum(values, keys, b * rows)
+        return array_ops.reshape(out, [-1] + list(src_shape))
+
+
+def candidate(op_type, payload):
+    """The rule of an op type, for an op run eagerly; or None."""
+    rule = NORM_RULES.get(op_type)
+    if rule is None or type(payload) is not EagerOp:
+        return None
+    return rule
+
+
+def applies(rule, payload, pos, out_shape, src_shape, batch):
+    """Whether ``rule`` covers input ``pos`` of a recorded op, now that its
+    output gradient's shape is known."""
+    try:
+        return bool(rule.applies(payload, pos, out_shape, src_shape, batch))
+    except (TypeError, ValueError, IndexError, AttributeError):
+        return False
