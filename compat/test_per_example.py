@@ -383,3 +383,60 @@ def test_dp_step_leaks_nothing():
         tape.dp_gradient(losses, variables, 1.0, 1.0, seed=1)
 
     assert_leaks_nothing(step)
+
+
+# -- ops that move rows across the batch axis: rules stand down ---------------
+# Each loss_i still depends on one example only, but some op on the path
+# moves rows across axis 0, so an op rule reading row j as example j would
+# be wrong with no error. The reference is the definition itself: the
+# gradient of losses[i] on the full batch, for each i.
+
+
+def _time_major(dtype):
+    """x [B, T, d] run time-major ([T, B, d], T == B) through a matmul."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(B, B, 4))
+    w, bias = _var(rng, (4, 3), dtype), _var(rng, (3,), dtype)
+
+    def loss(x):
+        z = tf.matmul(tf.transpose(x, [1, 0, 2]), w) + bias   # [T, B, 3]
+        return tf.reduce_sum(tf.tanh(tf.transpose(z, [1, 0, 2])) ** 2, [1, 2])
+    return [tf.constant(x, dtype)], loss, [w, bias]
+
+
+def _permuted(dtype):
+    """A dense layer whose rows are permuted before the loss."""
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(B, 5))
+    w = _var(rng, (5, 3), dtype)
+    perm = tf.constant([3, 0, 5, 1, 4, 2])
+
+    def loss(x):
+        return tf.reduce_sum(tf.sin(tf.gather(x @ w, perm)), -1)
+    return [tf.constant(x, dtype)], loss, [w]
+
+
+def _full_batch_reference(loss, xs, variables):
+    rows = []
+    for i in range(B):
+        with tf.GradientTape() as t:
+            li = loss(*xs)[i]
+        rows.append(t.gradient(li, variables))
+    return [tf.stack([r[k] for r in rows]) for k in range(len(variables))]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("build", [_time_major, _permuted],
+                         ids=["time_major", "permuted"])
+def test_rows_moved_across_the_batch_axis(build, dtype):
+    xs, loss, variables = build(dtype)
+    ref = _full_batch_reference(loss, xs, variables)
+    with fasttape.GradientTape(persistent=True) as tape:
+        losses = loss(*xs)
+    for g, r in zip(tape.per_example_gradients(losses, variables), ref):
+        _close(g, r, dtype)
+    _close(tape.per_example_norms(losses, variables), _ref_norms(ref), dtype)
+    flat = [v.handle for v in variables]
+    analysis = _per_example._analyse("test", tape._tape, losses, flat,
+                                     variables, B)
+    assert not analysis.ruled and analysis.fallback

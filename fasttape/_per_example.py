@@ -136,6 +136,92 @@ def _check_mixing(what, entry, shapes, batch):
         raise _mixing_error(what, entry, batch)
 
 
+# Ops that may move rows across the leading axis. An op rule reads row j of
+# its operands as example j; that holds only while every op on the path
+# keeps axis 0 as the example axis (a time-major transpose with T == B, or a
+# gather that permutes examples, would hand a rule the wrong rows with no
+# error). Where one of these may move axis 0, every source takes the rows
+# fallback, which is exact whatever the layout.
+_AXIS0_MOVERS = frozenset({
+    "Transpose", "ConjugateTranspose", "Einsum", "Reshape", "GatherV2",
+    "Gather", "ConcatV2", "Concat", "Pack", "Unpack", "Split", "SplitV",
+    "Tile", "ReverseV2", "Roll", "Slice", "StridedSlice", "BatchToSpaceND",
+    "SpaceToBatchND", "MatrixTranspose", "ScatterNd", "TensorScatterUpdate"})
+
+
+def _leading(shape):
+    return shape[0] if shape else None
+
+
+def _keeps_axis0(entry, shapes, batch, alias):
+    """False where an op on the path may move rows across axis 0 (see
+    _AXIS0_MOVERS); True when it provably keeps them, or cannot move them."""
+    op_type = entry.op_type
+    if op_type not in _AXIS0_MOVERS:
+        return True
+    ins = entry.input_ids
+    if ins and ins[0] in alias and op_type not in ("ConcatV2", "Concat", "Pack"):
+        return True          # reshaping or slicing a source: a use of it
+    payload = entry.payload
+    inputs = getattr(payload, "inputs", None) or ()
+
+    def const(i):
+        t = inputs[i] if i < len(inputs) else None
+        return None if t is None else t.numpy().tolist()
+    in_shape = shapes.get(ins[0]) if ins else None
+    if in_shape is None and inputs and inputs[0] is not None:
+        in_shape = tuple(inputs[0].shape.as_list())
+    out_shape = shapes.get(entry.output_ids[0]) if entry.output_ids else None
+    if out_shape is None and entry.output_meta:
+        out_shape = _meta_shape(entry.output_meta[0])
+    if op_type in ("Transpose", "ConjugateTranspose"):
+        perm = const(1)
+        return perm is not None and perm[0] == 0
+    if op_type == "Reshape":
+        # Row-major: while each example's values are one contiguous block, a
+        # leading axis that is a multiple of B keeps every row inside one
+        # example's block (Keras folds [B, T, d] into [B*T, d] and back).
+        lead_in, lead_out = _leading(in_shape or ()), _leading(out_shape or ())
+        return (lead_in is not None and lead_out is not None and lead_in > 0
+                and lead_out > 0 and lead_in % batch == 0
+                and lead_out % batch == 0)
+    if op_type == "Einsum":
+        eq = _norm_rules.attr(payload, "equation")
+        if isinstance(eq, bytes):
+            eq = eq.decode()
+        if not eq or "->" not in eq:
+            return False
+        lhs, out = eq.replace(" ", "").split("->")
+        terms = lhs.split(",")
+        # operands that are activations (not a source) lead with the output's
+        # first index, which is not summed over
+        return bool(out) and all(
+            term[:1] == out[:1] for term, tid in zip(terms, ins)
+            if tid not in alias) and out[:1] != "."
+    if op_type in ("GatherV2", "Gather"):
+        axis = const(2) if op_type == "GatherV2" else 0
+        return axis is not None and axis != 0 and (
+            in_shape is None or int(axis) % len(in_shape) != 0)
+    if op_type == "StridedSlice":
+        begin, end, strides = const(1), const(2), const(3)
+        if None in (begin, end, strides) or not begin:
+            return False
+        def mask(name):
+            return int(_norm_rules.attr(payload, name, 0) or 0) & 1
+        if mask("ellipsis_mask"):
+            return True
+        if mask("shrink_axis_mask") or mask("new_axis_mask") or strides[0] != 1:
+            return False
+        return ((mask("begin_mask") or begin[0] == 0)
+                and (mask("end_mask") or end[0] >= batch))
+    if op_type == "Slice":
+        begin, size = const(1), const(2)
+        return (begin is not None and size is not None and begin[0] == 0
+                and size[0] in (-1, batch))
+    return (in_shape is not None and out_shape is not None and len(in_shape) > 0
+            and op_type in ("Tile",) and const(1) is not None and const(1)[0] == 1)
+
+
 def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
     """Walk the ops between the sources and `losses` once: refuse a losses
     that mixes examples, and find each source's rule or its fallback."""
@@ -146,7 +232,15 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
     for k, sid in enumerate(source_ids):
         alias.setdefault(sid, k)
     uses = {k: [] for k in range(len(flat))}
+    # Shapes of the tensors on the path: the recorder keeps no output
+    # metadata, but a consumer that saved the tensor for its gradient knows it.
     shapes = {}
+    for op_id in op_ids:
+        entry = core.op(op_id)
+        inputs = None if entry is None else getattr(entry.payload, "inputs", None)
+        for tid, t in zip(entry.input_ids if inputs else (), inputs or ()):
+            if t is not None and t.dtype != dtypes.resource:
+                shapes.setdefault(tid, tuple(t.shape.as_list()))
     for op_id in op_ids:
         entry = core.op(op_id)
         if entry is None:
@@ -167,6 +261,11 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
             if k is not None:
                 uses[k].append((entry, pos))
         _check_mixing(what, entry, shapes, batch)
+        if use_rules and not _keeps_axis0(entry, shapes, batch, alias):
+            use_rules = False
+            logging.debug("fasttape %s: a %s op may move rows across the batch "
+                          "axis: every source takes per-example rows", what,
+                          entry.op_type)
         for o, meta in zip(entry.output_ids, entry.output_meta):
             shape = _meta_shape(meta)
             if shape is not None:
