@@ -150,6 +150,12 @@ _INNER_DIM_OPS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
                   "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv1D")
 
 
+# An eager op's dispatch from Python costs about what touching this many
+# elements does (tens of microseconds): cheap elementwise ops are not free
+# to re-run.
+_DISPATCH = 30000
+
+
 def _cost(op_type, inputs, outputs):
     """A recipe's cost estimate: elements read and written, times the
     contracted dimension for matmuls and convolutions (their work grows
@@ -163,7 +169,7 @@ def _cost(op_type, inputs, outputs):
         if shape:
             factor = max(1, math.prod(d or 1 for d in shape[:-1])
                          if op_type.startswith(("Conv", "Depth")) else shape[-1] or 1)
-    return 1 + n_in + n_out * factor
+    return _DISPATCH + n_in + n_out * factor
 
 
 # -- the store ------------------------------------------------------------------
@@ -258,6 +264,8 @@ class Store:
         self.passes = 0             # backward passes run with this store
         self._locked = ()
         self._saved_by = {}         # payload weakref -> Slots its saved tuple names
+        self._when = {}             # payload weakref -> clock when it was recorded
+        self.position = None        # (backward) clock of the op whose gradient runs
         self.watched = set()        # ids the program asked the tape to watch
         self.dropped_by_type = {}   # op type (of the dropped tensor's recipe) -> count
         self.dropped_ids = set()    # (debug) ids of every tensor dropped
@@ -324,6 +332,7 @@ class Store:
             s.last = clock
         if ref is not None:
             self._saved_by[ref] = mine
+            self._when[ref] = clock
         if self.sole_bytes + self.shared_bytes > self.budget or self.debug:
             self._check()
 
@@ -337,6 +346,7 @@ class Store:
     def _payload_died(self, ref):
         # (A weakref callback: may run inside the garbage collector; it only
         # lets go of references.)
+        self._when.pop(ref, None)
         for s in self._saved_by.pop(ref, ()):
             s.refs -= s.holders.pop(ref, 0)
             s.payloads -= 1
@@ -450,9 +460,19 @@ class Store:
     def _drop_to(self, target):
         """Drop the sole candidates with the lowest h = cost / (bytes *
         staleness) until sole_bytes <= target. The cost is the recipe's
-        plus that of its dropped inputs (DTR's neighbourhood, one deep)."""
+        plus that of re-running its dropped ancestors back to what is
+        resident (DTR's evicted neighbourhood, upstream): dropping the next
+        tensor of a chain whose tensors are already dropped costs the chain.
+        Staleness: while recording, the clock ticks since the last use
+        (DTR's); in the backward pass, where the order the gradient
+        functions run in is known, the ticks until the next one that reads
+        the tensor will run (the pass runs the recorded ops from the last
+        one back: Belady's choice, weighed by cost and bytes)."""
         watched = self.watched.__contains__
         clock = self.clock
+        position = self.position
+        when = self._when
+        chain = {}
         scored = []
         for s in list(self.sole.values()):
             if not self._droppable(s, watched):
@@ -460,9 +480,16 @@ class Store:
             cost = s.recipe.cost
             for x in s.recipe.inputs:
                 if x.tensor is None and x.recipe is not None:
-                    cost += x.recipe.cost
-            scored.append((cost / (max(s.nbytes, 1) * (clock - s.last + 1)),
-                           s.tid, s))
+                    cost += _chain_cost(x, chain)
+            if position is None:
+                staleness = clock - s.last + 1
+            else:
+                # (Readers recorded after position ran already, on a
+                # persistent tape.)
+                soonest = max([w for w in map(when.get, s.holders)
+                               if w is not None and w <= position], default=0)
+                staleness = position - soonest + 1
+            scored.append((cost / (max(s.nbytes, 1) * staleness), s.tid, s))
         scored.sort(key=lambda e: (e[0], e[1]))
         for _, _, s in scored:
             if self.sole_bytes <= target:
@@ -613,6 +640,33 @@ class Store:
         }
 
 
+def _chain_cost(s, memo):
+    """What recomputing the dropped tensor s costs: its recipe and those of
+    its dropped ancestors (shared ancestors counted once per path; an
+    estimate). Iterative, memoized per drop."""
+    got = memo.get(s.tid)
+    if got is not None:
+        return got
+    stack = [s]
+    while stack:
+        x = stack[-1]
+        if x.tid in memo:
+            stack.pop()
+            continue
+        todo = [i for i in x.recipe.inputs if i.tensor is None
+                and i.recipe is not None and i.tid not in memo]
+        if todo:
+            stack.extend(todo)
+            continue
+        cost = x.recipe.cost
+        for i in x.recipe.inputs:
+            if i.tensor is None and i.recipe is not None:
+                cost += memo.get(i.tid, 0)
+        memo[x.tid] = cost
+        stack.pop()
+    return memo[s.tid]
+
+
 def _run(recipe, inputs, ctx):
     """Re-run a recipe's op eagerly, on its device. Through execute.execute
     as a module attribute: an outer tape (higher order) records it."""
@@ -645,6 +699,7 @@ def backward_vspace(tape_state, base):
             "another tape (without a budget) around this one.")
     store = tape_state.budget
     store.passes += 1
+    store.position = store.clock + 1
     # Recording is over and the program's own references to the tape's
     # tensors have mostly gone: what only the tape holds is known now.
     store.enforce()
@@ -682,6 +737,10 @@ class BudgetVSpace(VSpace):
 
     def call_backward(self, op_type, payload, unneeded_indices, out_grads):
         store = self.store
+        if type(payload) is EagerOp:
+            position = store._when.get(weakref.ref(payload))  # pylint: disable=protected-access
+            if position is not None:
+                store.position = position
         if type(payload) is EagerOp and _has_slots(payload):
             payload = store.restore(payload)
             grads = self.base.call_backward(op_type, payload, unneeded_indices,
