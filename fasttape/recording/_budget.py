@@ -183,7 +183,8 @@ class Recipe:
         self.op_type = op_type
         self.attrs = attrs
         self.inputs = inputs        # input Slots
-        self.outputs = []           # output Slots
+        self.outputs = []           # output tensor ids (not Slots: a slot names
+                                    # its recipe, and no cycle may form)
         self.device = device
         self.cost = cost
 
@@ -266,6 +267,7 @@ class Store:
         self._saved_by = {}         # payload weakref -> Slots its saved tuple names
         self._when = {}             # payload weakref -> clock when it was recorded
         self.position = None        # (backward) clock of the op whose gradient runs
+        self._on_death = _death_callback(weakref.ref(self))
         self.watched = set()        # ids the program asked the tape to watch
         self.dropped_by_type = {}   # op type (of the dropped tensor's recipe) -> count
         self.dropped_ids = set()    # (debug) ids of every tensor dropped
@@ -306,7 +308,7 @@ class Store:
                 s = Slot(t, recipe)
                 s.last = clock
                 slots[s.tid] = s          # last writer wins, as in the core
-                recipe.outputs.append(s)
+                recipe.outputs.append(s.tid)
         ref = None
         mine = None
         for t in payload.saved:
@@ -319,7 +321,7 @@ class Store:
             if s.nbytes > self.largest:
                 self.largest = s.nbytes
             if ref is None:
-                ref = weakref.ref(payload, self._payload_died)
+                ref = weakref.ref(payload, self._on_death)
                 mine = []
             n = s.holders.get(ref)
             if n is None:
@@ -582,8 +584,9 @@ class Store:
             outputs = _run(recipe, inputs, ctx)
             del inputs
             self.recomputed_ops += 1
-            for x, t in zip(recipe.outputs, outputs):
-                if self.slots.get(x.tid) is x and x.tensor is None:
+            for tid, t in zip(recipe.outputs, outputs):
+                x = self.slots.get(tid)
+                if x is not None and x.recipe is recipe and x.tensor is None:
                     self._hold(x, t)
                     x.last = self.clock
                     self.recomputed += 1
@@ -638,6 +641,16 @@ class Store:
             "recomputed_bytes": self.recomputed_bytes,
             "recomputed_ops": self.recomputed_ops,
         }
+
+
+def _death_callback(store_ref):
+    """The callback of the weak references to payloads: it names the store
+    only weakly (a bound method would make a cycle store -> ref -> store)."""
+    def died(ref):
+        store = store_ref()
+        if store is not None:
+            store._payload_died(ref)  # pylint: disable=protected-access
+    return died
 
 
 def _chain_cost(s, memo):
