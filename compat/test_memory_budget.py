@@ -19,7 +19,7 @@ import tensorflow as tf
 import fasttape
 from fasttape.recording import _budget
 import op_corpus as oc
-from harness import Raised, assert_same
+from harness import Raised, assert_leaks_nothing, assert_same
 
 TINY = 0   # bytes: every tensor that can be dropped is
 
@@ -437,3 +437,103 @@ def test_env_var_sets_default_budget():
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "FASTTAPE_MEMORY_BUDGET" in out.stderr
+
+
+# -- leaks ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_budgeted_step_leaks_nothing(persistent):
+    """A budgeted step that drops and recomputes (slots, recipes, payload
+    weak references, the store) leaves no tensor alive and no reference
+    cycle for the garbage collector once the tape is gone."""
+    w = tf.Variable(np.random.RandomState(0).randn(16, 16).astype("float32"))
+    x = tf.constant(np.random.RandomState(1).randn(8, 16).astype("float32"))
+
+    def step():
+        with fasttape.GradientTape(memory_budget=TINY, persistent=persistent) as tape:
+            y = x
+            for _ in range(6):
+                y = tf.tanh(tf.matmul(y, w))
+            loss = tf.reduce_sum(y)
+        grad = tape.gradient(loss, w)
+        if persistent:
+            tape.gradient(loss, w)
+        m = tape.summary().memory
+        assert m["dropped_tensors"] > 0 and m["recomputed_tensors"] > 0, m
+        return grad
+
+    assert_leaks_nothing(step)
+
+
+# -- a model that does not fit trains under a budget -------------------------------------
+
+_LIMITED_CHILD = r"""
+import resource, sys
+import numpy as np
+import tensorflow as tf
+import fasttape
+
+budget = None if sys.argv[1] == "none" else int(sys.argv[1])
+margin = int(sys.argv[2])
+rng = np.random.default_rng(0)
+w = tf.Variable(rng.normal(1, 0.1, (1024,)).astype("float32"))
+x = tf.constant(rng.normal(size=(1024, 1024)).astype("float32"))
+
+
+def step(budget):
+    with fasttape.GradientTape(memory_budget=budget) as tape:
+        y = x
+        for _ in range(16):          # 32 saved 4 MB tensors: ~130 MB held
+            y = tf.tanh(y * w)
+        loss = tf.reduce_sum(y)
+    return tape.gradient(loss, w).numpy()
+
+
+def vm():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+
+
+# Warm-up at the smallest size (kernels, thread pools, allocator arenas),
+# then no more address space than now plus the margin.
+with fasttape.GradientTape(memory_budget=0) as tape:
+    loss = tf.reduce_sum(tf.tanh(tf.tanh(x * w) * w))
+tape.gradient(loss, w)
+limit = vm() + margin
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+try:
+    g = step(budget)
+except (tf.errors.ResourceExhaustedError, MemoryError) as exc:
+    print("OOM", type(exc).__name__)
+    sys.exit(0)
+np.save(sys.argv[3], g)
+print("OK")
+"""
+
+
+def _limited(tmp_path, budget, margin):
+    script = tmp_path / "child.py"
+    script.write_text(_LIMITED_CHILD)
+    out = tmp_path / f"grad_{budget}.npy"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(budget), str(margin), str(out)],
+        capture_output=True, text=True, timeout=300)
+    lines = proc.stdout.strip().splitlines()
+    return proc.returncode, (lines[-1] if lines else ""), out, proc.stderr[-2000:]
+
+
+def test_model_that_does_not_fit_trains_under_budget(tmp_path):
+    """Under RLIMIT_AS at the warmed-up process's address space plus 48 MB,
+    a step whose tape holds ~130 MB fails unbudgeted (ResourceExhaustedError,
+    or the process dies) and succeeds with a 16 MB budget, with the
+    gradient the unlimited unbudgeted step gives, bit for bit."""
+    margin = 48 * 10 ** 6
+    rc, last, _, err = _limited(tmp_path, "none", margin)
+    assert rc != 0 or last.startswith("OOM"), (rc, last, err)
+    rc, last, out, err = _limited(tmp_path, 16 * 10 ** 6, margin)
+    assert rc == 0 and last == "OK", (rc, last, err)
+    rc, last, full, err = _limited(tmp_path, "none", 10 ** 12)
+    assert rc == 0 and last == "OK", (rc, last, err)
+    assert np.array_equal(np.load(out), np.load(full))

@@ -29,6 +29,7 @@ from fasttape.bench.timing import (  # noqa: F401
 from fasttape.bench.workloads import (  # noqa: F401
     BY_NAME, RECORDING_OPS, VARIABLE_STEPS, WORKLOADS, Workload)
 from fasttape.bench.privacy import DP_BY_NAME, format_dp_table, run_dp_workload
+from fasttape.bench.memory import MEM_BY_NAME, format_mem_table, run_mem_workload
 
 
 def _startup_output_hidden():
@@ -141,10 +142,12 @@ def main(argv=None):
         prog="python -m fasttape bench",
         description="fasttape.GradientTape against tf.GradientTape, side by side.")
     parser.add_argument("--workloads", nargs="+",
-                        choices=sorted(BY_NAME) + sorted(DP_BY_NAME),
+                        choices=sorted(BY_NAME) + sorted(DP_BY_NAME) + sorted(MEM_BY_NAME),
                         default=[w.name for w in WORKLOADS],
                         help="default: all but the DP-SGD ones (dp_*), which "
-                             "compare fasttape's dp_gradient with vectorized_map")
+                             "compare fasttape's dp_gradient with vectorized_map, "
+                             "and the memory-budget ones (mem_*), which compare "
+                             "budgets of 50%% and 25%% with none")
     parser.add_argument("--repeats", type=_at_least(1), default=30,
                         help="timed steps per workload and tape (default 30)")
     parser.add_argument("--warmup", type=_at_least(0), default=3,
@@ -170,6 +173,25 @@ def main(argv=None):
     dp_workloads = [DP_BY_NAME[name] for name in args.workloads
                     if name in DP_BY_NAME]
     workloads = [BY_NAME[name] for name in args.workloads if name in BY_NAME]
+    mem_workloads = [MEM_BY_NAME[name] for name in args.workloads
+                     if name in MEM_BY_NAME]
+    if mem_workloads:
+        mem_rows = [row for w in mem_workloads
+                    for row in run_mem_workload(tf, fasttape, w, args.repeats, args.warmup)]
+        print(format_mem_table(mem_rows))
+        print("\nheld = the most bytes only the tape holds at any step; ms per step "
+              "median ± half the IQR; ratio = median of per-step ratios to the "
+              "unbudgeted step;\npeak RSS = the process's peak resident memory "
+              "over two steps above its resident memory before them, each in a "
+              "fresh process;\ndropped / re-run = tensors dropped and ops re-run "
+              "in one step.\n")
+        if not all(r["grads_equal"] for r in mem_rows):
+            print("ERROR: budgeted gradients differ from unbudgeted ones on: "
+                  + ", ".join(sorted({r["workload"] for r in mem_rows
+                                      if not r["grads_equal"]})), file=sys.stderr)
+            return 1
+        if not workloads and not dp_workloads:
+            return 0
     if dp_workloads:
         dp_rows = [run_dp_workload(tf, fasttape, w, args.repeats, args.warmup)
                    for w in dp_workloads]

@@ -150,6 +150,12 @@ _INNER_DIM_OPS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
                   "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv1D")
 
 
+# An eager op's dispatch from Python costs about what touching this many
+# elements does (tens of microseconds): cheap elementwise ops are not free
+# to re-run.
+_DISPATCH = 30000
+
+
 def _cost(op_type, inputs, outputs):
     """A recipe's cost estimate: elements read and written, times the
     contracted dimension for matmuls and convolutions (their work grows
@@ -163,7 +169,7 @@ def _cost(op_type, inputs, outputs):
         if shape:
             factor = max(1, math.prod(d or 1 for d in shape[:-1])
                          if op_type.startswith(("Conv", "Depth")) else shape[-1] or 1)
-    return 1 + n_in + n_out * factor
+    return _DISPATCH + n_in + n_out * factor
 
 
 # -- the store ------------------------------------------------------------------
@@ -177,7 +183,8 @@ class Recipe:
         self.op_type = op_type
         self.attrs = attrs
         self.inputs = inputs        # input Slots
-        self.outputs = []           # output Slots
+        self.outputs = []           # output tensor ids (not Slots: a slot names
+                                    # its recipe, and no cycle may form)
         self.device = device
         self.cost = cost
 
@@ -189,7 +196,7 @@ class Slot:
     """One tensor the budget knows. In a payload's ``saved`` tuple in place
     of a dropped tensor, it is the marker that says how to recompute it."""
     __slots__ = ("tid", "tensor", "wref", "recipe", "nbytes", "holders",
-                 "payloads", "last", "pinned", "closure_ok", "aliased",
+                 "refs", "payloads", "last", "pinned", "closure_ok", "aliased",
                  "__weakref__")
 
     def __init__(self, t, recipe):
@@ -199,6 +206,7 @@ class Slot:
         self.recipe = recipe        # Recipe, or None for a leaf
         self.nbytes = _nbytes(t)
         self.holders = {}           # payload weakref -> occurrences of the tensor in its saved
+        self.refs = 0               # sum of holders' values: the tape's references to the tensor
         self.payloads = 0           # live payloads that save it (the tensor or this slot)
         self.last = 0               # clock of the last use
         self.pinned = False         # a leaf some dropped tensor's recipe needs
@@ -211,14 +219,39 @@ class Slot:
         return f"<fasttape dropped-tensor slot {self.tid}: {what}, {state}>"
 
 
+# Hysteresis: once what the tape alone holds passes the budget, drop down to
+# this fraction of it, so that the next drop comes a tenth of the budget
+# later (a drop scores every candidate).
+LOW_WATER = 0.9
+# While the program references at most this many of the resident tensors,
+# they are re-checked after every op; more (a layer that keeps its outputs
+# in a list), and only after the resident bytes grew by a sixteenth of the
+# budget since the last check.
+_FEW = 32
+
+
 class Store:
-    """A tape's memory budget: its slots, recipes and counters."""
+    """A tape's memory budget: its slots, recipes and counters.
+
+    The resident tensors that can free memory are split, incrementally, into
+    ``shared`` (the program may still reference them: every tensor starts
+    there, as the op that made it returns it) and ``sole`` (only the tape
+    held them when last checked); ``sole_bytes`` is what the budget bounds.
+    After an op, nothing is scanned unless the two together pass the budget;
+    then only ``shared`` is re-checked (reference counts), and the candidates
+    are scored only when ``sole_bytes`` passes it."""
 
     def __init__(self, budget):
         self.budget = budget
+        self.low = int(budget * LOW_WATER)
         self.slots = {}             # tensor id -> Slot
         self.resident = {}          # tensor id -> Slot whose tensor is held here
         self.resident_bytes = 0
+        self.shared = {}            # resident, not a variable's value, maybe referenced elsewhere
+        self.shared_bytes = 0
+        self.sole = {}              # resident, only the tape held it when last checked
+        self.sole_bytes = 0
+        self._recheck_at = 0        # (many shared) bytes at which to re-check them
         self.clock = 0
         self.dropped = 0            # tensors dropped (counted each time)
         self.dropped_bytes = 0
@@ -232,6 +265,9 @@ class Store:
         self.passes = 0             # backward passes run with this store
         self._locked = ()
         self._saved_by = {}         # payload weakref -> Slots its saved tuple names
+        self._when = {}             # payload weakref -> clock when it was recorded
+        self.position = None        # (backward) clock of the op whose gradient runs
+        self._on_death = _death_callback(weakref.ref(self))
         self.watched = set()        # ids the program asked the tape to watch
         self.dropped_by_type = {}   # op type (of the dropped tensor's recipe) -> count
         self.dropped_ids = set()    # (debug) ids of every tensor dropped
@@ -272,11 +308,10 @@ class Store:
                 s = Slot(t, recipe)
                 s.last = clock
                 slots[s.tid] = s          # last writer wins, as in the core
-                recipe.outputs.append(s)
-        saved = payload.saved
+                recipe.outputs.append(s.tid)
         ref = None
-        mine = []
-        for t in saved:
+        mine = None
+        for t in payload.saved:
             if t is None or type(t) is not ops.EagerTensor:
                 continue
             s = slots.get(t._id)  # pylint: disable=protected-access
@@ -286,7 +321,8 @@ class Store:
             if s.nbytes > self.largest:
                 self.largest = s.nbytes
             if ref is None:
-                ref = weakref.ref(payload, self._payload_died)
+                ref = weakref.ref(payload, self._on_death)
+                mine = []
             n = s.holders.get(ref)
             if n is None:
                 s.holders[ref] = 1
@@ -294,11 +330,13 @@ class Store:
                 mine.append(s)
             else:
                 s.holders[ref] = n + 1
+            s.refs += 1
             s.last = clock
         if ref is not None:
             self._saved_by[ref] = mine
-        if self.resident_bytes > self.budget or self.debug:
-            self.enforce()
+            self._when[ref] = clock
+        if self.sole_bytes + self.shared_bytes > self.budget or self.debug:
+            self._check()
 
     def _slot(self, t):
         s = self.slots.get(t._id)  # pylint: disable=protected-access
@@ -310,8 +348,9 @@ class Store:
     def _payload_died(self, ref):
         # (A weakref callback: may run inside the garbage collector; it only
         # lets go of references.)
+        self._when.pop(ref, None)
         for s in self._saved_by.pop(ref, ()):
-            s.holders.pop(ref, None)
+            s.refs -= s.holders.pop(ref, 0)
             s.payloads -= 1
             if s.payloads <= 0 and not s.pinned:
                 self._release(s)
@@ -319,20 +358,30 @@ class Store:
     def _release(self, s):
         if s.tensor is not None:
             s.tensor = None
-            del self.resident[s.tid]
+            tid = s.tid
+            del self.resident[tid]
             self.resident_bytes -= s.nbytes
+            if self.shared.get(tid) is s:
+                del self.shared[tid]
+                self.shared_bytes -= s.nbytes
+            elif self.sole.get(tid) is s:
+                del self.sole[tid]
+                self.sole_bytes -= s.nbytes
 
     def _hold(self, s, t):
         if s.tensor is None:
             s.tensor = t
             self.resident[s.tid] = s
             self.resident_bytes += s.nbytes
+            if not s.aliased:
+                self.shared[s.tid] = s
+                self.shared_bytes += s.nbytes
 
     # -- dropping -----------------------------------------------------------
 
     def held_bytes(self):
         """Bytes of resident tensors only this tape holds (dropping them
-        frees memory)."""
+        frees memory); counted afresh."""
         return sum(s.nbytes for s in self.resident.values() if self._sole(s))
 
     @staticmethod
@@ -341,8 +390,42 @@ class Store:
         # hold the tensor itself, and getrefcount's argument.
         if s.aliased:
             return False
-        expected = 2 + sum(s.holders.values())
-        return sys.getrefcount(s.tensor) <= expected
+        return sys.getrefcount(s.tensor) <= 2 + s.refs
+
+    def _recheck(self):
+        """Move the shared tensors the program no longer references to sole."""
+        shared, sole, _sole = self.shared, self.sole, self._sole
+        for s in [s for s in shared.values() if _sole(s)]:
+            del shared[s.tid]
+            self.shared_bytes -= s.nbytes
+            sole[s.tid] = s
+            self.sole_bytes += s.nbytes
+        self._recheck_at = (self.sole_bytes + self.shared_bytes
+                            + max(self.budget >> 4, 1))
+
+    def _check(self):
+        """After a step that left the resident bytes over the budget: re-check
+        what the program references (if it may matter), and drop down to the
+        low water mark when what the tape alone holds passes the budget."""
+        budget = self.budget
+        if self.sole_bytes <= budget and (
+                len(self.shared) <= _FEW
+                or self.sole_bytes + self.shared_bytes >= self._recheck_at):
+            self._recheck()
+        if self.sole_bytes > budget:
+            self._drop_to(self.low)
+        if self.debug:
+            self._measure()
+
+    def enforce(self):
+        """Re-check every resident tensor, then drop candidates by DTR's score
+        until what only the tape holds fits the budget (or no candidate is
+        left)."""
+        self._recheck()
+        if self.sole_bytes > self.budget:
+            self._drop_to(self.low)
+        if self.debug:
+            self._measure()
 
     def _droppable(self, s, watched):
         if s.recipe is None or s.tid in self._locked or watched(s.tid):
@@ -376,47 +459,70 @@ class Store:
         s.closure_ok = True
         return True
 
-    def enforce(self):
-        """Drop candidates by DTR's score until what only the tape holds
-        fits the budget (or no candidate is left)."""
-        budget = self.budget
-        if self.resident_bytes <= budget and not self.debug:
-            return
+    def _drop_to(self, target):
+        """Drop the sole candidates with the lowest h = cost / (bytes *
+        staleness) until sole_bytes <= target. The cost is the recipe's
+        plus that of re-running its dropped ancestors back to what is
+        resident (DTR's evicted neighbourhood, upstream): dropping the next
+        tensor of a chain whose tensors are already dropped costs the chain.
+        Staleness: while recording, the clock ticks since the last use
+        (DTR's); in the backward pass, where the order the gradient
+        functions run in is known, the ticks until the next one that reads
+        the tensor will run (the pass runs the recorded ops from the last
+        one back: Belady's choice, weighed by cost and bytes)."""
         watched = self.watched.__contains__
-        held = 0
-        kept = 0        # held bytes that cannot be dropped now
-        candidates = []
-        for s in list(self.resident.values()):
+        clock = self.clock
+        position = self.position
+        when = self._when
+        chain = {}
+        scored = []
+        for s in list(self.sole.values()):
+            if not self._droppable(s, watched):
+                continue
+            cost = s.recipe.cost
+            for x in s.recipe.inputs:
+                if x.tensor is None and x.recipe is not None:
+                    cost += _chain_cost(x, chain)
+            if position is None:
+                staleness = clock - s.last + 1
+            else:
+                # (Readers recorded after position ran already, on a
+                # persistent tape.)
+                soonest = max([w for w in map(when.get, s.holders)
+                               if w is not None and w <= position], default=0)
+                staleness = position - soonest + 1
+            scored.append((cost / (max(s.nbytes, 1) * staleness), s.tid, s))
+        scored.sort(key=lambda e: (e[0], e[1]))
+        for _, _, s in scored:
+            if self.sole_bytes <= target:
+                break
+            if s.tensor is None:
+                continue
+            if not self._sole(s):
+                # Referenced again (through a weak reference): frees nothing.
+                del self.sole[s.tid]
+                self.sole_bytes -= s.nbytes
+                self.shared[s.tid] = s
+                self.shared_bytes += s.nbytes
+                continue
+            self._drop(s)
+
+    def _measure(self):
+        # (debug) What only the tape holds, counted afresh, over the budget
+        # only by what cannot be dropped (leaves, watched tensors, what the
+        # running step reads) and by the last tensor that stepped over it.
+        held = kept = 0
+        locked, watched = self._locked, self.watched
+        for s in self.resident.values():
             if self._sole(s):
                 held += s.nbytes
-                candidates.append(s)
-        if held > budget or self.debug:
-            clock = self.clock
-            scored = []
-            for s in candidates:
-                if not self._droppable(s, watched):
+                if s.recipe is None or s.tid in locked or s.tid in watched \
+                        or not s.closure_ok:
                     kept += s.nbytes
-                    continue
-                cost = s.recipe.cost
-                for x in s.recipe.inputs:
-                    if x.tensor is None and x.recipe is not None:
-                        cost += x.recipe.cost
-                scored.append((cost / (max(s.nbytes, 1) * (clock - s.last + 1)),
-                               s.tid, s))
-            scored.sort(key=lambda e: (e[0], e[1]))
-            for _, _, s in scored:
-                if held <= budget:
-                    break
-                self._drop(s)
-                held -= s.nbytes
-        if self.debug:
-            # Over the budget only by what cannot be dropped (leaves,
-            # watched tensors, what the running step reads) and by the
-            # last tensor that stepped over it.
-            if held > self.max_held:
-                self.max_held = held
-            if held - max(budget, kept) > self.max_over:
-                self.max_over = held - max(budget, kept)
+        if held > self.max_held:
+            self.max_held = held
+        if held - max(self.budget, kept) > self.max_over:
+            self.max_over = held - max(self.budget, kept)
 
     def _drop(self, s):
         """Let go of s: swap it for its slot in every holder's saved tuple."""
@@ -428,6 +534,7 @@ class Store:
             if p is not None:
                 p.saved = tuple([s if x is t else x for x in p.saved])
             s.holders[ref] = 0
+        s.refs = 0
         del t
         self._release(s)
         self.dropped += 1
@@ -477,31 +584,33 @@ class Store:
             outputs = _run(recipe, inputs, ctx)
             del inputs
             self.recomputed_ops += 1
-            for x, t in zip(recipe.outputs, outputs):
-                if self.slots.get(x.tid) is x and x.tensor is None:
+            for tid, t in zip(recipe.outputs, outputs):
+                x = self.slots.get(tid)
+                if x is not None and x.recipe is recipe and x.tensor is None:
                     self._hold(x, t)
                     x.last = self.clock
                     self.recomputed += 1
                     self.recomputed_bytes += x.nbytes
             del outputs, t
             stack.pop()
-            # What the rest of the stack reads stays; the rest may go again.
-            locked = set(self._locked)
-            locked.add(s.tid)
-            for x in stack:
-                locked.add(x.tid)
-                for i in x.recipe.inputs:
-                    locked.add(i.tid)
-            self._enforce_locked(locked)
+            if self.sole_bytes + self.shared_bytes > self.budget or self.debug:
+                # What the rest of the stack reads stays; the rest may go again.
+                locked = set(self._locked)
+                locked.add(s.tid)
+                for x in stack:
+                    locked.add(x.tid)
+                    for i in x.recipe.inputs:
+                        locked.add(i.tid)
+                self._check_locked(locked)
         t = s.tensor
         s.last = self.clock
         return t
 
-    def _enforce_locked(self, locked):
+    def _check_locked(self, locked):
         previous = self._locked
         self._locked = locked
         try:
-            self.enforce()
+            self._check()
         finally:
             self._locked = previous
 
@@ -532,6 +641,43 @@ class Store:
             "recomputed_bytes": self.recomputed_bytes,
             "recomputed_ops": self.recomputed_ops,
         }
+
+
+def _death_callback(store_ref):
+    """The callback of the weak references to payloads: it names the store
+    only weakly (a bound method would make a cycle store -> ref -> store)."""
+    def died(ref):
+        store = store_ref()
+        if store is not None:
+            store._payload_died(ref)  # pylint: disable=protected-access
+    return died
+
+
+def _chain_cost(s, memo):
+    """What recomputing the dropped tensor s costs: its recipe and those of
+    its dropped ancestors (shared ancestors counted once per path; an
+    estimate). Iterative, memoized per drop."""
+    got = memo.get(s.tid)
+    if got is not None:
+        return got
+    stack = [s]
+    while stack:
+        x = stack[-1]
+        if x.tid in memo:
+            stack.pop()
+            continue
+        todo = [i for i in x.recipe.inputs if i.tensor is None
+                and i.recipe is not None and i.tid not in memo]
+        if todo:
+            stack.extend(todo)
+            continue
+        cost = x.recipe.cost
+        for i in x.recipe.inputs:
+            if i.tensor is None and i.recipe is not None:
+                cost += memo.get(i.tid, 0)
+        memo[x.tid] = cost
+        stack.pop()
+    return memo[s.tid]
 
 
 def _run(recipe, inputs, ctx):
@@ -566,6 +712,7 @@ def backward_vspace(tape_state, base):
             "another tape (without a budget) around this one.")
     store = tape_state.budget
     store.passes += 1
+    store.position = store.clock + 1
     # Recording is over and the program's own references to the tape's
     # tensors have mostly gone: what only the tape holds is known now.
     store.enforce()
@@ -603,6 +750,10 @@ class BudgetVSpace(VSpace):
 
     def call_backward(self, op_type, payload, unneeded_indices, out_grads):
         store = self.store
+        if type(payload) is EagerOp:
+            position = store._when.get(weakref.ref(payload))  # pylint: disable=protected-access
+            if position is not None:
+                store.position = position
         if type(payload) is EagerOp and _has_slots(payload):
             payload = store.restore(payload)
             grads = self.base.call_backward(op_type, payload, unneeded_indices,
@@ -611,6 +762,6 @@ class BudgetVSpace(VSpace):
         else:
             grads = self.base.call_backward(op_type, payload, unneeded_indices,
                                             out_grads)
-        if store.resident_bytes > store.budget or store.debug:
-            store.enforce()
+        if store.sole_bytes + store.shared_bytes > store.budget or store.debug:
+            store._check()  # pylint: disable=protected-access
         return grads
