@@ -15,8 +15,11 @@ trace (the Jacobian's machinery).
 """
 
 from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+import numpy as np
 from tensorflow.python.eager import context
+from tensorflow.python.framework import constant_op
 from tensorflow.python.framework import dtypes
+from tensorflow.python.framework import indexed_slices
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import random_seed
 from tensorflow.python.ops import array_ops
@@ -394,8 +397,9 @@ def _sq_norms(what, tape, tape_state, losses, flat, flat_raw, analysis):
     ruled = _ruled_pass(what, tape_state, losses, flat, analysis)
     rows = _rows(tape, losses, flat_raw, list(analysis.fallback))
     total = None
+    memo = {}
     for payload, pos, rule, src_shape, g in ruled.values():
-        sq = rule.sq_norms(payload, pos, g, src_shape=src_shape)
+        sq = rule.sq_norms(payload, pos, g, src_shape=src_shape, memo=memo)
         total = sq if total is None else total + math_ops.cast(sq, total.dtype)
     for r in rows.values():
         if r is not None:
@@ -403,7 +407,7 @@ def _sq_norms(what, tape, tape_state, losses, flat, flat_raw, analysis):
             total = sq if total is None else total + math_ops.cast(sq, total.dtype)
     if total is None:
         total = array_ops.zeros(losses.shape, losses.dtype)
-    return total, ruled, rows
+    return total, ruled, rows, memo
 
 
 def per_example_norms(tape, losses, sources):
@@ -412,7 +416,7 @@ def per_example_norms(tape, losses, sources):
     try:
         analysis = _analyse("per_example_norms", tape_state, losses, flat,
                             flat_raw, batch)
-        total, _, _ = _sq_norms("per_example_norms", tape, tape_state,
+        total, _, _, _ = _sq_norms("per_example_norms", tape, tape_state,
                                 losses, flat, flat_raw, analysis)
     finally:
         _end(tape, tape_state)
@@ -424,6 +428,46 @@ def _noise_seed(seed, k):
     of ints as TF's stateless ops take) moved along by the source's index."""
     first, second = (0, seed) if isinstance(seed, int) else seed
     return ops.convert_to_tensor([int(first) + k, int(second)], dtypes.int64)
+
+
+_NUMPY_NOISE = frozenset({dtypes.float32, dtypes.float64})
+_unseeded = []      # the numpy Generator of unseeded noise, made on first use
+
+
+def _noise(dtype, shape, seed, k, stddev):
+    """Normal noise of standard deviation ``stddev`` for source k: from TF's global seeds
+    (tf.random.set_seed) when ``seed`` is None, else from ``seed`` and k.
+
+    Drawn by numpy's ziggurat (one thread, a few ns a value) for float32
+    and float64: TF's RandomStandardNormal (Box-Muller over Philox, split
+    across the intra-op threads) costs several times more, often more than
+    the rest of a DP step's own work on a small model."""
+    if seed is None:
+        seed1, seed2 = random_seed.get_seed(None)
+        key = None if seed1 is None else (int(seed1) << 64) | (int(seed2) & _U64)
+    else:
+        first, second = (0, seed) if isinstance(seed, int) else seed
+        key = ((int(first) + k) << 64) | (int(second) & _U64)
+    if dtype not in _NUMPY_NOISE:
+        if seed is None:
+            # random_normal's kernel and seeds, without its Python layers
+            return _ex("Mul", _ex(
+                "RandomStandardNormal", _const(tuple(shape.as_list()), dtypes.int32),
+                "seed", seed1, "seed2", seed2, "dtype", dtype), _const(stddev, dtype))
+        return stateless_random_ops.stateless_random_normal(
+            shape, seed=_noise_seed(seed, k), stddev=stddev, dtype=dtype)
+    if key is None:
+        if not _unseeded:
+            _unseeded.append(np.random.default_rng())
+        rng = _unseeded[0]
+    else:
+        rng = np.random.Generator(np.random.Philox(key=key))
+    noise = rng.standard_normal(tuple(shape.as_list()), dtype=dtype.as_numpy_dtype)
+    noise *= stddev
+    return constant_op.constant(noise)
+
+
+_U64 = (1 << 64) - 1
 
 
 def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
@@ -446,7 +490,7 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
         if m == batch:
             analysis = _analyse("dp_gradient", tape_state, losses, flat,
                                 flat_raw, batch)
-            total, ruled, rows = _sq_norms("dp_gradient", tape, tape_state,
+            total, ruled, rows, memo = _sq_norms("dp_gradient", tape, tape_state,
                                            losses, flat, flat_raw, analysis)
         else:
             # TF Privacy: losses reshaped to [m, B/m] and averaged per
@@ -456,7 +500,7 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
             size = batch // m
             basis = array_ops.repeat(
                 linalg_ops_impl.eye(m, dtype=losses.dtype), size, axis=1) / size
-            ruled = {}
+            ruled, memo = {}, None
             rows = _rows(tape, losses, flat_raw, list(analysis.fallback), basis)
             total = array_ops.zeros([m], losses.dtype)
             for r in rows.values():
@@ -467,8 +511,8 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
             "Maximum", _ex("Sqrt", total), _const(clip, total.dtype)))
         for k, (payload, pos, rule, src_shape, g) in ruled.items():
             w = weights if g.dtype == weights.dtype else math_ops.cast(weights, g.dtype)
-            out[k] = ops.convert_to_tensor(
-                rule.weighted(payload, pos, g, w, src_shape=src_shape))
+            out[k] = rule.weighted(payload, pos, g, w, src_shape=src_shape,
+                                   memo=memo)
         for k, r in rows.items():
             if r is not None:
                 w = math_ops.cast(weights, r.dtype)
@@ -480,20 +524,18 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
         if g is None:
             continue
         shape = flat_raw[k].shape
+        if isinstance(g, indexed_slices.IndexedSlices):
+            if stddev > 0:
+                # the noise, with the rows scattered into it (one op)
+                noise = _noise(g.dtype, shape, seed, k, stddev)
+                out[k] = _ex("TensorScatterAdd", noise, _ex(
+                    "ExpandDims", g.indices, _const(-1, dtypes.int32)), g.values)
+            else:
+                out[k] = ops.convert_to_tensor(g)
+            continue
         if g.shape != shape:
             g = array_ops.reshape(g, shape)
         if stddev > 0:
-            if seed is None:
-                # random_normal's kernel and seeds, without its Python layers
-                seed1, seed2 = random_seed.get_seed(None)
-                noise = _ex("Mul", _ex(
-                    "RandomStandardNormal", _const(tuple(shape.as_list()), dtypes.int32),
-                    "seed", seed1, "seed2", seed2, "dtype", g.dtype),
-                    _const(stddev, g.dtype))
-            else:
-                noise = stateless_random_ops.stateless_random_normal(
-                    shape, seed=_noise_seed(seed, k), stddev=stddev,
-                    dtype=g.dtype)
-            g = _ex("AddV2", g, noise)
+            g = _ex("AddV2", g, _noise(g.dtype, shape, seed, k, stddev))
         out[k] = g
     return nest.pack_sequence_as(sources, out)
