@@ -7,9 +7,11 @@ its output gradient with example i's cotangent at index i of the batch
 axis. For a source used by exactly one op that has a rule in
 gradients._norm_rules (MatMul, BatchMatMul, BiasAdd, a bias or scale
 broadcast over the batch, Gather on a table), the rule reads that output
-gradient and the op's saved inputs during this one pass (the vspace's
-per-op hook) and gives each example's squared norm, its gradient, or the
-clipped sum (book-keeping: no second backward pass). Every other source
+gradient and the op's saved inputs and gives each example's squared norm,
+its gradient, or the clipped sum (book-keeping: no second backward pass).
+The output gradients come from one ordinary backward pass of ``losses`` to
+the ruled ops' outputs (so a training loop's pass is compiled and replayed
+like gradient()'s, and no ruled op's own gradient is computed). Every other source
 goes through per-example rows: one backward pass per example over the same
 trace (the Jacobian's machinery).
 """
@@ -34,6 +36,7 @@ from fasttape import _backward
 from fasttape import _jacobians
 from fasttape.diagnostics import _frames
 from fasttape.diagnostics import anomaly as _anomaly
+from fasttape.gradients import _compiled
 from fasttape.gradients import _norm_rules
 from fasttape.gradients._fast_grads import _const, _ex
 from fasttape.recording import _recording
@@ -56,6 +59,7 @@ class _Analysis:
         self.ruled = {}
         self.fallback = {}
         self.op_types = {}
+        self.out_ids = {}       # k -> the id of its ruled op's output
 
 
 def _meta_shape(meta):
@@ -285,6 +289,7 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
         if rule is not None:
             result.ruled[k] = (entry.payload, pos, rule, src_shape)
             result.op_types[k] = entry.op_type
+            result.out_ids[k] = entry.output_ids[0]
         else:
             result.fallback[k] = sorted({e.op_type for e, _ in used})
     return result
@@ -300,66 +305,51 @@ def _log_fallback(what, analysis):
 
 
 def _ruled_pass(what, tape_state, losses, flat, analysis):
-    """One backward pass of sum(losses) that hands each ruled op's output
-    gradient to its rule; returns {k: (payload, pos, rule, src_shape, g)}.
-    A source whose rule declines (the output's shape, an attribute) moves to
-    analysis.fallback."""
+    """The output gradients of the ruled ops: one backward pass of
+    sum(losses) to those ops' outputs, through the compiled-pass cache like
+    any gradient() (it runs no ruled op's gradient, and of the ops between
+    them only what the outputs need). Returns {k: (payload, pos, rule,
+    src_shape, g)}. A source whose rule declines (the output's shape, an
+    attribute) moves to analysis.fallback."""
     batch = int(losses.shape[0])
     if not analysis.ruled:
         _log_fallback(what, analysis)
         return {}
-    vspace = _recording.VSPACE
-    table = {}      # id(payload) -> (payload, [(pos, k)])
-    for k, (payload, pos, _, _) in analysis.ruled.items():
-        table.setdefault(id(payload), (payload, []))[1].append((pos, k))
+    out_ids = list(dict.fromkeys(analysis.out_ids[k] for k in analysis.ruled))
+    target_meta = [output_meta(losses)]
+    target_ids = [losses._id]  # pylint: disable=protected-access
+    # an op whose output is `losses` itself: its gradient is the seed
+    that_are_targets = {i: target_meta[0] for i in out_ids if i == target_ids[0]}
+    core, vspace = tape_state.core, _recording.VSPACE
+
+    def eager_pass():
+        return core.compute_gradient(vspace, target_ids, out_ids,
+                                     that_are_targets, None, True, True,
+                                     target_meta)
+
+    grads = dict(zip(out_ids, _compiled.gradient(
+        core, vspace, target_ids, out_ids, that_are_targets, None, True,
+        target_meta, eager_pass)))
     captured = {}
-
-    def hook(op_type, payload, unneeded, out_grads):
-        found = table.get(id(payload))
-        if found is None or found[0] is not payload:
-            return None
-        g = out_grads[0]
+    for k, (payload, pos, rule, src_shape) in list(analysis.ruled.items()):
+        g = grads.get(analysis.out_ids[k])
         if g is None:
-            return None
-        g = ops.convert_to_tensor(g)
-        out_shape = tuple(g.shape.as_list())
-        skip = list(unneeded)
-        taken = []
-        for pos, k in found[1]:
-            rule, src_shape = analysis.ruled[k][2:]
-            saved = payload.inputs[pos]
-            if saved is not None and saved.dtype != dtypes.resource:
-                # the source as the op saw it (reshaped?)
-                src_shape = tuple(saved.shape.as_list())
-                analysis.ruled[k] = analysis.ruled[k][:3] + (src_shape,)
-            if _norm_rules.applies(rule, payload, pos, out_shape, src_shape,
-                                   batch):
-                captured[k] = g
-                skip.append(pos)
-                taken.append(pos)
-        if not taken:
-            return None
-        grads = list(vspace._call_backward(op_type, payload, skip, out_grads))  # pylint: disable=protected-access
-        for pos in taken:
-            grads[pos] = None
-        return grads
-
-    ids = [flat[k]._id for k in analysis.ruled]  # pylint: disable=protected-access
-    if vspace.per_op_hook is not None:
-        raise RuntimeError("per-example gradients cannot nest inside another "
-                           "per-example backward pass")
-    vspace.per_op_hook = hook
-    try:
-        tape_state.core.compute_gradient(vspace, [losses._id], ids, {}, None,  # pylint: disable=protected-access
-                                         True, True, [output_meta(losses)])
-    finally:
-        vspace.per_op_hook = None
+            continue
+        if type(g) is not ops.EagerTensor:
+            g = ops.convert_to_tensor(g)
+        saved = payload.inputs[pos]
+        if saved is not None and saved.dtype != dtypes.resource:
+            # the source as the op saw it (reshaped?)
+            src_shape = tuple(saved.shape.as_list())
+        if _norm_rules.applies(rule, payload, pos, tuple(g.shape.as_list()),
+                               src_shape, batch):
+            captured[k] = (payload, pos, rule, src_shape, g)
     for k in list(analysis.ruled):
         if k not in captured:
             del analysis.ruled[k]
             analysis.fallback[k] = [analysis.op_types[k]]
     _log_fallback(what, analysis)
-    return {k: analysis.ruled[k] + (g,) for k, g in captured.items()}
+    return captured
 
 
 def _rows(tape, losses, flat_raw, keys, basis=None):
