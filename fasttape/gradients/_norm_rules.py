@@ -28,6 +28,7 @@ from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsu
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import gen_nn_ops
 from tensorflow.python.ops import math_ops
 from tensorflow.python.ops import special_math_ops
 
@@ -210,8 +211,15 @@ class _Conv2D(_BatchMatMul):
                 array_ops.reshape(g, [b, -1, g.shape[-1]]))
 
     def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
-        return array_ops.reshape(
-            super().weighted(payload, pos, g, w, src_shape), src_shape)
+        # the kernel's gradient of the reweighted loss: TF's own filter
+        # gradient of the reweighted output gradient (no patches)
+        padding = attr(payload, "padding")
+        return gen_nn_ops.conv2d_backprop_filter(
+            payload.inputs[0], _const(tuple(src_shape), dtypes.int32),
+            _scaled(g, w, memo), strides=list(attr(payload, "strides")),
+            padding=padding.decode() if isinstance(padding, bytes) else padding,
+            dilations=list(attr(payload, "dilations") or [1, 1, 1, 1]),
+            data_format="NHWC")
 
     def per_example(self, payload, pos, g, src_shape=None):
         return array_ops.reshape(super().per_example(payload, pos, g, src_shape),
@@ -274,7 +282,7 @@ class _Elementwise:
             # sum_i w_i h_i (the weighted rows shared with a MatMul's rule)
             return _ex("Sum", _scaled(h, w, memo), _const(0, dtypes.int32),
                        "keep_dims", False)
-        h = h * _bcast(w, len(h.shape))
+        h = _scaled(h, w, memo)
         return array_ops.reshape(math_ops.reduce_sum(
             _to_source(h, src_shape), axis=0), src_shape)
 
