@@ -29,10 +29,11 @@ from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import gen_nn_ops
+from tensorflow.python.ops import linalg_ops_impl
 from tensorflow.python.ops import math_ops
 from tensorflow.python.ops import special_math_ops
 
-from fasttape.gradients._fast_grads import _const, _ex
+from fasttape.gradients._fast_grads import _cached, _const, _ex
 from fasttape.gradients._payloads import EagerOp
 
 
@@ -203,9 +204,18 @@ class _Conv2D(_BatchMatMul):
         kh, kw = src_shape[:2]
         padding = attr(payload, "padding")
         padding = padding.decode() if isinstance(padding, bytes) else padding
-        patches = array_ops.extract_image_patches_v2(
-            x, [1, kh, kw, 1], list(attr(payload, "strides")),
-            list(attr(payload, "dilations") or [1, 1, 1, 1]), padding)
+        # the patches by a convolution with the identity as its kernel
+        # (exact: each output sums one input times 1 and zeros), in the
+        # kernel's (kh, kw, cin) order: several times faster than
+        # extract_patches where cin is small
+        cin = x.shape[-1]
+        eye = _cached(("patches", kh, kw, cin, x.dtype), lambda: array_ops.reshape(
+            linalg_ops_impl.eye(kh * kw * cin, dtype=x.dtype),
+            [kh, kw, cin, kh * kw * cin]))
+        patches = gen_nn_ops.conv2d(
+            x, eye, strides=list(attr(payload, "strides")), padding=padding,
+            dilations=list(attr(payload, "dilations") or [1, 1, 1, 1]),
+            data_format="NHWC")
         b = array_ops.shape(x)[0]
         return (array_ops.reshape(patches, [b, -1, patches.shape[-1]]),
                 array_ops.reshape(g, [b, -1, g.shape[-1]]))
