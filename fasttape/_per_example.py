@@ -24,6 +24,7 @@ from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import random_seed
+from tensorflow.python.framework import tensor_shape
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import linalg_ops_impl
 from tensorflow.python.ops import math_ops
@@ -38,7 +39,7 @@ from fasttape.diagnostics import _frames
 from fasttape.diagnostics import anomaly as _anomaly
 from fasttape.gradients import _compiled
 from fasttape.gradients import _norm_rules
-from fasttape.gradients._fast_grads import _const, _ex
+from fasttape.gradients._fast_grads import _cached, _const, _ex
 from fasttape.recording import _recording
 from fasttape.recording._callback import output_meta
 
@@ -424,7 +425,7 @@ _NUMPY_NOISE = frozenset({dtypes.float32, dtypes.float64})
 _unseeded = []      # the numpy Generator of unseeded noise, made on first use
 
 
-def _noise(dtype, shape, seed, k, stddev):
+def _noise(dtype, shape, seed, k, stddev, part=0):
     """Normal noise of standard deviation ``stddev`` for source k: from TF's global seeds
     (tf.random.set_seed) when ``seed`` is None, else from ``seed`` and k.
 
@@ -451,13 +452,41 @@ def _noise(dtype, shape, seed, k, stddev):
             _unseeded.append(np.random.default_rng())
         rng = _unseeded[0]
     else:
-        rng = np.random.Generator(np.random.Philox(key=key))
+        # a later chunk of the same source: the same key, counting from
+        # its own block (no overlap below 2**128 values a chunk)
+        rng = np.random.Generator(np.random.Philox(key=key, counter=[0, 0, part, 0]))
     noise = rng.standard_normal(tuple(shape.as_list()), dtype=dtype.as_numpy_dtype)
     noise *= stddev
     return constant_op.constant(noise)
 
 
 _U64 = (1 << 64) - 1
+# Noise is drawn and added this many values at a time: a DP step holds no
+# full-size noise (nor a second copy of the gradient) for a large source.
+_NOISE_CHUNK = 1 << 16
+
+
+def _add_noise_in_place(g, seed, k, stddev):
+    """g plus normal noise (as _noise draws it), added a block of rows at a
+    time into g's own buffer (InplaceAdd aliases its input). g must be a
+    gradient this call made and holds alone: a rule's weighted sum or the
+    rows' product."""
+    n = g.shape.num_elements()
+    cols = int(g.shape[-1]) if g.shape.rank and g.shape[-1] else 1
+    rows = n // cols
+    flat = _ex("Reshape", g, _const((rows, cols), dtypes.int32))
+    step = max(1, _NOISE_CHUNK // cols)
+    for part, first in enumerate(range(0, rows, step)):
+        last = min(rows, first + step)
+        chunk = _noise(g.dtype, tensor_shape.TensorShape([last - first, cols]),
+                       seed, k, stddev, part=part)
+        flat = _ex("InplaceAdd", flat, _cached_range(first, last), chunk)
+    return _ex("Reshape", flat, _const(tuple(g.shape.as_list()), dtypes.int32))
+
+
+def _cached_range(first, last):
+    return _cached(("range", first, last),
+                   lambda: math_ops.range(first, last, dtype=dtypes.int32))
 
 
 def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
@@ -526,6 +555,9 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
         if g.shape != shape:
             g = array_ops.reshape(g, shape)
         if stddev > 0:
-            g = _ex("AddV2", g, _noise(g.dtype, shape, seed, k, stddev))
+            if g.dtype in _NUMPY_NOISE and g.shape.num_elements() > _NOISE_CHUNK:
+                g = _add_noise_in_place(g, seed, k, stddev)
+            else:
+                g = _ex("AddV2", g, _noise(g.dtype, shape, seed, k, stddev))
         out[k] = g
     return nest.pack_sequence_as(sources, out)
