@@ -423,51 +423,53 @@ def _noise_seed(seed, k):
 
 _NUMPY_NOISE = frozenset({dtypes.float32, dtypes.float64})
 _unseeded = []      # the numpy Generator of unseeded noise, made on first use
-
-
-def _noise(dtype, shape, seed, k, stddev, part=0):
-    """Normal noise of standard deviation ``stddev`` for source k: from TF's global seeds
-    (tf.random.set_seed) when ``seed`` is None, else from ``seed`` and k.
-
-    Drawn by numpy's ziggurat (one thread, a few ns a value) for float32
-    and float64: TF's RandomStandardNormal (Box-Muller over Philox, split
-    across the intra-op threads) costs several times more, often more than
-    the rest of a DP step's own work on a small model."""
-    if seed is None:
-        seed1, seed2 = random_seed.get_seed(None)
-        key = None if seed1 is None else (int(seed1) << 64) | (int(seed2) & _U64)
-    else:
-        first, second = (0, seed) if isinstance(seed, int) else seed
-        key = ((int(first) + k) << 64) | (int(second) & _U64)
-    if dtype not in _NUMPY_NOISE:
-        if seed is None:
-            # random_normal's kernel and seeds, without its Python layers
-            return _ex("Mul", _ex(
-                "RandomStandardNormal", _const(tuple(shape.as_list()), dtypes.int32),
-                "seed", seed1, "seed2", seed2, "dtype", dtype), _const(stddev, dtype))
-        return stateless_random_ops.stateless_random_normal(
-            shape, seed=_noise_seed(seed, k), stddev=stddev, dtype=dtype)
-    if key is None:
-        if not _unseeded:
-            _unseeded.append(np.random.default_rng())
-        rng = _unseeded[0]
-    else:
-        # a later chunk of the same source: the same key, counting from
-        # its own block (no overlap below 2**128 values a chunk)
-        rng = np.random.Generator(np.random.Philox(key=key, counter=[0, 0, part, 0]))
-    noise = rng.standard_normal(tuple(shape.as_list()), dtype=dtype.as_numpy_dtype)
-    noise *= stddev
-    return constant_op.constant(noise)
-
-
 _U64 = (1 << 64) - 1
 # Noise is drawn and added this many values at a time: a DP step holds no
 # full-size noise (nor a second copy of the gradient) for a large source.
 _NOISE_CHUNK = 1 << 16
 
 
-def _add_noise_in_place(g, seed, k, stddev):
-    """g plus normal noise (as _noise draws it), added a block of rows at a
+def _noise_rng(seed):
+    """The numpy Generator of one dp_gradient call's float32/float64 noise:
+    keyed by ``seed``, else by TF's op seeds (tf.random.set_seed), else
+    unseeded. Every source draws from it in turn.
+
+    numpy's ziggurat (one thread, a few ns a value) is several times faster
+    than TF's RandomStandardNormal (Box-Muller over Philox, split across the
+    intra-op threads), which cost more than the rest of a small model's DP
+    work."""
+    if seed is None:
+        seed1, seed2 = random_seed.get_seed(None)
+        if seed1 is None:
+            if not _unseeded:
+                _unseeded.append(np.random.default_rng())
+            return _unseeded[0]
+    else:
+        seed1, seed2 = (0, seed) if isinstance(seed, int) else seed
+    return np.random.Generator(np.random.Philox(
+        key=((int(seed1) & _U64) << 64) | (int(seed2) & _U64)))
+
+
+def _noise(dtype, shape, seed, k, stddev, rng):
+    """Normal noise of standard deviation ``stddev`` for source k: from
+    ``rng`` (_noise_rng) for float32 and float64, else from TF's kernels
+    (seeded by TF's op seeds, or by ``seed`` and k)."""
+    if dtype not in _NUMPY_NOISE:
+        if seed is None:
+            seed1, seed2 = random_seed.get_seed(None)
+            # random_normal's kernel and seeds, without its Python layers
+            return _ex("Mul", _ex(
+                "RandomStandardNormal", _const(tuple(shape.as_list()), dtypes.int32),
+                "seed", seed1, "seed2", seed2, "dtype", dtype), _const(stddev, dtype))
+        return stateless_random_ops.stateless_random_normal(
+            shape, seed=_noise_seed(seed, k), stddev=stddev, dtype=dtype)
+    noise = rng.standard_normal(tuple(shape.as_list()), dtype=dtype.as_numpy_dtype)
+    noise *= stddev
+    return constant_op.constant(noise)
+
+
+def _add_noise_in_place(g, stddev, rng):
+    """g plus normal noise drawn from ``rng``, added a block of rows at a
     time into g's own buffer (InplaceAdd aliases its input). g must be a
     gradient this call made and holds alone: a rule's weighted sum or the
     rows' product."""
@@ -476,11 +478,13 @@ def _add_noise_in_place(g, seed, k, stddev):
     rows = n // cols
     flat = _ex("Reshape", g, _const((rows, cols), dtypes.int32))
     step = max(1, _NOISE_CHUNK // cols)
-    for part, first in enumerate(range(0, rows, step)):
+    for first in range(0, rows, step):
         last = min(rows, first + step)
-        chunk = _noise(g.dtype, tensor_shape.TensorShape([last - first, cols]),
-                       seed, k, stddev, part=part)
-        flat = _ex("InplaceAdd", flat, _cached_range(first, last), chunk)
+        chunk = rng.standard_normal((last - first, cols),
+                                    dtype=g.dtype.as_numpy_dtype)
+        chunk *= stddev
+        flat = _ex("InplaceAdd", flat, _cached_range(first, last),
+                   constant_op.constant(chunk))
     return _ex("Reshape", flat, _const(tuple(g.shape.as_list()), dtypes.int32))
 
 
@@ -539,6 +543,7 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
     finally:
         _end(tape, tape_state)
     stddev = clip * float(noise_multiplier) / m
+    rng = _noise_rng(seed) if stddev > 0 else None
     for k, g in enumerate(out):
         if g is None:
             continue
@@ -546,7 +551,7 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
         if isinstance(g, indexed_slices.IndexedSlices):
             if stddev > 0:
                 # the noise, with the rows scattered into it (one op)
-                noise = _noise(g.dtype, shape, seed, k, stddev)
+                noise = _noise(g.dtype, shape, seed, k, stddev, rng)
                 out[k] = _ex("TensorScatterAdd", noise, _ex(
                     "ExpandDims", g.indices, _const(-1, dtypes.int32)), g.values)
             else:
@@ -556,8 +561,8 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
             g = array_ops.reshape(g, shape)
         if stddev > 0:
             if g.dtype in _NUMPY_NOISE and g.shape.num_elements() > _NOISE_CHUNK:
-                g = _add_noise_in_place(g, seed, k, stddev)
+                g = _add_noise_in_place(g, stddev, rng)
             else:
-                g = _ex("AddV2", g, _noise(g.dtype, shape, seed, k, stddev))
+                g = _ex("AddV2", g, _noise(g.dtype, shape, seed, k, stddev, rng))
         out[k] = g
     return nest.pack_sequence_as(sources, out)
