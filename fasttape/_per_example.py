@@ -468,11 +468,13 @@ def _noise(dtype, shape, seed, k, stddev, rng):
     return constant_op.constant(noise)
 
 
-def _add_noise_in_place(g, stddev, rng):
-    """g plus normal noise drawn from ``rng``, added a block of rows at a
-    time into g's own buffer (InplaceAdd aliases its input). g must be a
-    gradient this call made and holds alone: a rule's weighted sum or the
-    rows' product."""
+def _add_noise_in_place(g, stddev, rng, seeded):
+    """g plus normal noise, added a block of rows at a time into g's own
+    buffer (InplaceAdd aliases its input). g must be a gradient this call
+    made and holds alone: a rule's weighted sum or the rows' product. The
+    blocks are drawn from ``rng`` when a seed was given, else by TF's
+    RandomStandardNormal with TF's op seeds (split across the intra-op
+    threads, it is faster than numpy on blocks this large)."""
     n = g.shape.num_elements()
     cols = int(g.shape[-1]) if g.shape.rank and g.shape[-1] else 1
     rows = n // cols
@@ -480,11 +482,18 @@ def _add_noise_in_place(g, stddev, rng):
     step = max(1, _NOISE_CHUNK // cols)
     for first in range(0, rows, step):
         last = min(rows, first + step)
-        chunk = rng.standard_normal((last - first, cols),
-                                    dtype=g.dtype.as_numpy_dtype)
-        chunk *= stddev
-        flat = _ex("InplaceAdd", flat, _cached_range(first, last),
-                   constant_op.constant(chunk))
+        if seeded:
+            chunk = rng.standard_normal((last - first, cols),
+                                        dtype=g.dtype.as_numpy_dtype)
+            chunk *= stddev
+            chunk = constant_op.constant(chunk)
+        else:
+            seed1, seed2 = random_seed.get_seed(None)
+            chunk = _ex("Mul", _ex(
+                "RandomStandardNormal", _const((last - first, cols), dtypes.int32),
+                "seed", seed1, "seed2", seed2, "dtype", g.dtype),
+                _const(stddev, g.dtype))
+        flat = _ex("InplaceAdd", flat, _cached_range(first, last), chunk)
     return _ex("Reshape", flat, _const(tuple(g.shape.as_list()), dtypes.int32))
 
 
@@ -561,7 +570,7 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
             g = array_ops.reshape(g, shape)
         if stddev > 0:
             if g.dtype in _NUMPY_NOISE and g.shape.num_elements() > _NOISE_CHUNK:
-                g = _add_noise_in_place(g, stddev, rng)
+                g = _add_noise_in_place(g, stddev, rng, seed is not None)
             else:
                 g = _ex("AddV2", g, _noise(g.dtype, shape, seed, k, stddev, rng))
         out[k] = g
