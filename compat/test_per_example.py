@@ -298,6 +298,39 @@ def test_noise_std_and_seed():
     assert not np.array_equal(step(None)[0], step(None)[0])
 
 
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+def test_noise_of_a_large_source_in_blocks(dtype):
+    """A source larger than one noise block gets its noise a block of rows
+    at a time, added into the gradient's buffer: every block has its own
+    draws, the noise has the stddev asked for, a seed (or tf.random.set_seed)
+    repeats it, and the clipped sum under it is unchanged."""
+    rows, cols = 300, 256          # two blocks of rows: [0, 256), [256, 300)
+    assert rows * cols > _per_example._NOISE_CHUNK
+    rng = np.random.default_rng(5)
+    w = tf.Variable(rng.normal(size=(rows, cols)) / 20, dtype=dtype)
+    x = tf.constant(rng.normal(size=(B, rows)), dtype=dtype)
+    clip, multiplier = 0.5, 2.0
+
+    def step(multiplier, seed=None):
+        with fasttape.GradientTape() as tape:
+            losses = tf.reduce_sum(tf.tanh(x @ w), axis=1)
+        return tape.dp_gradient(losses, [w], clip, multiplier, seed=seed)[0]
+
+    clean = step(0.0).numpy()
+    noisy = step(multiplier, seed=3).numpy()
+    np.testing.assert_array_equal(noisy, step(multiplier, seed=3).numpy())
+    noise = noisy - clean
+    expected = clip * multiplier / B
+    assert abs(noise.std() / expected - 1) < 0.03, (noise.std(), expected)
+    tail = noise[256:]
+    assert not np.allclose(tail, noise[:tail.shape[0]])
+    tf.random.set_seed(11)
+    first = step(multiplier).numpy()
+    tf.random.set_seed(11)
+    np.testing.assert_array_equal(first, step(multiplier).numpy())
+    assert not np.array_equal(first, step(multiplier).numpy())
+
+
 def test_mixing_raises_value_error():
     xs, loss, variables = _mlp(tf.float32)
     with fasttape.GradientTape() as tape:

@@ -7,18 +7,24 @@ its output gradient with example i's cotangent at index i of the batch
 axis. For a source used by exactly one op that has a rule in
 gradients._norm_rules (MatMul, BatchMatMul, BiasAdd, a bias or scale
 broadcast over the batch, Gather on a table), the rule reads that output
-gradient and the op's saved inputs during this one pass (the vspace's
-per-op hook) and gives each example's squared norm, its gradient, or the
-clipped sum (book-keeping: no second backward pass). Every other source
+gradient and the op's saved inputs and gives each example's squared norm,
+its gradient, or the clipped sum (book-keeping: no second backward pass).
+The output gradients come from one ordinary backward pass of ``losses`` to
+the ruled ops' outputs (so a training loop's pass is compiled and replayed
+like gradient()'s, and no ruled op's own gradient is computed). Every other source
 goes through per-example rows: one backward pass per example over the same
 trace (the Jacobian's machinery).
 """
 
 from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+import numpy as np
 from tensorflow.python.eager import context
+from tensorflow.python.framework import constant_op
 from tensorflow.python.framework import dtypes
+from tensorflow.python.framework import indexed_slices
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import random_seed
+from tensorflow.python.framework import tensor_shape
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import linalg_ops_impl
 from tensorflow.python.ops import math_ops
@@ -31,8 +37,9 @@ from fasttape import _backward
 from fasttape import _jacobians
 from fasttape.diagnostics import _frames
 from fasttape.diagnostics import anomaly as _anomaly
+from fasttape.gradients import _compiled
 from fasttape.gradients import _norm_rules
-from fasttape.gradients._fast_grads import _const, _ex
+from fasttape.gradients._fast_grads import _cached, _const, _ex
 from fasttape.recording import _recording
 from fasttape.recording._callback import output_meta
 
@@ -53,6 +60,7 @@ class _Analysis:
         self.ruled = {}
         self.fallback = {}
         self.op_types = {}
+        self.out_ids = {}       # k -> the id of its ruled op's output
 
 
 def _meta_shape(meta):
@@ -282,6 +290,7 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
         if rule is not None:
             result.ruled[k] = (entry.payload, pos, rule, src_shape)
             result.op_types[k] = entry.op_type
+            result.out_ids[k] = entry.output_ids[0]
         else:
             result.fallback[k] = sorted({e.op_type for e, _ in used})
     return result
@@ -297,66 +306,51 @@ def _log_fallback(what, analysis):
 
 
 def _ruled_pass(what, tape_state, losses, flat, analysis):
-    """One backward pass of sum(losses) that hands each ruled op's output
-    gradient to its rule; returns {k: (payload, pos, rule, src_shape, g)}.
-    A source whose rule declines (the output's shape, an attribute) moves to
-    analysis.fallback."""
+    """The output gradients of the ruled ops: one backward pass of
+    sum(losses) to those ops' outputs, through the compiled-pass cache like
+    any gradient() (it runs no ruled op's gradient, and of the ops between
+    them only what the outputs need). Returns {k: (payload, pos, rule,
+    src_shape, g)}. A source whose rule declines (the output's shape, an
+    attribute) moves to analysis.fallback."""
     batch = int(losses.shape[0])
     if not analysis.ruled:
         _log_fallback(what, analysis)
         return {}
-    vspace = _recording.VSPACE
-    table = {}      # id(payload) -> (payload, [(pos, k)])
-    for k, (payload, pos, _, _) in analysis.ruled.items():
-        table.setdefault(id(payload), (payload, []))[1].append((pos, k))
+    out_ids = list(dict.fromkeys(analysis.out_ids[k] for k in analysis.ruled))
+    target_meta = [output_meta(losses)]
+    target_ids = [losses._id]  # pylint: disable=protected-access
+    # an op whose output is `losses` itself: its gradient is the seed
+    that_are_targets = {i: target_meta[0] for i in out_ids if i == target_ids[0]}
+    core, vspace = tape_state.core, _recording.VSPACE
+
+    def eager_pass():
+        return core.compute_gradient(vspace, target_ids, out_ids,
+                                     that_are_targets, None, True, True,
+                                     target_meta)
+
+    grads = dict(zip(out_ids, _compiled.gradient(
+        core, vspace, target_ids, out_ids, that_are_targets, None, True,
+        target_meta, eager_pass)))
     captured = {}
-
-    def hook(op_type, payload, unneeded, out_grads):
-        found = table.get(id(payload))
-        if found is None or found[0] is not payload:
-            return None
-        g = out_grads[0]
+    for k, (payload, pos, rule, src_shape) in list(analysis.ruled.items()):
+        g = grads.get(analysis.out_ids[k])
         if g is None:
-            return None
-        g = ops.convert_to_tensor(g)
-        out_shape = tuple(g.shape.as_list())
-        skip = list(unneeded)
-        taken = []
-        for pos, k in found[1]:
-            rule, src_shape = analysis.ruled[k][2:]
-            saved = payload.inputs[pos]
-            if saved is not None and saved.dtype != dtypes.resource:
-                # the source as the op saw it (reshaped?)
-                src_shape = tuple(saved.shape.as_list())
-                analysis.ruled[k] = analysis.ruled[k][:3] + (src_shape,)
-            if _norm_rules.applies(rule, payload, pos, out_shape, src_shape,
-                                   batch):
-                captured[k] = g
-                skip.append(pos)
-                taken.append(pos)
-        if not taken:
-            return None
-        grads = list(vspace._call_backward(op_type, payload, skip, out_grads))  # pylint: disable=protected-access
-        for pos in taken:
-            grads[pos] = None
-        return grads
-
-    ids = [flat[k]._id for k in analysis.ruled]  # pylint: disable=protected-access
-    if vspace.per_op_hook is not None:
-        raise RuntimeError("per-example gradients cannot nest inside another "
-                           "per-example backward pass")
-    vspace.per_op_hook = hook
-    try:
-        tape_state.core.compute_gradient(vspace, [losses._id], ids, {}, None,  # pylint: disable=protected-access
-                                         True, True, [output_meta(losses)])
-    finally:
-        vspace.per_op_hook = None
+            continue
+        if type(g) is not ops.EagerTensor:
+            g = ops.convert_to_tensor(g)
+        saved = payload.inputs[pos]
+        if saved is not None and saved.dtype != dtypes.resource:
+            # the source as the op saw it (reshaped?)
+            src_shape = tuple(saved.shape.as_list())
+        if _norm_rules.applies(rule, payload, pos, tuple(g.shape.as_list()),
+                               src_shape, batch):
+            captured[k] = (payload, pos, rule, src_shape, g)
     for k in list(analysis.ruled):
         if k not in captured:
             del analysis.ruled[k]
             analysis.fallback[k] = [analysis.op_types[k]]
     _log_fallback(what, analysis)
-    return {k: analysis.ruled[k] + (g,) for k, g in captured.items()}
+    return captured
 
 
 def _rows(tape, losses, flat_raw, keys, basis=None):
@@ -394,8 +388,9 @@ def _sq_norms(what, tape, tape_state, losses, flat, flat_raw, analysis):
     ruled = _ruled_pass(what, tape_state, losses, flat, analysis)
     rows = _rows(tape, losses, flat_raw, list(analysis.fallback))
     total = None
+    memo = {}
     for payload, pos, rule, src_shape, g in ruled.values():
-        sq = rule.sq_norms(payload, pos, g, src_shape=src_shape)
+        sq = rule.sq_norms(payload, pos, g, src_shape=src_shape, memo=memo)
         total = sq if total is None else total + math_ops.cast(sq, total.dtype)
     for r in rows.values():
         if r is not None:
@@ -403,7 +398,7 @@ def _sq_norms(what, tape, tape_state, losses, flat, flat_raw, analysis):
             total = sq if total is None else total + math_ops.cast(sq, total.dtype)
     if total is None:
         total = array_ops.zeros(losses.shape, losses.dtype)
-    return total, ruled, rows
+    return total, ruled, rows, memo
 
 
 def per_example_norms(tape, losses, sources):
@@ -412,7 +407,7 @@ def per_example_norms(tape, losses, sources):
     try:
         analysis = _analyse("per_example_norms", tape_state, losses, flat,
                             flat_raw, batch)
-        total, _, _ = _sq_norms("per_example_norms", tape, tape_state,
+        total, _, _, _ = _sq_norms("per_example_norms", tape, tape_state,
                                 losses, flat, flat_raw, analysis)
     finally:
         _end(tape, tape_state)
@@ -424,6 +419,87 @@ def _noise_seed(seed, k):
     of ints as TF's stateless ops take) moved along by the source's index."""
     first, second = (0, seed) if isinstance(seed, int) else seed
     return ops.convert_to_tensor([int(first) + k, int(second)], dtypes.int64)
+
+
+_NUMPY_NOISE = frozenset({dtypes.float32, dtypes.float64})
+_unseeded = []      # the numpy Generator of unseeded noise, made on first use
+_U64 = (1 << 64) - 1
+# Noise is drawn and added this many values at a time: a DP step holds no
+# full-size noise (nor a second copy of the gradient) for a large source.
+_NOISE_CHUNK = 1 << 16
+
+
+def _noise_rng(seed):
+    """The numpy Generator of one dp_gradient call's float32/float64 noise:
+    keyed by ``seed``, else by TF's op seeds (tf.random.set_seed), else
+    unseeded. Every source draws from it in turn.
+
+    numpy's ziggurat (one thread, a few ns a value) is several times faster
+    than TF's RandomStandardNormal (Box-Muller over Philox, split across the
+    intra-op threads), which cost more than the rest of a small model's DP
+    work."""
+    if seed is None:
+        seed1, seed2 = random_seed.get_seed(None)
+        if seed1 is None:
+            if not _unseeded:
+                _unseeded.append(np.random.default_rng())
+            return _unseeded[0]
+    else:
+        seed1, seed2 = (0, seed) if isinstance(seed, int) else seed
+    return np.random.Generator(np.random.Philox(
+        key=((int(seed1) & _U64) << 64) | (int(seed2) & _U64)))
+
+
+def _noise(dtype, shape, seed, k, stddev, rng):
+    """Normal noise of standard deviation ``stddev`` for source k: from
+    ``rng`` (_noise_rng) for float32 and float64, else from TF's kernels
+    (seeded by TF's op seeds, or by ``seed`` and k)."""
+    if dtype not in _NUMPY_NOISE:
+        if seed is None:
+            seed1, seed2 = random_seed.get_seed(None)
+            # random_normal's kernel and seeds, without its Python layers
+            return _ex("Mul", _ex(
+                "RandomStandardNormal", _const(tuple(shape.as_list()), dtypes.int32),
+                "seed", seed1, "seed2", seed2, "dtype", dtype), _const(stddev, dtype))
+        return stateless_random_ops.stateless_random_normal(
+            shape, seed=_noise_seed(seed, k), stddev=stddev, dtype=dtype)
+    noise = rng.standard_normal(tuple(shape.as_list()), dtype=dtype.as_numpy_dtype)
+    noise *= stddev
+    return constant_op.constant(noise)
+
+
+def _add_noise_in_place(g, stddev, rng, seeded):
+    """g plus normal noise, added a block of rows at a time into g's own
+    buffer (InplaceAdd aliases its input). g must be a gradient this call
+    made and holds alone: a rule's weighted sum or the rows' product. The
+    blocks are drawn from ``rng`` when a seed was given, else by TF's
+    RandomStandardNormal with TF's op seeds (split across the intra-op
+    threads, it is faster than numpy on blocks this large)."""
+    n = g.shape.num_elements()
+    cols = int(g.shape[-1]) if g.shape.rank and g.shape[-1] else 1
+    rows = n // cols
+    flat = _ex("Reshape", g, _const((rows, cols), dtypes.int32))
+    step = max(1, _NOISE_CHUNK // cols)
+    for first in range(0, rows, step):
+        last = min(rows, first + step)
+        if seeded:
+            chunk = rng.standard_normal((last - first, cols),
+                                        dtype=g.dtype.as_numpy_dtype)
+            chunk *= stddev
+            chunk = constant_op.constant(chunk)
+        else:
+            seed1, seed2 = random_seed.get_seed(None)
+            chunk = _ex("Mul", _ex(
+                "RandomStandardNormal", _const((last - first, cols), dtypes.int32),
+                "seed", seed1, "seed2", seed2, "dtype", g.dtype),
+                _const(stddev, g.dtype))
+        flat = _ex("InplaceAdd", flat, _cached_range(first, last), chunk)
+    return _ex("Reshape", flat, _const(tuple(g.shape.as_list()), dtypes.int32))
+
+
+def _cached_range(first, last):
+    return _cached(("range", first, last),
+                   lambda: math_ops.range(first, last, dtype=dtypes.int32))
 
 
 def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
@@ -446,7 +522,7 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
         if m == batch:
             analysis = _analyse("dp_gradient", tape_state, losses, flat,
                                 flat_raw, batch)
-            total, ruled, rows = _sq_norms("dp_gradient", tape, tape_state,
+            total, ruled, rows, memo = _sq_norms("dp_gradient", tape, tape_state,
                                            losses, flat, flat_raw, analysis)
         else:
             # TF Privacy: losses reshaped to [m, B/m] and averaged per
@@ -456,7 +532,7 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
             size = batch // m
             basis = array_ops.repeat(
                 linalg_ops_impl.eye(m, dtype=losses.dtype), size, axis=1) / size
-            ruled = {}
+            ruled, memo = {}, None
             rows = _rows(tape, losses, flat_raw, list(analysis.fallback), basis)
             total = array_ops.zeros([m], losses.dtype)
             for r in rows.values():
@@ -467,8 +543,8 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
             "Maximum", _ex("Sqrt", total), _const(clip, total.dtype)))
         for k, (payload, pos, rule, src_shape, g) in ruled.items():
             w = weights if g.dtype == weights.dtype else math_ops.cast(weights, g.dtype)
-            out[k] = ops.convert_to_tensor(
-                rule.weighted(payload, pos, g, w, src_shape=src_shape))
+            out[k] = rule.weighted(payload, pos, g, w, src_shape=src_shape,
+                                   memo=memo)
         for k, r in rows.items():
             if r is not None:
                 w = math_ops.cast(weights, r.dtype)
@@ -476,24 +552,26 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
     finally:
         _end(tape, tape_state)
     stddev = clip * float(noise_multiplier) / m
+    rng = _noise_rng(seed) if stddev > 0 else None
     for k, g in enumerate(out):
         if g is None:
             continue
         shape = flat_raw[k].shape
+        if isinstance(g, indexed_slices.IndexedSlices):
+            if stddev > 0:
+                # the noise, with the rows scattered into it (one op)
+                noise = _noise(g.dtype, shape, seed, k, stddev, rng)
+                out[k] = _ex("TensorScatterAdd", noise, _ex(
+                    "ExpandDims", g.indices, _const(-1, dtypes.int32)), g.values)
+            else:
+                out[k] = ops.convert_to_tensor(g)
+            continue
         if g.shape != shape:
             g = array_ops.reshape(g, shape)
         if stddev > 0:
-            if seed is None:
-                # random_normal's kernel and seeds, without its Python layers
-                seed1, seed2 = random_seed.get_seed(None)
-                noise = _ex("Mul", _ex(
-                    "RandomStandardNormal", _const(tuple(shape.as_list()), dtypes.int32),
-                    "seed", seed1, "seed2", seed2, "dtype", g.dtype),
-                    _const(stddev, g.dtype))
+            if g.dtype in _NUMPY_NOISE and g.shape.num_elements() > _NOISE_CHUNK:
+                g = _add_noise_in_place(g, stddev, rng, seed is not None)
             else:
-                noise = stateless_random_ops.stateless_random_normal(
-                    shape, seed=_noise_seed(seed, k), stddev=stddev,
-                    dtype=g.dtype)
-            g = _ex("AddV2", g, noise)
+                g = _ex("AddV2", g, _noise(g.dtype, shape, seed, k, stddev, rng))
         out[k] = g
     return nest.pack_sequence_as(sources, out)

@@ -8,8 +8,12 @@
 
 The dp and vmap steps are checked equal without noise before anything is
 timed. Each arm runs in alternation; medians, with ratios to the plain step.
+Each arm's extra peak memory (TF's CPU allocator's peak over one step, less
+what was allocated before it: the forward pass's activations, the backward
+pass, the gradients) is measured once, after the timing.
 """
 
+import gc
 import time
 
 import numpy as np
@@ -92,6 +96,44 @@ def _text(tf):
     return params, (ids, labels), losses
 
 
+def _wide_mlp(tf):
+    """The issue's memory case: MLP 1024-1024-1024-10 at batch 64 (2.1M
+    parameters; vectorized_map holds 64 copies of their gradient)."""
+    rng = np.random.default_rng(13)
+    sizes = [1024, 1024, 1024, 10]
+    params = []
+    for n_in, n_out in zip(sizes[:-1], sizes[1:]):
+        params += [tf.Variable(rng.normal(0, 1 / np.sqrt(n_in), (n_in, n_out)).astype("float32")),
+                   tf.Variable(np.zeros(n_out, "float32"))]
+    x = tf.constant(rng.normal(size=(64, 1024)).astype("float32"))
+    labels = tf.constant(rng.integers(0, 10, 64))
+
+    def losses(x, labels):
+        h = x
+        for i in range(0, len(params) - 2, 2):
+            h = tf.nn.relu(tf.nn.bias_add(tf.matmul(h, params[i]), params[i + 1]))
+        logits = tf.nn.bias_add(tf.matmul(h, params[-2]), params[-1])
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+
+    return params, (x, labels), losses
+
+
+def peak_mb(tf, step):
+    """Extra peak memory of one ``step(NOISE)`` in MB, from TF's CPU
+    allocator (its peak less what was allocated before the step), or None
+    where TF keeps no such statistics."""
+    gc.collect()
+    try:
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    except (ValueError, RuntimeError, tf.errors.OpError):
+        return None
+    out = step(NOISE)
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    del out
+    return (peak - base) / 2 ** 20
+
+
 def _steps(tf, fasttape, params, batch, losses):
     """The four steps, each ``step(noise_multiplier) -> gradients``."""
 
@@ -112,14 +154,15 @@ def _steps(tf, fasttape, params, batch, losses):
                 loss = losses(*[t[None] for t in example])[0]
             return [tf.convert_to_tensor(g) for g in tape.gradient(loss, params)]
         grads = tf.vectorized_map(one, batch)
+        size = int(batch[0].shape[0])
         norms = tf.sqrt(tf.add_n([
-            tf.reduce_sum(tf.reshape(g, [BATCH, -1]) ** 2, axis=1) for g in grads]))
+            tf.reduce_sum(tf.reshape(g, [size, -1]) ** 2, axis=1) for g in grads]))
         scale = CLIP / tf.maximum(norms, CLIP)
         out = []
         for g in grads:
             summed = tf.tensordot(scale, g, 1)
             summed += tf.random.normal(tf.shape(summed), stddev=CLIP * noise)
-            out.append(summed / BATCH)
+            out.append(summed / size)
         return out
 
     vmap_fn = tf.function(vmap)
@@ -146,6 +189,8 @@ def run_dp_workload(tf, fasttape, workload, repeats, warmup):
     for name, seconds in times.items():
         row[name] = float(np.median(seconds) * 1e3)
         row[name + " spread"] = iqr_ms(seconds)
+    for name, step in steps.items():
+        row[name + " MB"] = peak_mb(tf, step)
     return row
 
 
@@ -161,6 +206,19 @@ def format_dp_table(rows):
             f"{r['workload']:<14}{cells}"
             f"{r['dp'] / r['plain']:>10.2f}{r['dp'] / r['vmap fn']:>12.2f}"
             f"{r['vmap fn'] / r['plain']:>11.2f}{r['vmap eager'] / r['plain']:>14.1f}")
+    if any(r.get("plain MB") is not None for r in rows):
+        lines += ["", f"{'extra peak MB':<14}" + "".join(f"{a:>16}" for a in arms)
+                  + f"{'dp/plain':>10}{'vfn/plain':>11}"]
+        for r in rows:
+            if r.get("plain MB") is None:
+                continue
+            mb = [r[a + " MB"] for a in arms]
+            # (TF's CPU allocator counts in blocks: a small model's step
+            # may read 0)
+            ratios = (f"{mb[1] / mb[0]:>10.2f}{mb[2] / mb[0]:>11.2f}" if mb[0]
+                      else f"{'-':>10}{'-':>11}")
+            lines.append(f"{r['workload']:<14}" + "".join(f"{m:>16.1f}" for m in mb)
+                         + ratios)
     return "\n".join(lines)
 
 
@@ -168,5 +226,7 @@ DP_WORKLOADS = [
     DPWorkload("dp_mlp", _mlp, "DP-SGD step: MLP 64-128-10, batch 32"),
     DPWorkload("dp_convnet", _convnet, "DP-SGD step: 2 Conv2D + dense, batch 32, 16x16"),
     DPWorkload("dp_text", _text, "DP-SGD step: embedding 1000x32 + dense, batch 32"),
+    DPWorkload("dp_wide_mlp", _wide_mlp,
+               "DP-SGD step: MLP 1024-1024-1024-10, batch 64 (time and peak memory)"),
 ]
 DP_BY_NAME = {w.name: w for w in DP_WORKLOADS}

@@ -49,12 +49,17 @@ _const_cache = {}
 
 def _const(value, dtype):
     """A cached eager constant (shapes, axes, scale factors)."""
-    key = (value, dtype)
+    return _cached((value, dtype), lambda: constant_op.constant(value, dtype=dtype))
+
+
+def _cached(key, make):
+    """An eager tensor made once by ``make()`` for a hashable key, in the
+    constants' cache (emptied by clear_caches)."""
     c = _const_cache.get(key)
     if c is None:
         if len(_const_cache) > 4096:
             _const_cache.clear()
-        c = constant_op.constant(value, dtype=dtype)
+        c = make()
         _const_cache[key] = c
     return c
 

@@ -28,10 +28,12 @@ from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsu
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import gen_nn_ops
+from tensorflow.python.ops import linalg_ops_impl
 from tensorflow.python.ops import math_ops
 from tensorflow.python.ops import special_math_ops
 
-from fasttape.gradients._fast_grads import _const, _ex
+from fasttape.gradients._fast_grads import _cached, _const, _ex
 from fasttape.gradients._payloads import EagerOp
 
 
@@ -44,13 +46,37 @@ def attr(payload, name, default=None):
     return default
 
 
-def sq_rows(t):
-    """[B] sums of squares over all but the leading axis."""
+def sq_rows(t, memo=None):
+    """[B] sums of squares over all but the leading axis. ``memo`` (a dict
+    that lives for one call) shares the result between the rules that read
+    the same tensor (a Dense layer's MatMul and BiasAdd share their output
+    gradient)."""
+    if memo is not None:
+        hit = memo.get(("sq", id(t)))
+        if hit is not None and hit[0] is t:
+            return hit[1]
     rank = len(t.shape)
     if rank == 1:
-        return _ex("Square", t)
-    axes = _const(tuple(range(1, rank)), dtypes.int32)
-    return _ex("Sum", _ex("Square", t), axes, "keep_dims", False)
+        out = _ex("Square", t)
+    else:
+        axes = _const(tuple(range(1, rank)), dtypes.int32)
+        out = _ex("Sum", _ex("Square", t), axes, "keep_dims", False)
+    if memo is not None:
+        memo[("sq", id(t))] = (t, out)
+    return out
+
+
+def _scaled(g, w, memo=None):
+    """g [B, ...] times the per-example weights w [B], shared through
+    ``memo`` between the rules reading the same g (w is one per call)."""
+    if memo is not None:
+        hit = memo.get(("w", id(g)))
+        if hit is not None and hit[0] is g:
+            return hit[1]
+    out = _ex("Mul", g, _bcast(w, len(g.shape)))
+    if memo is not None:
+        memo[("w", id(g))] = (g, out)
+    return out
 
 
 def _shape(t):
@@ -98,12 +124,12 @@ class _MatMul:
                 and payload.inputs[0] is not None and len(out_shape) == 2
                 and out_shape[0] == batch)
 
-    def sq_norms(self, payload, pos, g, src_shape=None):
-        return _ex("Mul", sq_rows(payload.inputs[0]), sq_rows(g))
+    def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
+        return _ex("Mul", sq_rows(payload.inputs[0], memo), sq_rows(g, memo))
 
-    def weighted(self, payload, pos, g, w, src_shape=None):
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
         a = payload.inputs[0]
-        gw = _ex("Mul", g, _bcast(w, 2))
+        gw = _scaled(g, w, memo)
         if attr(payload, "transpose_b"):
             return _ex("MatMul", gw, a, "transpose_a", True, "transpose_b", False)
         return _ex("MatMul", a, gw, "transpose_a", True, "transpose_b", False)
@@ -132,7 +158,7 @@ class _BatchMatMul:
         return (array_ops.reshape(a, [b, -1, a.shape[-1]]),
                 array_ops.reshape(g, [b, -1, g.shape[-1]]))
 
-    def sq_norms(self, payload, pos, g, src_shape=None):
+    def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
         a, g = self._flat(payload, g, src_shape)
         t, k, n = a.shape[1], a.shape[2], g.shape[2]
         if t is not None and t * t < k * n:
@@ -141,7 +167,7 @@ class _BatchMatMul:
             return math_ops.reduce_sum(aa * gg, axis=[1, 2])
         return sq_rows(math_ops.matmul(a, g, transpose_a=True))
 
-    def weighted(self, payload, pos, g, w, src_shape=None):
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
         a, g = self._flat(payload, g, src_shape)
         a = array_ops.reshape(a, [-1, a.shape[-1]])
         gw = array_ops.reshape(g * _bcast(w, 3), [-1, g.shape[-1]])
@@ -178,16 +204,32 @@ class _Conv2D(_BatchMatMul):
         kh, kw = src_shape[:2]
         padding = attr(payload, "padding")
         padding = padding.decode() if isinstance(padding, bytes) else padding
-        patches = array_ops.extract_image_patches_v2(
-            x, [1, kh, kw, 1], list(attr(payload, "strides")),
-            list(attr(payload, "dilations") or [1, 1, 1, 1]), padding)
+        # the patches by a convolution with the identity as its kernel
+        # (exact: each output sums one input times 1 and zeros), in the
+        # kernel's (kh, kw, cin) order: several times faster than
+        # extract_patches where cin is small
+        cin = x.shape[-1]
+        eye = _cached(("patches", kh, kw, cin, x.dtype), lambda: array_ops.reshape(
+            linalg_ops_impl.eye(kh * kw * cin, dtype=x.dtype),
+            [kh, kw, cin, kh * kw * cin]))
+        patches = gen_nn_ops.conv2d(
+            x, eye, strides=list(attr(payload, "strides")), padding=padding,
+            dilations=list(attr(payload, "dilations") or [1, 1, 1, 1]),
+            data_format="NHWC")
         b = array_ops.shape(x)[0]
         return (array_ops.reshape(patches, [b, -1, patches.shape[-1]]),
                 array_ops.reshape(g, [b, -1, g.shape[-1]]))
 
-    def weighted(self, payload, pos, g, w, src_shape=None):
-        return array_ops.reshape(
-            super().weighted(payload, pos, g, w, src_shape), src_shape)
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        # the kernel's gradient of the reweighted loss: TF's own filter
+        # gradient of the reweighted output gradient (no patches)
+        padding = attr(payload, "padding")
+        return gen_nn_ops.conv2d_backprop_filter(
+            payload.inputs[0], _const(tuple(src_shape), dtypes.int32),
+            _scaled(g, w, memo), strides=list(attr(payload, "strides")),
+            padding=padding.decode() if isinstance(padding, bytes) else padding,
+            dilations=list(attr(payload, "dilations") or [1, 1, 1, 1]),
+            data_format="NHWC")
 
     def per_example(self, payload, pos, g, src_shape=None):
         return array_ops.reshape(super().per_example(payload, pos, g, src_shape),
@@ -241,17 +283,16 @@ class _Elementwise:
         h = self._h(payload, pos, g)
         return _to_source(h, src_shape)
 
-    def sq_norms(self, payload, pos, g, src_shape=None):
-        return sq_rows(self.per_example(payload, pos, g, src_shape))
+    def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
+        return sq_rows(self.per_example(payload, pos, g, src_shape), memo)
 
-    def weighted(self, payload, pos, g, w, src_shape=None):
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
         h = self._h(payload, pos, g)
         if len(h.shape) == 2 and tuple(src_shape) == (h.shape[1],):
-            # sum_i w_i h_i as one matrix-vector product
-            return _ex("Squeeze", _ex("MatMul", _ex("ExpandDims", w, _const(0, dtypes.int32)),
-                                      h, "transpose_a", False, "transpose_b", False),
-                       "squeeze_dims", [0])
-        h = h * _bcast(w, len(h.shape))
+            # sum_i w_i h_i (the weighted rows shared with a MatMul's rule)
+            return _ex("Sum", _scaled(h, w, memo), _const(0, dtypes.int32),
+                       "keep_dims", False)
+        h = _scaled(h, w, memo)
         return array_ops.reshape(math_ops.reduce_sum(
             _to_source(h, src_shape), axis=0), src_shape)
 
@@ -288,6 +329,11 @@ class _BiasAdd(_Elementwise):
 
 # -- embeddings: Gather on a table --------------------------------------------
 
+# Up to this many ids per example, the Gather rule's norms take the ghost
+# norm (T x T per example) rather than sorting and scattering every id.
+_GHOST_GATHER_MAX = 128
+
+
 @norm_rule("GatherV2", "ResourceGather")
 class _Gather:
     """z = table[ids], ids [B, ...]: example i's gradient is its output
@@ -317,7 +363,24 @@ class _Gather:
         values = array_ops.reshape(g, [-1] + list(src_shape[1:]))
         return array_ops.reshape(example * rows + ids, [-1]), values, b, rows
 
-    def sq_norms(self, payload, pos, g, src_shape=None):
+    def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
+        ids = payload.inputs[1]
+        b = ids.shape[0]
+        t = ids.shape.num_elements() // b if b else 0
+        if 0 < t <= _GHOST_GATHER_MAX and None not in g.shape:
+            # the ghost norm: sum over t, t' of example i's positions with
+            # equal ids of <g_it, g_it'> ([B, T, T], no sort, no scatter)
+            ids = _ex("Reshape", ids, _const((b, t), dtypes.int32))
+            g = _ex("Reshape", g, _const((b, t, g.shape.num_elements() // (b * t)),
+                                         dtypes.int32))
+            same = _ex("Cast", _ex("Equal",
+                                   _ex("ExpandDims", ids, _const(2, dtypes.int32)),
+                                   _ex("ExpandDims", ids, _const(1, dtypes.int32)),
+                                   "incompatible_shape_error", True),
+                       "DstT", g.dtype.as_datatype_enum, "Truncate", False)
+            gg = _ex("BatchMatMulV2", g, g, "adj_x", False, "adj_y", True)
+            return _ex("Sum", _ex("Mul", gg, same), _const((1, 2), dtypes.int32),
+                       "keep_dims", False)
         keys, values, b, rows = self._segments(payload, g, src_shape)
         unique, segment = array_ops.unique(keys)
         summed = math_ops.unsorted_segment_sum(
@@ -325,9 +388,9 @@ class _Gather:
         return math_ops.unsorted_segment_sum(
             sq_rows(summed), unique // rows, b)
 
-    def weighted(self, payload, pos, g, w, src_shape=None):
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
         ids = array_ops.reshape(payload.inputs[1], [-1])
-        gw = g * _bcast(w, len(g.shape))
+        gw = _scaled(g, w, memo)
         return indexed_slices.IndexedSlices(
             array_ops.reshape(gw, [-1] + list(src_shape[1:])), ids,
             src_shape)

@@ -111,10 +111,6 @@ class TFVSpace(VSpace):
         # unneeded_indices, grads) -> grads, run on every backward function's
         # result; the compiled backward declines a pass while it is set.
         self.check_gradients = None
-        # Per-op hook (the per-example rules, fasttape._per_example):
-        # f(op_type, payload, unneeded_indices, out_grads) -> grads, or None
-        # to run the op's backward as usual. Consulted only while set.
-        self.per_op_hook = None
 
     def _fast(self, op_type, payload, unneeded_indices, out_grads):
         """Output of the fast rule, or None where TF's function must run."""
@@ -205,18 +201,9 @@ class TFVSpace(VSpace):
     def call_backward(self, op_type, payload, unneeded_indices, out_grads):
         stats = self.profile_stats
         check = self.check_gradients
-        hook = self.per_op_hook
-        if (stats is None and check is None and hook is None
-                and sys.getprofile() is None):
+        if stats is None and check is None and sys.getprofile() is None:
             return self._call_backward(op_type, payload, unneeded_indices,
                                        out_grads)
-        if hook is not None:
-            grads = hook(op_type, payload, unneeded_indices, out_grads)
-            if grads is not None:
-                return grads
-            if stats is None and check is None and sys.getprofile() is None:
-                return self._call_backward(op_type, payload, unneeded_indices,
-                                           out_grads)
         if stats is None and sys.getprofile() is None:
             grads = self._call_backward(op_type, payload, unneeded_indices,
                                         out_grads)
