@@ -473,3 +473,16 @@ def test_rows_moved_across_the_batch_axis(build, dtype):
     analysis = _per_example._analyse("test", tape._tape, losses, flat,
                                      variables, B)
     assert not analysis.ruled and analysis.fallback
+
+
+@pytest.mark.parametrize("method", ["per_example_gradients", "per_example_norms",
+                                    "dp_gradient"])
+def test_memory_budget_is_refused_loudly(method):
+    """A budget may drop the saved tensors the rules read: refused with a
+    clear error, never a wrong value."""
+    xs, loss, variables = ALL["mlp"](tf.float32)
+    with fasttape.GradientTape(memory_budget=0) as tape:
+        losses = loss(*xs)
+    args = (1.0,) if method == "dp_gradient" else ()
+    with pytest.raises(NotImplementedError, match="memory_budget"):
+        getattr(tape, method)(losses, variables, *args)

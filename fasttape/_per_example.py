@@ -79,6 +79,13 @@ def _start(tape, losses, sources, what):
             "tf.vectorized_map over single-example tapes).")
     if tape._tape is None:  # pylint: disable=protected-access
         raise RuntimeError(_backward.CONSUMED)
+    if tape._tape.budget is not None:  # pylint: disable=protected-access
+        # The rules read saved tensors straight from the trace, where a
+        # budget may have dropped them: a loud error, not a wrong norm.
+        raise NotImplementedError(
+            f"GradientTape.{what} does not support memory_budget yet: record "
+            "these losses on a tape without a budget (and unset "
+            "FASTTAPE_MEMORY_BUDGET if it sets one for every tape).")
     if tape._recording and not tape._persistent:  # pylint: disable=protected-access
         tape._pop_tape()  # pylint: disable=protected-access
     if losses is None or not hasattr(losses, "_id"):
