@@ -287,3 +287,15 @@ def _cyclic_garbage(step):
         if enabled:
             gc.enable()
     return found
+
+
+@contextlib.contextmanager
+def compiled_mode(mode):
+    """fasttape's compiled-backward cache in ``mode`` (auto, always, verify,
+    off) for the block."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    previous = _compiled.set_mode(mode)
+    try:
+        yield
+    finally:
+        _compiled.set_mode(previous)

@@ -13,7 +13,6 @@ alive than TF leaves, and that fresh tapes afterwards give the gradients
 they gave before the fault, exactly.
 """
 
-import contextlib
 import gc
 import multiprocessing
 import os
@@ -30,6 +29,7 @@ from tensorflow.python.framework import errors
 from tensorflow.python.framework import ops
 
 import fasttape
+from harness import compiled_mode
 from fasttape.gradients import _compiled
 from fasttape.recording import _recording
 
@@ -37,13 +37,7 @@ CLASSES = {"tf": tf.GradientTape, "fasttape": fasttape.GradientTape}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@contextlib.contextmanager
-def _compiled_mode(mode):
-    previous = _compiled.set_mode(mode)
-    try:
-        yield
-    finally:
-        _compiled.set_mode(previous)
+_compiled_mode = compiled_mode   # compat/harness.py
 
 
 def _assert_stacks_clean():

@@ -15,7 +15,6 @@ model step, and repeated steps that build and replay a compiled backward
 pass (``verify`` mode compiles at first use).
 """
 
-import contextlib
 import gc
 import unittest
 
@@ -27,6 +26,7 @@ from tensorflow.python.framework import test_util
 
 import fasttape
 from fasttape.gradients import _compiled
+from harness import compiled_mode
 
 CLASSES = {
     "tf": (tf.GradientTape, tf.autodiff.ForwardAccumulator),
@@ -228,13 +228,7 @@ class _Checks(unittest.TestCase):
         pass
 
 
-@contextlib.contextmanager
-def _compiled_mode(mode):
-    previous = _compiled.set_mode(mode)
-    try:
-        yield
-    finally:
-        _compiled.set_mode(previous)
+_compiled_mode = compiled_mode   # compat/harness.py
 
 
 def _decorated(scenario, impl):
