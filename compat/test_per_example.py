@@ -3,9 +3,13 @@
 against a loop of B single-example tf.GradientTape's, for every op rule,
 the rows fallback, and Keras 3 models."""
 
+import gc
+
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.eager import context
+from tensorflow.python.framework import test_util
 
 import fasttape
 from fasttape import _per_example
@@ -252,6 +256,36 @@ def test_dp_gradient_without_noise(case, dtype, microbatches):
         _close(g, e, dtype)
 
 
+@pytest.mark.parametrize("microbatches", [None, 3])
+@pytest.mark.parametrize("case,dtype", PAIRS, ids=PAIR_IDS)
+def test_traced_post_pass_equals_eager(case, dtype, microbatches):
+    """dp_gradient's post-pass (norms, clip factors, weighted sums, noise)
+    traced into one function gives what it gives run eagerly, noise
+    included (a seed draws the same): verify mode builds it at first use
+    and checks the two agree; the mode off runs it eagerly."""
+    from compat.harness import compiled_mode
+    from fasttape.gradients import _compiled
+    xs, loss, variables = ALL[case](dtype)
+
+    def step():
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        return tape.dp_gradient(losses, variables, 0.3, 1.1, seed=5,
+                                num_microbatches=microbatches)
+
+    with compiled_mode("off"):
+        eager = step()
+    fasttape.clear_caches()
+    with compiled_mode("verify"):
+        traced = step()
+        assert _compiled.CACHE.stats["traced_built"] == 1
+        again = step()
+        assert _compiled.CACHE.stats["traced_replayed"] >= 1
+    for e, t, a in zip(eager, traced, again):
+        _close(t, e, dtype)
+        np.testing.assert_array_equal(t, a)
+
+
 def test_rules_cover_dense_and_embedding_without_rows():
     """MatMul, bias adds, Mul scales and gathers take no per-example rows,
     also through a reshape of the weight (MultiHeadAttention's kernels);
@@ -406,16 +440,63 @@ def test_unconnected_source_is_none():
                                   np.zeros(B))
 
 
-def test_dp_step_leaks_nothing():
-    from compat.harness import assert_leaks_nothing
-    xs, loss, variables = _mlp(tf.float32)
+def _dp_step(dtype=tf.float32, noise=1.0):
+    xs, loss, variables = _mlp(dtype)
 
     def step():
         with fasttape.GradientTape() as tape:
             losses = loss(*xs)
-        tape.dp_gradient(losses, variables, 1.0, 1.0, seed=1)
+        return tape.dp_gradient(losses, variables, 1.0, noise, seed=1)
 
-    assert_leaks_nothing(step)
+    return step
+
+
+def test_dp_step_leaks_nothing():
+    """The eager step (no traced post-pass: building one leaves a traced
+    graph's reference cycles once)."""
+    from compat.harness import assert_leaks_nothing, compiled_mode
+    with compiled_mode("off"):
+        assert_leaks_nothing(_dp_step())
+
+
+@pytest.mark.parametrize("mode", ["auto", "verify"])
+def test_traced_post_pass_passes_leak_checks(mode):
+    """dp_gradient's traced post-pass (one cached function per structure):
+    TF's leak decorators see no new tensor and no uncollectable garbage
+    (building included), a replayed step leaves no reference cycle, and
+    clear_caches() releases the function."""
+    from compat.harness import _cyclic_garbage, compiled_mode
+    from fasttape.gradients import _compiled
+    step = _dp_step()
+    keep_faster = _compiled.CACHE.keep_faster
+    _compiled.CACHE.keep_faster = False     # kept even if not faster here
+    with compiled_mode(mode):
+        # TF's process-wide state of a first trace (as compat/test_leaks.py
+        # warms up)
+        for _ in range(3):
+            step()
+        fasttape.clear_caches()
+        for check in (test_util.assert_no_new_tensors,
+                      test_util.assert_no_garbage_created):
+            def body(self):
+                del self
+                for _ in range(3):
+                    step()
+            check(body)(tf.test.TestCase())
+        before = context.context().list_function_names()
+        fasttape.clear_caches()
+        # (the backward pass is compiled too, on some step: its output
+        # gradients come apart then, and the post-pass's key changes once)
+        for _ in range(6):
+            step()
+        assert _compiled.CACHE.stats["traced_replayed"] >= 1, _compiled.CACHE.stats
+        built = context.context().list_function_names() - before
+        assert any(name.startswith("__inference_traced") for name in built)
+        assert not _cyclic_garbage(step)
+        fasttape.clear_caches()
+        gc.collect()
+        assert not context.context().list_function_names() & built
+    _compiled.CACHE.keep_faster = keep_faster
 
 
 # -- ops that move rows across the batch axis: rules stand down ---------------

@@ -40,6 +40,7 @@ from fasttape.diagnostics import anomaly as _anomaly
 from fasttape.gradients import _compiled
 from fasttape.gradients import _norm_rules
 from fasttape.gradients._fast_grads import _cached, _const, _ex
+from fasttape.gradients._payloads import EagerOp
 from fasttape.recording import _recording
 from fasttape.recording._callback import output_meta
 
@@ -509,6 +510,113 @@ def _cached_range(first, last):
                    lambda: math_ops.range(first, last, dtype=dtypes.int32))
 
 
+def _hashable(value):
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    return value
+
+
+def _post_plan(ruled, rows, flat_raw, noise_dtype, op_types):
+    """What dp_gradient's post-pass computes, as (spec, feeds): ``spec`` is
+    hashable (it keys the traced function, with the feeds' shapes and
+    dtypes) and ``feeds`` the tensors it reads: the rules' saved inputs
+    and output gradients (each once), the fallback rows."""
+    feeds, index = [], {}
+
+    def feed(t):
+        i = index.get(id(t))
+        if i is None:
+            i = index[id(t)] = len(feeds)
+            feeds.append(t)
+        return i
+    ruled_spec = []
+    for k, (payload, pos, rule, src_shape, g) in ruled.items():
+        del rule
+        inputs = tuple(
+            -1 if t is None or t.dtype == dtypes.resource else feed(t)
+            for t in payload.inputs)
+        attrs = tuple(_hashable(a) for a in payload.attrs)
+        ruled_spec.append((k, op_types[k], pos, tuple(src_shape),
+                           attrs, payload.num_inputs, inputs, feed(g)))
+    rows_spec = tuple((k, feed(r)) for k, r in rows.items() if r is not None)
+    # The noise added inside the post-pass: every source of the noise's
+    # dtype up to one noise block (larger ones get theirs a block at a time
+    # after it, as do other dtypes), from one vector.
+    noised, offset = [], 0
+    if noise_dtype is not None:
+        for k in sorted([k for k, *_ in ruled_spec] + [k for k, _ in rows_spec]):
+            shape = flat_raw[k].shape
+            n = shape.num_elements()
+            if flat_raw[k].dtype == noise_dtype and n <= _NOISE_CHUNK:
+                noised.append((k, offset, n))
+                offset += n
+    shapes = tuple((k, tuple(flat_raw[k].shape.as_list()))
+                   for k in sorted([k for k, *_ in ruled_spec]
+                                   + [k for k, _ in rows_spec]))
+    return (tuple(ruled_spec), rows_spec, tuple(noised), shapes), feeds, offset
+
+
+def _post_pass(spec, *tensors):
+    """dp_gradient after the backward pass: each example's squared norm
+    (the rules', the rows'), its clip factor min(1, C / norm) / m, the
+    reweighted gradient of each source (a rule's weighted sum, the rows'
+    weighted sum), noise, as dense tensors in the order of ``spec``'s
+    shapes. The trailing tensors are C, C / m and (with noise) the noise.
+    Runs eagerly, or traced once per spec (gradients._compiled.traced_call)."""
+    ruled_spec, rows_spec, noised, shapes = spec
+    n_fixed = 3 if noised else 2
+    clip, clip_m = tensors[-n_fixed], tensors[-n_fixed + 1]
+    noise = tensors[-1] if noised else None
+    memo, total, items = {}, None, []
+    for k, op_type, pos, src_shape, attrs, n_in, inputs, g_i in ruled_spec:
+        payload = EagerOp(attrs, tuple(None if i < 0 else tensors[i]
+                                       for i in inputs), n_in)
+        g = tensors[g_i]
+        rule = _norm_rules.NORM_RULES[op_type]
+        sq = rule.sq_norms(payload, pos, g, src_shape=src_shape, memo=memo)
+        total = sq if total is None else _norm_rules._ex(
+            "AddV2", total, math_ops.cast(sq, total.dtype))
+        items.append((k, payload, pos, rule, src_shape, g))
+    for _, r_i in rows_spec:
+        sq = _norm_rules.sq_rows(tensors[r_i])
+        total = sq if total is None else _norm_rules._ex(
+            "AddV2", total, math_ops.cast(sq, total.dtype))
+    clip = math_ops.cast(clip, total.dtype)
+    clip_m = math_ops.cast(clip_m, total.dtype)
+    # min(1, C / norm), and the division by the number of microbatches.
+    weights = _norm_rules._ex("RealDiv", clip_m, _norm_rules._ex("Maximum", _norm_rules._ex("Sqrt", total), clip))
+    out = {}
+    for k, payload, pos, rule, src_shape, g in items:
+        w = weights if g.dtype == weights.dtype else math_ops.cast(weights, g.dtype)
+        out[k] = rule.weighted(payload, pos, g, w, src_shape=src_shape,
+                               memo=memo)
+    for k, r_i in rows_spec:
+        r = tensors[r_i]
+        out[k] = math_ops.tensordot(math_ops.cast(weights, r.dtype), r, 1)
+    noise_of = {k: (offset, n) for k, offset, n in noised}
+    result = []
+    for k, shape in shapes:
+        g = out[k]
+        at = noise_of.get(k)
+        if isinstance(g, indexed_slices.IndexedSlices):
+            if at is None:
+                g = math_ops.unsorted_segment_sum(g.values, g.indices, shape[0])
+            else:
+                # the noise, with the rows scattered into it (one op)
+                g = _norm_rules._ex("TensorScatterAdd", array_ops.reshape(
+                    array_ops.slice(noise, [at[0]], [at[1]]), shape), _norm_rules._ex(
+                        "ExpandDims", g.indices, _norm_rules._const(-1, dtypes.int32)),
+                        g.values)
+            result.append(array_ops.reshape(g, shape))
+            continue
+        g = array_ops.reshape(g, shape)
+        if at is not None:
+            g = _norm_rules._ex("AddV2", g, array_ops.reshape(
+                array_ops.slice(noise, [at[0]], [at[1]]), shape))
+        result.append(g)
+    return result
+
+
 def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
                 num_microbatches=None, seed=None):
     tape_state, batch, flat_raw, flat = _start(tape, losses, sources,
@@ -524,13 +632,14 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
             f"num_microbatches ({num_microbatches}) must divide the batch size "
             f"({batch}), as in TF Privacy.")
     clip = float(l2_norm_clip)
+    stddev = clip * float(noise_multiplier) / m
     out = [None] * len(flat)
     try:
         if m == batch:
             analysis = _analyse("dp_gradient", tape_state, losses, flat,
                                 flat_raw, batch)
-            total, ruled, rows, memo = _sq_norms("dp_gradient", tape, tape_state,
-                                           losses, flat, flat_raw, analysis)
+            ruled = _ruled_pass("dp_gradient", tape_state, losses, flat, analysis)
+            rows = _rows(tape, losses, flat_raw, list(analysis.fallback))
         else:
             # TF Privacy: losses reshaped to [m, B/m] and averaged per
             # microbatch; a microbatch's gradient goes through rows.
@@ -539,46 +648,40 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
             size = batch // m
             basis = array_ops.repeat(
                 linalg_ops_impl.eye(m, dtype=losses.dtype), size, axis=1) / size
-            ruled, memo = {}, None
+            ruled = {}
             rows = _rows(tape, losses, flat_raw, list(analysis.fallback), basis)
-            total = array_ops.zeros([m], losses.dtype)
-            for r in rows.values():
-                if r is not None:
-                    total += math_ops.cast(_norm_rules.sq_rows(r), losses.dtype)
-        # min(1, C / norm), and the division by the number of microbatches.
-        weights = _ex("RealDiv", _const(clip / m, total.dtype), _ex(
-            "Maximum", _ex("Sqrt", total), _const(clip, total.dtype)))
-        for k, (payload, pos, rule, src_shape, g) in ruled.items():
-            w = weights if g.dtype == weights.dtype else math_ops.cast(weights, g.dtype)
-            out[k] = rule.weighted(payload, pos, g, w, src_shape=src_shape,
-                                   memo=memo)
-        for k, r in rows.items():
-            if r is not None:
-                w = math_ops.cast(weights, r.dtype)
-                out[k] = math_ops.tensordot(w, r, 1)
+        noise_dtype = None
+        if stddev > 0:
+            for k in sorted(list(ruled) + [k for k, r in rows.items()
+                                           if r is not None]):
+                if flat_raw[k].dtype in _NUMPY_NOISE:
+                    noise_dtype = flat_raw[k].dtype
+                    break
+        spec, feeds, n_noise = _post_plan(ruled, rows, flat_raw, noise_dtype,
+                                          analysis.op_types)
+        rng = _noise_rng(seed) if stddev > 0 else None
+        if spec[3]:
+            dtype = (flat_raw[spec[3][0][0]].dtype if noise_dtype is None
+                     else noise_dtype)
+            feeds += [_const(clip, dtype), _const(clip / m, dtype)]
+            if n_noise:
+                noise = rng.standard_normal(n_noise, dtype=noise_dtype.as_numpy_dtype)
+                noise *= stddev
+                feeds.append(constant_op.constant(noise))
+            grads = _compiled.traced_call(("dp_gradient", spec),
+                                          lambda *t: _post_pass(spec, *t), feeds)
+            for (k, _), g in zip(spec[3], grads):
+                out[k] = g
     finally:
         _end(tape, tape_state)
-    stddev = clip * float(noise_multiplier) / m
-    rng = _noise_rng(seed) if stddev > 0 else None
+    noised = {k for k, _, _ in spec[2]} if stddev > 0 else ()
     for k, g in enumerate(out):
-        if g is None:
+        if g is None or k in noised or not stddev > 0:
             continue
         shape = flat_raw[k].shape
-        if isinstance(g, indexed_slices.IndexedSlices):
-            if stddev > 0:
-                # the noise, with the rows scattered into it (one op)
-                noise = _noise(g.dtype, shape, seed, k, stddev, rng)
-                out[k] = _ex("TensorScatterAdd", noise, _ex(
-                    "ExpandDims", g.indices, _const(-1, dtypes.int32)), g.values)
-            else:
-                out[k] = ops.convert_to_tensor(g)
-            continue
-        if g.shape != shape:
-            g = array_ops.reshape(g, shape)
-        if stddev > 0:
-            if g.dtype in _NUMPY_NOISE and g.shape.num_elements() > _NOISE_CHUNK:
-                g = _add_noise_in_place(g, stddev, rng, seed is not None)
-            else:
-                g = _ex("AddV2", g, _noise(g.dtype, shape, seed, k, stddev, rng))
+        if g.dtype in _NUMPY_NOISE and g.shape.num_elements() > _NOISE_CHUNK:
+            g = _add_noise_in_place(g, stddev, rng, seed is not None)
+        else:
+            g = _ex("AddV2", g, _noise(g.dtype, shape, seed, k, stddev, rng))
         out[k] = g
     return nest.pack_sequence_as(sources, out)

@@ -848,3 +848,102 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     # verify (tests): hand back the compiled result, so that parity tests
     # compare it with TF's.
     return replayed if verify else grads
+
+
+def traced_call(key, fn, feeds):
+    """``fn(*feeds)`` (a list of tensors or None), run as one graph function
+    cached under ``key`` (a hashable description of what ``fn`` computes
+    besides its feeds' values), in the cache of the compiled backward
+    passes: kept, counted and released with them (``fasttape.clear_caches()``).
+
+    ``fn`` must compute the same in eager mode and traced (it is dp_gradient's
+    post-pass: norms, clip factors, weighted sums, noise). As a pass: never
+    built on a key's first use (``auto``), nor while TF's object-counting
+    leak check runs; on the call it is built, ``fn`` also runs eagerly, and
+    the function is kept only if it agrees and is not slower. Else, and in
+    mode ``off``, under a profiler, in a forked child, ``fn`` runs eagerly."""
+    cache = CACHE
+    if (cache.mode == "off" or _in_forked_child or sys.getprofile() is not None
+            or not context.executing_eagerly()):
+        return fn(*feeds)
+    try:
+        key = ("traced", key, tuple(
+            (f._shape_tuple(), f._datatype_enum()) for f in feeds),  # pylint: disable=protected-access
+               context.context().device_name, _determinism())
+        compiled = cache.compiled.get(key)
+    except (TypeError, AttributeError):   # a feed that is no eager tensor
+        return fn(*feeds)
+    if compiled is _FAILED:
+        return fn(*feeds)
+    if compiled is not None:
+        cache.compiled.move_to_end(key)
+        if compiled.epoch != cache.epoch:       # instantiated again
+            compiled.epoch = cache.epoch
+            cache.stats["traced_reinstantiated"] += 1
+        try:
+            out = compiled(feeds)
+        except Exception:  # pylint: disable=broad-except
+            cache.stats["traced_replay_failed"] += 1
+            return fn(*feeds)
+        cache.stats["traced_replayed"] += 1
+        return out
+    seen = cache.seen.get(key)
+    if seen is None:
+        if len(cache.seen) >= _MAX_COUNTS:
+            cache.seen.clear()
+        seen = cache.seen[key] = _Seen(cache.calls, cache.epoch)
+    seen.use(cache.calls)
+    if cache.mode == "auto" and (seen.uses < 2 or _inside_object_check()):
+        return fn(*feeds)
+    cache.seen.pop(key, None)
+    verify = cache.mode == "verify"
+    why, compiled, replayed, slower = None, None, None, False
+    kinds_box = []
+
+    def traced(*args):
+        flat, kinds = _flatten(fn(*args))
+        kinds_box.append(kinds)
+        return flat
+
+    try:
+        concrete = def_function.function(
+            traced, input_signature=[_spec(f) for f in feeds],
+            autograph=False).get_concrete_function()
+        if concrete.captured_inputs:
+            why = "the trace captured an eager tensor"
+        elif _foldable_bytes(concrete.graph) > _MAX_FOLDED_BYTES:
+            why = "its graph holds too many constant-foldable bytes"
+        else:
+            compiled = _Compiled(concrete._inference_function, kinds_box[0])  # pylint: disable=protected-access
+        del concrete
+    except Exception as e:  # pylint: disable=broad-except
+        why = f"tracing failed: {e!r}"
+    start = time.perf_counter()
+    out = fn(*feeds)
+    eager_seconds = time.perf_counter() - start
+    if compiled is not None:
+        try:
+            replayed = compiled.first_call(feeds)
+            if not _same(out, replayed):
+                why, compiled = "it disagrees with the eager run", None
+            elif not verify and cache.keep_faster:
+                best = float("inf")
+                for _ in range(2):
+                    start = time.perf_counter()
+                    compiled(feeds)
+                    best = min(best, time.perf_counter() - start)
+                slower = best >= eager_seconds
+        except Exception as e:  # pylint: disable=broad-except
+            why, compiled = f"it failed: {e!r}", None
+    if why is not None:
+        logging.vlog(1, "fasttape: %s not compiled: %s", key[1][0], why)
+        if verify:
+            raise AssertionError(f"fasttape: {key[1][0]} not compiled: {why}")
+    with cache.lock:
+        cache.compiled[key] = (_FAILED if compiled is None or slower
+                               else compiled)
+        while len(cache.compiled) > _MAX_ENTRIES:
+            cache.compiled.popitem(last=False)
+    cache.stats["traced_slower" if slower else "traced_built"
+                if compiled is not None else "traced_failed"] += 1
+    return replayed if verify else out

@@ -33,8 +33,60 @@ from tensorflow.python.ops import linalg_ops_impl
 from tensorflow.python.ops import math_ops
 from tensorflow.python.ops import special_math_ops
 
-from fasttape.gradients._fast_grads import _cached, _const, _ex
+from tensorflow.python.eager import context
+from tensorflow.python.framework import constant_op
+from tensorflow.python.framework import op_def_library
+from tensorflow.python.framework import op_def_registry
+
+from fasttape.gradients import _fast_grads
 from fasttape.gradients._payloads import EagerOp
+
+
+# The rules run eagerly, op by op, or inside dp_gradient's traced
+# post-pass (gradients._compiled.post_pass): these three build an op, a
+# constant and a cached tensor either way.
+
+def _ex(op_type, *args):
+    """An op by type, inputs then flat (name, value) attrs, as TF's fast
+    path takes them; in a graph, through TF's op builder."""
+    if context.executing_eagerly():
+        return _fast_grads._ex(op_type, *args)  # pylint: disable=protected-access
+    op_def = op_def_registry.get(op_type)
+    input_args = op_def.input_arg
+    n = len(input_args)
+    kwargs = {a.name: x for a, x in zip(input_args, args[:n])}
+    attrs = args[n:]
+    for i in range(0, len(attrs) - 1, 2):
+        kwargs[attrs[i]] = attrs[i + 1]
+    # the defaults of the attrs not given (TF's op builder wants them all,
+    # as its generated wrappers pass them), but not those the inputs fix
+    inferred = {x for a in input_args
+                for x in (a.type_attr, a.number_attr, a.type_list_attr) if x}
+    for a in op_def.attr:
+        if (a.name not in kwargs and a.name not in inferred
+                and a.HasField("default_value")):
+            value = a.default_value
+            which = value.WhichOneof("value")
+            if which == "list":
+                kwargs[a.name] = [
+                    *value.list.s, *value.list.i, *value.list.f, *value.list.b,
+                    *value.list.type]
+            elif which is not None:
+                kwargs[a.name] = getattr(value, which)
+    outputs = op_def_library._apply_op_helper(op_type, **kwargs)[3]  # pylint: disable=protected-access
+    return outputs[0]
+
+
+def _const(value, dtype):
+    if context.executing_eagerly():
+        return _fast_grads._const(value, dtype)  # pylint: disable=protected-access
+    return constant_op.constant(value, dtype=dtype)
+
+
+def _cached(key, make):
+    if context.executing_eagerly():
+        return _fast_grads._cached(key, make)  # pylint: disable=protected-access
+    return make()
 
 
 def attr(payload, name, default=None):
@@ -165,9 +217,32 @@ class _BatchMatMul:
             aa = math_ops.matmul(a, a, transpose_b=True)
             gg = math_ops.matmul(g, g, transpose_b=True)
             return math_ops.reduce_sum(aa * gg, axis=[1, 2])
-        return sq_rows(math_ops.matmul(a, g, transpose_a=True))
+        grads = math_ops.matmul(a, g, transpose_a=True)
+        if memo is not None:
+            # weighted() sums these (B x K x N, no larger than the saved
+            # activations here): no second product of the activations
+            memo[("per_example", id(payload), pos)] = (payload, grads)
+        return sq_rows(grads)
+
+    def _from_memo(self, payload, pos, w, memo):
+        """sum_i w_i grad_i from the per-example gradients sq_norms built
+        (a [1, B] x [B, K N] product), or None."""
+        hit = None if memo is None else memo.get(("per_example", id(payload), pos))
+        if hit is None or hit[0] is not payload:
+            return None
+        grads = hit[1]
+        b = grads.shape[0]
+        flat = _ex("Reshape", grads, _const((b, -1), dtypes.int32))
+        summed = _ex("MatMul", _ex("Reshape", w, _const((1, b), dtypes.int32)),
+                     flat, "transpose_a", False, "transpose_b", False)
+        return _ex("Reshape", summed, _const(tuple(grads.shape[1:]), dtypes.int32))
 
     def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        summed = self._from_memo(payload, pos, w, memo)
+        if summed is not None:
+            if attr(payload, "adj_y"):
+                return _ex("Transpose", summed, _const((1, 0), dtypes.int32))
+            return summed
         a, g = self._flat(payload, g, src_shape)
         a = array_ops.reshape(a, [-1, a.shape[-1]])
         gw = array_ops.reshape(g * _bcast(w, 3), [-1, g.shape[-1]])
@@ -221,6 +296,9 @@ class _Conv2D(_BatchMatMul):
                 array_ops.reshape(g, [b, -1, g.shape[-1]]))
 
     def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        summed = self._from_memo(payload, pos, w, memo)
+        if summed is not None:      # [kh kw cin, cout], the kernel's layout
+            return _ex("Reshape", summed, _const(tuple(src_shape), dtypes.int32))
         # the kernel's gradient of the reweighted loss: TF's own filter
         # gradient of the reweighted output gradient (no patches)
         padding = attr(payload, "padding")
