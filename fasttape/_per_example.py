@@ -62,6 +62,7 @@ class _Analysis:
         self.fallback = {}
         self.op_types = {}
         self.out_ids = {}       # k -> the id of its ruled op's output
+        self.out_shapes = {}    # k -> its shape, where the recording knows it
 
 
 def _meta_shape(meta):
@@ -299,6 +300,7 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
             result.ruled[k] = (entry.payload, pos, rule, src_shape)
             result.op_types[k] = entry.op_type
             result.out_ids[k] = entry.output_ids[0]
+            result.out_shapes[k] = shapes.get(entry.output_ids[0])
         else:
             result.fallback[k] = sorted({e.op_type for e, _ in used})
     return result
@@ -313,6 +315,26 @@ def _log_fallback(what, analysis):
             ", ".join(sorted({t for ts in analysis.fallback.values() for t in ts})))
 
 
+def _pass_to(tape_state, losses, out_ids, post=None):
+    """The backward pass of sum(losses) to the tensors ``out_ids``, through
+    the compiled-pass cache like any gradient() (with ``post``, see
+    gradients._compiled.gradient)."""
+    target_meta = [output_meta(losses)]
+    target_ids = [losses._id]  # pylint: disable=protected-access
+    # an op whose output is `losses` itself: its gradient is the seed
+    that_are_targets = {i: target_meta[0] for i in out_ids if i == target_ids[0]}
+    core, vspace = tape_state.core, _recording.VSPACE
+
+    def eager_pass():
+        return core.compute_gradient(vspace, target_ids, out_ids,
+                                     that_are_targets, None, True, True,
+                                     target_meta)
+
+    return _compiled.gradient(core, vspace, target_ids, out_ids,
+                              that_are_targets, None, True, target_meta,
+                              eager_pass, post=post)
+
+
 def _ruled_pass(what, tape_state, losses, flat, analysis):
     """The output gradients of the ruled ops: one backward pass of
     sum(losses) to those ops' outputs, through the compiled-pass cache like
@@ -325,20 +347,7 @@ def _ruled_pass(what, tape_state, losses, flat, analysis):
         _log_fallback(what, analysis)
         return {}
     out_ids = list(dict.fromkeys(analysis.out_ids[k] for k in analysis.ruled))
-    target_meta = [output_meta(losses)]
-    target_ids = [losses._id]  # pylint: disable=protected-access
-    # an op whose output is `losses` itself: its gradient is the seed
-    that_are_targets = {i: target_meta[0] for i in out_ids if i == target_ids[0]}
-    core, vspace = tape_state.core, _recording.VSPACE
-
-    def eager_pass():
-        return core.compute_gradient(vspace, target_ids, out_ids,
-                                     that_are_targets, None, True, True,
-                                     target_meta)
-
-    grads = dict(zip(out_ids, _compiled.gradient(
-        core, vspace, target_ids, out_ids, that_are_targets, None, True,
-        target_meta, eager_pass)))
+    grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
     captured = {}
     for k, (payload, pos, rule, src_shape) in list(analysis.ruled.items()):
         g = grads.get(analysis.out_ids[k])
@@ -516,14 +525,21 @@ def _hashable(value):
     return value
 
 
-def _post_plan(ruled, rows, flat_raw, noise_dtype, op_types):
-    """What dp_gradient's post-pass computes, as (spec, feeds): ``spec`` is
-    hashable (it keys the traced function, with the feeds' shapes and
-    dtypes) and ``feeds`` the tensors it reads: the rules' saved inputs
-    and output gradients (each once), the fallback rows."""
-    feeds, index = [], {}
+def _post_plan(ruled, rows, flat_raw, noise_dtype, op_types, reserved=0,
+               batch=None):
+    """What dp_gradient's post-pass computes, as (spec, feeds, noise size):
+    ``spec`` is hashable (it keys the traced function, with the feeds'
+    shapes and dtypes) and ``feeds`` the tensors it reads: the rules' saved
+    inputs and output gradients (each once), the fallback rows. With
+    ``reserved`` = n, the first n feeds are the backward pass's outputs (a
+    rule's ``g`` is then its index there) and are not in ``feeds``, and
+    the post-pass checks that each rule applies to the batch size
+    ``batch`` (_NotFusable)."""
+    feeds, index = [None] * reserved, {}
 
     def feed(t):
+        if type(t) is int:
+            return t
         i = index.get(id(t))
         if i is None:
             i = index[id(t)] = len(feeds)
@@ -553,17 +569,49 @@ def _post_plan(ruled, rows, flat_raw, noise_dtype, op_types):
     shapes = tuple((k, tuple(flat_raw[k].shape.as_list()))
                    for k in sorted([k for k, *_ in ruled_spec]
                                    + [k for k, _ in rows_spec]))
-    return (tuple(ruled_spec), rows_spec, tuple(noised), shapes), feeds, offset
+    return ((tuple(ruled_spec), rows_spec, tuple(noised), shapes, batch),
+            feeds[reserved:], offset)
 
 
-def _post_pass(spec, *tensors):
+class _NotFusable(Exception):
+    """A rule declines an output gradient's shape, in a post-pass fused to
+    the backward pass: dp_gradient takes the two steps instead."""
+
+
+def _fusable(analysis, batch):
+    """For a dp_gradient whose every source has a rule that applies with
+    its output's recorded shape: {k: (payload, pos, rule, src_shape, index
+    of its output among out_ids)} and out_ids; else None."""
+    if analysis.fallback or not analysis.ruled:
+        return None
+    out_ids = list(dict.fromkeys(analysis.out_ids[k] for k in analysis.ruled))
+    where = {o: i for i, o in enumerate(out_ids)}
+    items = {}
+    for k, (payload, pos, rule, src_shape) in analysis.ruled.items():
+        saved = payload.inputs[pos]
+        if saved is not None and saved.dtype != dtypes.resource:
+            src_shape = tuple(saved.shape.as_list())
+        # (the recording knows few outputs' shapes: the post-pass checks
+        # again on the output gradients, see _NotFusable)
+        out_shape = analysis.out_shapes.get(k)
+        if out_shape is not None and not _norm_rules.applies(
+                rule, payload, pos, out_shape, src_shape, batch):
+            return None
+        items[k] = (payload, pos, rule, src_shape, where[analysis.out_ids[k]])
+    return items, out_ids
+
+
+def _post_pass(spec, *tensors, payloads=None):
     """dp_gradient after the backward pass: each example's squared norm
     (the rules', the rows'), its clip factor min(1, C / norm) / m, the
     reweighted gradient of each source (a rule's weighted sum, the rows'
     weighted sum), noise, as dense tensors in the order of ``spec``'s
     shapes. The trailing tensors are C, C / m and (with noise) the noise.
-    Runs eagerly, or traced once per spec (gradients._compiled.traced_call)."""
-    ruled_spec, rows_spec, noised, shapes = spec
+    Runs eagerly, or traced once per spec (gradients._compiled.traced_call).
+    ``payloads`` (fused to the backward pass: spec's batch set) are the
+    recorded ops, on which each rule is checked against its output
+    gradient's shape (_NotFusable)."""
+    ruled_spec, rows_spec, noised, shapes, batch = spec
     n_fixed = 3 if noised else 2
     clip, clip_m = tensors[-n_fixed], tensors[-n_fixed + 1]
     noise = tensors[-1] if noised else None
@@ -572,7 +620,13 @@ def _post_pass(spec, *tensors):
         payload = EagerOp(attrs, tuple(None if i < 0 else tensors[i]
                                        for i in inputs), n_in)
         g = tensors[g_i]
+        if g is None or isinstance(g, indexed_slices.IndexedSlices):
+            g = ops.convert_to_tensor(g)
         rule = _norm_rules.NORM_RULES[op_type]
+        if batch is not None and not _norm_rules.applies(
+                rule, payloads[k], pos, tuple(g.shape.as_list()), src_shape,
+                batch):
+            raise _NotFusable(op_type)
         sq = rule.sq_norms(payload, pos, g, src_shape=src_shape, memo=memo)
         total = sq if total is None else _norm_rules._ex(
             "AddV2", total, math_ops.cast(sq, total.dtype))
@@ -617,6 +671,59 @@ def _post_pass(spec, *tensors):
     return result
 
 
+_DECLINED = set()    # fused post-pass specs a rule declined (_NotFusable)
+
+
+def _dp_finish(tape_state, losses, flat_raw, analysis, ruled, rows, clip, m,
+               stddev, rng, out, out_ids=None):
+    """The post-pass of dp_gradient: fills ``out`` with each source's
+    clipped, summed, divided gradient, with noise for the sources the spec
+    notes (see _post_plan); returns the spec. With ``out_ids``, ``ruled``
+    holds indices into them and the backward pass to them runs fused with
+    the post-pass (may raise _NotFusable)."""
+    noise_dtype = None
+    if stddev > 0:
+        for k in sorted(list(ruled) + [k for k, r in rows.items()
+                                       if r is not None]):
+            if flat_raw[k].dtype in _NUMPY_NOISE:
+                noise_dtype = flat_raw[k].dtype
+                break
+    fused = out_ids is not None
+    spec, feeds, n_noise = _post_plan(
+        ruled, rows, flat_raw, noise_dtype, analysis.op_types,
+        reserved=len(out_ids) if fused else 0,
+        batch=int(losses.shape[0]) if fused else None)
+    if fused and spec in _DECLINED:
+        raise _NotFusable()
+    if not spec[3]:
+        return spec
+    dtype = flat_raw[spec[3][0][0]].dtype if noise_dtype is None else noise_dtype
+    feeds += [_const(clip, dtype), _const(clip / m, dtype)]
+    if n_noise:
+        noise = rng.standard_normal(
+            n_noise, dtype=noise_dtype.as_numpy_dtype)
+        noise *= stddev
+        feeds.append(constant_op.constant(noise))
+    if not fused:
+        grads = _compiled.traced_call(
+            ("dp_gradient", spec), lambda *t: _post_pass(spec, *t), feeds)
+    else:
+        payloads = {k: item[0] for k, item in ruled.items()}
+        try:
+            grads = _pass_to(tape_state, losses, out_ids, post=(
+                ("dp_gradient", spec),
+                lambda g, *t: _post_pass(spec, *g, *t, payloads=payloads),
+                feeds))
+        except _NotFusable:
+            if len(_DECLINED) > 256:
+                _DECLINED.clear()
+            _DECLINED.add(spec)
+            raise
+    for (k, _), g in zip(spec[3], grads):
+        out[k] = g
+    return spec
+
+
 def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
                 num_microbatches=None, seed=None):
     tape_state, batch, flat_raw, flat = _start(tape, losses, sources,
@@ -634,12 +741,28 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
     clip = float(l2_norm_clip)
     stddev = clip * float(noise_multiplier) / m
     out = [None] * len(flat)
+    rng = _noise_rng(seed) if stddev > 0 else None
     try:
         if m == batch:
             analysis = _analyse("dp_gradient", tape_state, losses, flat,
                                 flat_raw, batch)
-            ruled = _ruled_pass("dp_gradient", tape_state, losses, flat, analysis)
-            rows = _rows(tape, losses, flat_raw, list(analysis.fallback))
+            fused = _fusable(analysis, batch)
+            spec = None
+            if fused is not None:
+                # the backward pass and the post-pass: one function
+                try:
+                    spec = _dp_finish(tape_state, losses, flat_raw, analysis,
+                                      fused[0], {}, clip, m, stddev, rng, out,
+                                      fused[1])
+                except _NotFusable:
+                    # (a seed's noise as if drawn once)
+                    rng = _noise_rng(seed) if stddev > 0 else None
+            if spec is None:
+                ruled = _ruled_pass("dp_gradient", tape_state, losses, flat,
+                                    analysis)
+                rows = _rows(tape, losses, flat_raw, list(analysis.fallback))
+                spec = _dp_finish(tape_state, losses, flat_raw, analysis,
+                                  ruled, rows, clip, m, stddev, rng, out)
         else:
             # TF Privacy: losses reshaped to [m, B/m] and averaged per
             # microbatch; a microbatch's gradient goes through rows.
@@ -648,30 +771,9 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
             size = batch // m
             basis = array_ops.repeat(
                 linalg_ops_impl.eye(m, dtype=losses.dtype), size, axis=1) / size
-            ruled = {}
             rows = _rows(tape, losses, flat_raw, list(analysis.fallback), basis)
-        noise_dtype = None
-        if stddev > 0:
-            for k in sorted(list(ruled) + [k for k, r in rows.items()
-                                           if r is not None]):
-                if flat_raw[k].dtype in _NUMPY_NOISE:
-                    noise_dtype = flat_raw[k].dtype
-                    break
-        spec, feeds, n_noise = _post_plan(ruled, rows, flat_raw, noise_dtype,
-                                          analysis.op_types)
-        rng = _noise_rng(seed) if stddev > 0 else None
-        if spec[3]:
-            dtype = (flat_raw[spec[3][0][0]].dtype if noise_dtype is None
-                     else noise_dtype)
-            feeds += [_const(clip, dtype), _const(clip / m, dtype)]
-            if n_noise:
-                noise = rng.standard_normal(n_noise, dtype=noise_dtype.as_numpy_dtype)
-                noise *= stddev
-                feeds.append(constant_op.constant(noise))
-            grads = _compiled.traced_call(("dp_gradient", spec),
-                                          lambda *t: _post_pass(spec, *t), feeds)
-            for (k, _), g in zip(spec[3], grads):
-                out[k] = g
+            spec = _dp_finish(tape_state, losses, flat_raw, analysis, {}, rows,
+                              clip, m, stddev, rng, out)
     finally:
         _end(tape, tape_state)
     noised = {k for k, _, _ in spec[2]} if stddev > 0 else ()

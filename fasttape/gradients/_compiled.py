@@ -530,12 +530,14 @@ def _spec(t):
 
 
 def _build(core, entries, feeds, target_ids, source_ids, sources_that_are_targets,
-           output_gradients, target_meta, all_watched):
-    """Trace the pass into a graph function; a reason (str) if it is not
-    compiled."""
+           output_gradients, target_meta, all_watched, post=None):
+    """Trace the pass (and ``post``, see gradient()) into a graph function;
+    a reason (str) if it is not compiled."""
     given = [] if output_gradients is None else [
         g for g in output_gradients if g is not None]
     specs = [_spec(t) for t in feeds] + [_spec(g) for g in given]
+    if post is not None:
+        specs += [_spec(t) for t in post[2]]
     kinds_box = []
 
     def backward(*args):
@@ -556,6 +558,8 @@ def _build(core, entries, feeds, target_ids, source_ids, sources_that_are_target
             _BuildVSpace(stand_ins), target_ids, source_ids,
             sources_that_are_targets, ogs, True, True, target_meta,
             all_watched)
+        if post is not None:
+            grads = post[1](grads, *args)
         flat, kinds = _flatten(grads)
         kinds_box.append(kinds)
         return flat
@@ -673,6 +677,13 @@ def _same(eager, compiled):
 _determinism = tf_config.is_op_determinism_enabled
 
 
+def _then(eager_pass, post):
+    """The eager pass followed by ``post`` (see gradient())."""
+    def run():
+        return post[1](eager_pass(), *post[2])
+    return run
+
+
 def _skipped(eager_pass):
     CACHE.stats["skipped"] += 1
     return eager_pass()
@@ -680,9 +691,16 @@ def _skipped(eager_pass):
 
 def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
              output_gradients, retain, target_meta, eager_pass,
-             all_watched=False):
+             all_watched=False, post=None):
     """The pass through the cache: the gradients, computed by a compiled
-    function when the key allows, else by ``eager_pass()``."""
+    function when the key allows, else by ``eager_pass()``.
+
+    ``post`` = (key, fn, feeds): what is returned is then ``fn(gradients,
+    *feeds)`` (fn runs eagerly and traced alike: dp_gradient's post-pass),
+    compiled into the same function as the pass; ``key`` (hashable) says
+    what fn computes besides its feeds' values."""
+    if post is not None:
+        eager_pass = _then(eager_pass, post)
     cache = CACHE
     if (cache.mode == "off" or _in_forked_child
             or vspace.profile_stats is not None
@@ -731,6 +749,14 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     # Determinism is read by some gradient functions while they build ops.
     key = (code, signature, tuple(target_meta), og_sig, all_watched,
            context.context().device_name, _determinism())
+    post_feeds = ()
+    if post is not None:
+        post_feeds = list(post[2])
+        try:
+            key += (post[0], tuple((f._shape_tuple(), f._datatype_enum())  # pylint: disable=protected-access
+                                   for f in post_feeds))
+        except AttributeError:      # a feed that is no eager tensor
+            return _skipped(eager_pass)
     try:
         compiled = cache.compiled.get(key)
     except TypeError:       # an attr value that cannot be a key
@@ -750,6 +776,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             cache.stats["eager_after_clear"] += 1
             return eager_pass()
         feeds += [g for g in output_gradients or () if g is not None]
+        feeds += post_feeds
         try:
             if cleared:
                 start = time.perf_counter()
@@ -769,6 +796,8 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
         if not (core.persistent or retain):
             core.release()
         cache.stats["replayed"] += 1
+        if post is not None:
+            cache.stats["post_replayed"] += 1
         cache.misses = 0
         return grads
     seen = cache.seen.get(key)
@@ -797,7 +826,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     try:
         compiled = _build(core, entries, feeds, target_ids, source_ids,
                           sources_that_are_targets, output_gradients,
-                          target_meta, all_watched)
+                          target_meta, all_watched, post)
         if isinstance(compiled, str):
             why, compiled = compiled, None
     except Exception as e:  # pylint: disable=broad-except
@@ -810,6 +839,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     slower = False
     if compiled is not None:
         feeds += [g for g in output_gradients or () if g is not None]
+        feeds += post_feeds
         try:
             start = time.perf_counter()
             replayed = compiled.first_call(feeds)
@@ -845,6 +875,8 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             cache.compiled.popitem(last=False)
     cache.stats["slower" if slower else "built" if compiled is not None
                 else "failed"] += 1
+    if post is not None and compiled is not None and not slower:
+        cache.stats["post_built"] += 1
     # verify (tests): hand back the compiled result, so that parity tests
     # compare it with TF's.
     return replayed if verify else grads
@@ -885,7 +917,7 @@ def traced_call(key, fn, feeds):
         except Exception:  # pylint: disable=broad-except
             cache.stats["traced_replay_failed"] += 1
             return fn(*feeds)
-        cache.stats["traced_replayed"] += 1
+        cache.stats["post_replayed"] += 1
         return out
     seen = cache.seen.get(key)
     if seen is None:
@@ -944,6 +976,6 @@ def traced_call(key, fn, feeds):
                                else compiled)
         while len(cache.compiled) > _MAX_ENTRIES:
             cache.compiled.popitem(last=False)
-    cache.stats["traced_slower" if slower else "traced_built"
+    cache.stats["traced_slower" if slower else "post_built"
                 if compiled is not None else "traced_failed"] += 1
     return replayed if verify else out
