@@ -604,3 +604,45 @@ def test_memory_budget_is_refused_loudly(method):
     args = (1.0,) if method == "dp_gradient" else ()
     with pytest.raises(NotImplementedError, match="memory_budget"):
         getattr(tape, method)(losses, variables, *args)
+
+
+@pytest.mark.parametrize("method", ["per_example_gradients", "per_example_norms",
+                                    "dp_gradient"])
+def test_summary_and_debug_log_name_the_rows_sources(method, caplog):
+    """The sources that took per-example rows (a tied weight: two uses, no
+    op rule) are named in tape.summary() and in a DEBUG log line, with the
+    op types using them; a source with a rule is not."""
+    import logging
+    xs, loss, variables = _fallback(tf.float32)
+    kernel, tied = variables
+    with fasttape.GradientTape() as tape:
+        losses = loss(*xs)
+    assert tape.summary().per_example_rows is None
+    args = (1.0,) if method == "dp_gradient" else ()
+    tf_logger = logging.getLogger("tensorflow")
+    level = tf_logger.level
+    tf_logger.setLevel(logging.DEBUG)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="tensorflow"):
+            getattr(tape, method)(losses, variables, *args)
+    finally:
+        tf_logger.setLevel(level)
+    summary = tape.summary()
+    assert summary.consumed
+    what, rows = summary.per_example_rows
+    assert what == method
+    assert [name for name, _ in rows] == [f"{tied.name} (2, 2)"]
+    assert "BatchMatMulV2" in rows[0][1]
+    text = str(summary)
+    assert (f"per-example rows (no op rule) for 1 source(s): {tied.name} (2, 2)"
+            in text)
+    assert "(3, 3, 2, 2)" not in text
+    logged = [r.getMessage() for r in caplog.records
+              if "per-example rows" in r.getMessage()]
+    assert len(logged) == 1 and f"{tied.name} (2, 2)" in logged[0], logged
+
+    with fasttape.GradientTape() as tape:
+        losses = loss(*xs)
+    getattr(tape, method)(losses, [kernel], *args)
+    assert tape.summary().per_example_rows == (method, ())
+    assert "an op rule for every source" in str(tape.summary())

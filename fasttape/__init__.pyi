@@ -72,6 +72,7 @@ class _TapeSummary:
     persistent: bool
     consumed: bool
     memory: dict[str, int] | None
+    per_example_rows: tuple[str, tuple[tuple[str, tuple[str, ...]], ...]] | None
     @property
     def num_ops(self) -> int: ...
     @property

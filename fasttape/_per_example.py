@@ -306,13 +306,29 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
     return result
 
 
-def _log_fallback(what, analysis):
-    if analysis.fallback:
+def _source_name(source):
+    """A variable's name and shape (unnamed Keras-less variables share
+    their names), or a tensor's shape."""
+    shape = tuple(source.shape.as_list())
+    name = getattr(source, "name", None)
+    if isinstance(name, str) and hasattr(source, "handle"):
+        return f"{name} {shape}"
+    return f"a tensor of shape {shape}"
+
+
+def _note_fallback(what, tape, flat_raw, analysis):
+    """Which sources went through per-example rows, and the op types that
+    use them (no rule, or a rule that declined): a DEBUG log line, and the
+    tape's summary() (its last per-example call)."""
+    rows = tuple((_source_name(flat_raw[k]), tuple(analysis.fallback[k]))
+                 for k in sorted(analysis.fallback))
+    tape._per_example_rows = (what, rows)  # pylint: disable=protected-access
+    if rows:
         logging.debug(
             "fasttape %s: per-example rows (one backward pass per example) for "
             "%d source(s) used by ops without a per-example rule: %s", what,
-            len(analysis.fallback),
-            ", ".join(sorted({t for ts in analysis.fallback.values() for t in ts})))
+            len(rows), "; ".join(f"{name} (used by {', '.join(types)})"
+                                 for name, types in rows))
 
 
 def _pass_to(tape_state, losses, out_ids, post=None):
@@ -344,7 +360,6 @@ def _ruled_pass(what, tape_state, losses, flat, analysis):
     attribute) moves to analysis.fallback."""
     batch = int(losses.shape[0])
     if not analysis.ruled:
-        _log_fallback(what, analysis)
         return {}
     out_ids = list(dict.fromkeys(analysis.out_ids[k] for k in analysis.ruled))
     grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
@@ -366,7 +381,6 @@ def _ruled_pass(what, tape_state, losses, flat, analysis):
         if k not in captured:
             del analysis.ruled[k]
             analysis.fallback[k] = [analysis.op_types[k]]
-    _log_fallback(what, analysis)
     return captured
 
 
@@ -392,6 +406,7 @@ def per_example_gradients(tape, losses, sources):
             out[k] = array_ops.reshape(
                 rule.per_example(payload, pos, g, src_shape=src_shape),
                 [batch] + flat_raw[k].shape.as_list())
+        _note_fallback("per_example_gradients", tape, flat_raw, analysis)
         for k, rows in _rows(tape, losses, flat_raw, list(analysis.fallback)).items():
             out[k] = rows
     finally:
@@ -403,6 +418,7 @@ def _sq_norms(what, tape, tape_state, losses, flat, flat_raw, analysis):
     """[B] squared norms summed over sources, and what dp_gradient needs to
     finish without another pass (ruled contexts, fallback rows)."""
     ruled = _ruled_pass(what, tape_state, losses, flat, analysis)
+    _note_fallback(what, tape, flat_raw, analysis)
     rows = _rows(tape, losses, flat_raw, list(analysis.fallback))
     total = None
     memo = {}
@@ -774,6 +790,7 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
             rows = _rows(tape, losses, flat_raw, list(analysis.fallback), basis)
             spec = _dp_finish(tape_state, losses, flat_raw, analysis, {}, rows,
                               clip, m, stddev, rng, out)
+        _note_fallback("dp_gradient", tape, flat_raw, analysis)
     finally:
         _end(tape, tape_state)
     noised = {k for k, _, _ in spec[2]} if stddev > 0 else ()

@@ -87,6 +87,9 @@ class GradientTape:
         self._memory_budget = (_budget.default_budget() if memory_budget is None
                                else _budget.parse_budget(memory_budget))
         self._budget_store = None
+        # (method, ((source name, op types), ...)) of the last
+        # per-example call: the sources it took per-example rows for
+        self._per_example_rows = None
 
     def __enter__(self):
         self._push_tape()
@@ -196,13 +199,19 @@ class GradientTape:
           A TapeSummary: the recorded ops by type, the tensors each type
           keeps alive for the backward pass and their bytes (``held_bytes``
           is what the tape adds to memory), and the watched tensors and
-          variables. ``print(tape.summary())`` shows it as a table.
+          variables; after per_example_gradients, per_example_norms or
+          dp_gradient, the sources that call took per-example rows for (no
+          op rule covers them) and the op types using them.
+          ``print(tape.summary())`` shows it as a table.
         """
         result = _inspect_tape.summary(self._tape)
         if result.memory is None and self._budget_store is not None:
             # (A used-up tape: what its budget did.)
             result = dataclasses.replace(result,
                                          memory=self._budget_store.summary())
+        if self._per_example_rows is not None:
+            result = dataclasses.replace(result,
+                                         per_example_rows=self._per_example_rows)
         return result
 
     def to_dot(self, targets=None, sources=None):

@@ -79,6 +79,11 @@ class TapeSummary:
     # A tape with a memory_budget: its budget, the bytes it holds, and the
     # tensors and bytes dropped and recomputed so far (None: no budget).
     memory: dict = None
+    # After per_example_gradients / per_example_norms / dp_gradient: the
+    # method, and the sources its last call took per-example rows for (one
+    # backward pass per example: no op rule covers them), each as (name,
+    # op types using it); None: no such call on this tape.
+    per_example_rows: tuple = None
 
     @property
     def num_ops(self):
@@ -119,13 +124,25 @@ class TapeSummary:
             "persistent": self.persistent,
             "consumed": self.consumed,
             "memory": self.memory,
+            "per_example_rows": self.per_example_rows,
         }
+
+    def _per_example_line(self):
+        method, rows = self.per_example_rows
+        if not rows:
+            return f"{method}: an op rule for every source (no per-example rows)"
+        return (f"{method}: per-example rows (no op rule) for {len(rows)} "
+                "source(s): " + "; ".join(
+                    f"{name} (used by {', '.join(types)})" for name, types in rows))
 
     def __str__(self):
         kind = "persistent" if self.persistent else "non-persistent"
         if self.consumed:
-            return (f"fasttape {kind} tape: used up by gradient(); it holds "
+            text = (f"fasttape {kind} tape: used up by gradient(); it holds "
                     "nothing.")
+            if self.per_example_rows is not None:
+                text += "\n" + self._per_example_line()
+            return text
         width = max([len("op type")] + [len(r.op_type) for r in self.op_types])
         lines = [f"fasttape {kind} tape: {self.num_ops} ops, "
                  f"{self.saved_tensors} saved tensors, "
@@ -159,6 +176,8 @@ class TapeSummary:
         if self.graph_ops:
             lines.append(f"{self.graph_ops} ops were recorded while tracing "
                          "(graph tensors, no bytes of their own)")
+        if self.per_example_rows is not None:
+            lines.append(self._per_example_line())
         return "\n".join(lines)
 
 
