@@ -504,8 +504,6 @@ def test_traced_post_pass_passes_leak_checks(mode):
     from compat.harness import _cyclic_garbage, compiled_mode
     from fasttape.gradients import _compiled
     step = _dp_step()
-    keep_faster = _compiled.CACHE.keep_faster
-    _compiled.CACHE.keep_faster = False     # kept even if not faster here
     with compiled_mode(mode):
         # TF's process-wide state of a first trace (as compat/test_leaks.py
         # warms up)
@@ -533,7 +531,6 @@ def test_traced_post_pass_passes_leak_checks(mode):
         fasttape.clear_caches()
         gc.collect()
         assert not context.context().list_function_names() & built
-    _compiled.CACHE.keep_faster = keep_faster
 
 
 # -- ops that move rows across the batch axis: rules stand down ---------------

@@ -698,7 +698,10 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     ``post`` = (key, fn, feeds): what is returned is then ``fn(gradients,
     *feeds)`` (fn runs eagerly and traced alike: dp_gradient's post-pass),
     compiled into the same function as the pass; ``key`` (hashable) says
-    what fn computes besides its feeds' values."""
+    what fn computes besides its feeds' values. Such a key is built at its
+    second use, and kept when it agrees, as traced_call() builds and keeps
+    (the cost model above weighs the backward ops alone), and it is never
+    left to key churn's sampling."""
     if post is not None:
         eager_pass = _then(eager_pass, post)
     cache = CACHE
@@ -708,7 +711,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             or sys.getprofile() is not None or vspace._is_recording()  # pylint: disable=protected-access
             or not context.executing_eagerly()):
         return _skipped(eager_pass)
-    if cache.mode == "auto" and cache.misses >= _CHURN_CALLS:
+    if cache.mode == "auto" and cache.misses >= _CHURN_CALLS and post is None:
         cache.sampled += 1
         if cache.sampled % _CHURN_SAMPLE:
             cache.stats["churn_skipped"] += 1
@@ -807,8 +810,10 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
         seen = cache.seen[key] = _Seen(cache.calls, cache.epoch)
         cache.stats["new_keys"] += 1
     seen.use(cache.calls)
-    if cache.mode == "auto" and (not cache.worth_building(seen, len(entries))
-                                 or _inside_object_check()):
+    if cache.mode == "auto" and (
+            (seen.uses < 2 if post is not None
+             else not cache.worth_building(seen, len(entries)))
+            or _inside_object_check()):
         cache.misses += 1
         cache.stats["eager"] += 1
         start = time.perf_counter()
@@ -849,7 +854,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             compiled.seen = seen
             if not _same(grads, replayed):
                 why, compiled = "it disagrees with the eager pass", None
-            elif not verify and cache.keep_faster:
+            elif not verify and cache.keep_faster and post is None:
                 # Small passes run faster op by op than through a function
                 # call: keep whichever is faster (the first call above paid
                 # for instantiation, so time warm calls: the faster of two
@@ -889,11 +894,13 @@ def traced_call(key, fn, feeds):
     passes: kept, counted and released with them (``fasttape.clear_caches()``).
 
     ``fn`` must compute the same in eager mode and traced (it is dp_gradient's
-    post-pass: norms, clip factors, weighted sums, noise). As a pass: never
-    built on a key's first use (``auto``), nor while TF's object-counting
-    leak check runs; on the call it is built, ``fn`` also runs eagerly, and
-    the function is kept only if it agrees and is not slower. Else, and in
-    mode ``off``, under a profiler, in a forked child, ``fn`` runs eagerly."""
+    post-pass: norms, clip factors, weighted sums, noise). Built at a key's
+    second use (``auto``; dozens of small ops, a training loop repeats
+    them), never while TF's object-counting leak check runs; on the call it
+    is built, ``fn`` also runs eagerly, and the function is kept only if it
+    agrees (not timed against it: one moment of a loaded machine would
+    leave the key eager for good). Else, and in mode ``off``, under a
+    profiler, in a forked child, ``fn`` runs eagerly."""
     cache = CACHE
     if (cache.mode == "off" or _in_forked_child or sys.getprofile() is not None
             or not context.executing_eagerly()):
@@ -929,7 +936,7 @@ def traced_call(key, fn, feeds):
         return fn(*feeds)
     cache.seen.pop(key, None)
     verify = cache.mode == "verify"
-    why, compiled, replayed, slower = None, None, None, False
+    why, compiled, replayed = None, None, None
     kinds_box = []
 
     def traced(*args):
@@ -950,21 +957,12 @@ def traced_call(key, fn, feeds):
         del concrete
     except Exception as e:  # pylint: disable=broad-except
         why = f"tracing failed: {e!r}"
-    start = time.perf_counter()
     out = fn(*feeds)
-    eager_seconds = time.perf_counter() - start
     if compiled is not None:
         try:
             replayed = compiled.first_call(feeds)
             if not _same(out, replayed):
                 why, compiled = "it disagrees with the eager run", None
-            elif not verify and cache.keep_faster:
-                best = float("inf")
-                for _ in range(2):
-                    start = time.perf_counter()
-                    compiled(feeds)
-                    best = min(best, time.perf_counter() - start)
-                slower = best >= eager_seconds
         except Exception as e:  # pylint: disable=broad-except
             why, compiled = f"it failed: {e!r}", None
     if why is not None:
@@ -972,10 +970,8 @@ def traced_call(key, fn, feeds):
         if verify:
             raise AssertionError(f"fasttape: {key[1][0]} not compiled: {why}")
     with cache.lock:
-        cache.compiled[key] = (_FAILED if compiled is None or slower
-                               else compiled)
+        cache.compiled[key] = _FAILED if compiled is None else compiled
         while len(cache.compiled) > _MAX_ENTRIES:
             cache.compiled.popitem(last=False)
-    cache.stats["traced_slower" if slower else "post_built"
-                if compiled is not None else "traced_failed"] += 1
+    cache.stats["post_built" if compiled is not None else "traced_failed"] += 1
     return replayed if verify else out
