@@ -476,8 +476,8 @@ def test_unconnected_source_is_none():
                                   np.zeros(B))
 
 
-def _dp_step(dtype=tf.float32, noise=1.0):
-    xs, loss, variables = _mlp(dtype)
+def _dp_step(dtype=tf.float32, noise=1.0, case="mlp"):
+    xs, loss, variables = ALL[case](dtype)
 
     def step():
         with fasttape.GradientTape() as tape:
@@ -495,15 +495,18 @@ def test_dp_step_leaks_nothing():
         assert_leaks_nothing(_dp_step())
 
 
+# mlp: the post-pass fused to the backward pass; fallback: traced after
+# it (a source takes per-example rows)
+@pytest.mark.parametrize("case", ["mlp", "fallback"])
 @pytest.mark.parametrize("mode", ["auto", "verify"])
-def test_traced_post_pass_passes_leak_checks(mode):
+def test_traced_post_pass_passes_leak_checks(mode, case):
     """dp_gradient's traced post-pass (one cached function per structure):
     TF's leak decorators see no new tensor and no uncollectable garbage
     (building included), a replayed step leaves no reference cycle, and
     clear_caches() releases the function."""
     from compat.harness import _cyclic_garbage, compiled_mode
     from fasttape.gradients import _compiled
-    step = _dp_step()
+    step = _dp_step(case=case)
     with compiled_mode(mode):
         # TF's process-wide state of a first trace (as compat/test_leaks.py
         # warms up)
@@ -643,3 +646,24 @@ def test_summary_and_debug_log_name_the_rows_sources(method, caplog):
     getattr(tape, method)(losses, [kernel], *args)
     assert tape.summary().per_example_rows == (method, ())
     assert "an op rule for every source" in str(tape.summary())
+
+
+@pytest.mark.parametrize("case", ["mlp", "fallback"])
+def test_compiled_post_pass_replays_after_a_reseed(case):
+    """tf.random.set_seed drops every traced function's kernels: a built
+    post-pass (fused or traced) is instantiated again and replayed, not
+    left eager from then on."""
+    from compat.harness import compiled_mode
+    from fasttape.gradients import _compiled
+    step = _dp_step(case=case)
+    fasttape.clear_caches()
+    with compiled_mode("auto"):
+        for _ in range(4):
+            step()
+        stats = _compiled.CACHE.stats
+        assert stats["post_built"] >= 1
+        tf.random.set_seed(3)
+        replayed = stats["post_replayed"]
+        for _ in range(3):
+            step()
+        assert stats["post_replayed"] == replayed + 3, stats

@@ -700,8 +700,9 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     compiled into the same function as the pass; ``key`` (hashable) says
     what fn computes besides its feeds' values. Such a key is built at its
     second use, and kept when it agrees, as traced_call() builds and keeps
-    (the cost model above weighs the backward ops alone), and it is never
-    left to key churn's sampling."""
+    (the cost model above weighs the backward ops alone), it is never
+    left to key churn's sampling, and after a kernel-cache clear it is
+    instantiated again (its saving is not measured)."""
     if post is not None:
         eager_pass = _then(eager_pass, post)
     cache = CACHE
@@ -771,7 +772,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
         cache.compiled.move_to_end(key)
         compiled.seen.use(cache.calls)
         cleared = compiled.epoch != cache.epoch
-        if (cleared and cache.mode == "auto"
+        if (cleared and cache.mode == "auto" and post is None
                 and not cache.worth_instantiating(compiled)):
             # Its kernels were dropped (a re-seed): instantiating them
             # again would cost more than the uses expected before the next
