@@ -83,11 +83,11 @@ def _embedding(read_first):
     return build
 
 
-def _conv(strides, padding, dilations):
+def _conv(strides, padding, dilations, cin=2):
     def build(dtype):
         rng = np.random.default_rng(6)
-        x = rng.normal(size=(B, 7, 6, 2))
-        kernel = _var(rng, (3, 2, 2, 3), dtype)
+        x = rng.normal(size=(B, 7, 6, cin))
+        kernel = _var(rng, (3, 2, cin, 3), dtype)
 
         def loss(x):
             z = tf.nn.conv2d(x, kernel, strides, padding, dilations=dilations)
@@ -122,6 +122,8 @@ CASES = {
     "conv_same": _conv(1, "SAME", 1),
     "conv_strided_valid": _conv(2, "VALID", 1),
     "conv_dilated": _conv(1, "SAME", 2),
+    # patches by extract_patches (the identity kernel would be large)
+    "conv_wide": _conv(2, "SAME", 1, cin=64),
 }
 
 
@@ -328,7 +330,8 @@ def test_rules_cover_dense_and_embedding_without_rows():
     nor do Conv2D kernels."""
     for case in ("mlp", "sequence_gram", "embedding_resource", "embedding_read",
                  "keras_dense", "keras_embedding", "keras_attention",
-                 "keras_conv", "conv_strided_valid", "conv_dilated"):
+                 "keras_conv", "conv_strided_valid", "conv_dilated",
+                 "conv_wide"):
         xs, loss, variables = ALL[case](tf.float32)
         with fasttape.GradientTape() as tape:
             losses = loss(*xs)

@@ -257,6 +257,11 @@ class _BatchMatMul:
         return math_ops.matmul(a, g, transpose_a=True)
 
 
+# The identity kernel that extracts a convolution's patches is used up to
+# this size (kh kw cin)^2 in bytes; beyond it, TF's extract_patches.
+_MAX_PATCH_KERNEL_BYTES = 1 << 18
+
+
 @norm_rule("Conv2D")
 class _Conv2D(_BatchMatMul):
     """z = conv2d(x, K), NHWC, SAME or VALID: example i's gradient of K is
@@ -284,13 +289,22 @@ class _Conv2D(_BatchMatMul):
         # kernel's (kh, kw, cin) order: several times faster than
         # extract_patches where cin is small
         cin = x.shape[-1]
-        eye = _cached(("patches", kh, kw, cin, x.dtype), lambda: array_ops.reshape(
-            linalg_ops_impl.eye(kh * kw * cin, dtype=x.dtype),
-            [kh, kw, cin, kh * kw * cin]))
-        patches = gen_nn_ops.conv2d(
-            x, eye, strides=list(attr(payload, "strides")), padding=padding,
-            dilations=list(attr(payload, "dilations") or [1, 1, 1, 1]),
-            data_format="NHWC")
+        strides = list(attr(payload, "strides"))
+        dilations = list(attr(payload, "dilations") or [1, 1, 1, 1])
+        if (kh * kw * cin) ** 2 * x.dtype.size > _MAX_PATCH_KERNEL_BYTES:
+            # TF's extract_patches (the same (kh, kw, cin) order): no
+            # identity kernel, which would be large here (and which TF's
+            # instantiation of the compiled post-pass would fold)
+            patches = array_ops.extract_image_patches_v2(
+                x, sizes=[1, kh, kw, 1], strides=strides, rates=dilations,
+                padding=padding)
+        else:
+            eye = _cached(("patches", kh, kw, cin, x.dtype), lambda: array_ops.reshape(
+                linalg_ops_impl.eye(kh * kw * cin, dtype=x.dtype),
+                [kh, kw, cin, kh * kw * cin]))
+            patches = gen_nn_ops.conv2d(
+                x, eye, strides=strides, padding=padding, dilations=dilations,
+                data_format="NHWC")
         b = array_ops.shape(x)[0]
         return (array_ops.reshape(patches, [b, -1, patches.shape[-1]]),
                 array_ops.reshape(g, [b, -1, g.shape[-1]]))
