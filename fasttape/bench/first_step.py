@@ -29,7 +29,7 @@ DEFAULT_WORKLOADS = ("mlp_small", "mlp_large", "cnn", "rnn",
                      "varlen_attention", "embedding")
 
 
-def _child(name, order, profile):
+def _child(name, order, profile, warm_forward=False):
     """One measurement, in this (fresh) process: prints a JSON line."""
     import time
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -45,7 +45,9 @@ def _child(name, order, profile):
     from fasttape.bench.workloads import BY_NAME
     from fasttape.bench.timing import _Impl
 
-    _, record = BY_NAME[name].make(tf)
+    forward, record = BY_NAME[name].make(tf)
+    if warm_forward:
+        forward()
     result = {"import_tf_ms": (t1 - t0) * 1e3, "import_ft_ms": (t2 - t1) * 1e3}
     profiler = None
     for i, key in enumerate(order):
@@ -76,10 +78,11 @@ def _child(name, order, profile):
 PYCACHE = os.path.join(tempfile.gettempdir(), "fasttape-first-step-pycache")
 
 
-def _run_child(name, order, profile=False):
+def _run_child(name, order, profile=False, warm_forward=False):
     cmd = [sys.executable, "-X", f"pycache_prefix={PYCACHE}",
            "-m", "fasttape.bench.first_step", "--child", name,
-           "--order", ",".join(order)] + (["--profile"] if profile else [])
+           "--order", ",".join(order)] + (["--profile"] if profile else []) + (
+               ["--warm-forward"] if warm_forward else [])
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if out.returncode:
@@ -88,13 +91,14 @@ def _run_child(name, order, profile=False):
     return json.loads(line), out.stderr
 
 
-def measure(names=DEFAULT_WORKLOADS, processes=6):
+def measure(names=DEFAULT_WORKLOADS, processes=6, warm_forward=False):
     """{workload: {"tf_first_ms": median, "ft_first_ms": median, ...}}:
     ``processes`` fresh processes per workload, orders alternated."""
     rows = {}
     for name in names:
         _run_child(name, ("tf", "ft"))   # not counted: fills PYCACHE
-        runs = [_run_child(name, ("tf", "ft") if i % 2 == 0 else ("ft", "tf"))[0]
+        runs = [_run_child(name, ("tf", "ft") if i % 2 == 0 else ("ft", "tf"),
+                           warm_forward=warm_forward)[0]
                 for i in range(processes)]
         row = {}
         for key in ("tf_first_ms", "ft_first_ms", "tf_second_ms", "ft_second_ms",
@@ -126,20 +130,23 @@ def main(argv=None):
     parser.add_argument("--profile-order", default="tf,ft",
                         help="which tape steps first in the profiled process "
                         "(tf,ft: fasttape's own one-time costs show alone)")
+    parser.add_argument("--warm-forward", action="store_true",
+                        help="run the forward pass once with no tape first: "
+                        "the first steps then create only the backward's kernels")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--order", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        _child(args.child, args.order.split(","), args.profile)
+        _child(args.child, args.order.split(","), args.profile, args.warm_forward)
         return
     if args.profile:
         for name in args.workloads:
             result, err = _run_child(name, args.profile_order.split(","),
-                                     profile=True)
+                                     profile=True, warm_forward=args.warm_forward)
             print(f"== {name}: {result}\n{err}")
         return
-    rows = measure(args.workloads, args.processes)
+    rows = measure(args.workloads, args.processes, args.warm_forward)
     print(json.dumps(rows, indent=1) if args.json else format_rows(rows))
 
 
