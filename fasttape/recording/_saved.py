@@ -199,5 +199,3 @@ if __name__ == "__main__":
     if sys.argv[1:] != ["--regenerate"]:
         sys.exit("usage: python -m fasttape.recording._saved --regenerate")
     print("TF %s: %d op types written" % regenerate())
-
-
