@@ -52,8 +52,9 @@ TF_RELEASES = _supported_releases()
 NEWEST = TF_RELEASES[-1]
 
 # The parity suite's representative part: the public API against TF's, the
-# op corpus (every op's gradient), forward mode, training loops, and the
-# version gate itself; compat/test_fuzz.py where the checkout has it.
+# op corpus (every op's gradient), forward mode, training loops, the
+# version gate itself, and the shipped table of which tensors each of the
+# release's gradients reads; compat/test_fuzz.py where the checkout has it.
 SUBSET = [
     "compat/test_api_parity.py",
     "compat/test_op_corpus.py",
@@ -61,6 +62,7 @@ SUBSET = [
     "compat/test_models_loops.py",
     "compat/test_fuzz.py",
     "tests/test_tf_compat.py",
+    "tests/test_saved_table.py",
 ]
 
 nox.options.sessions = [f"tf-{v}" for v in TF_RELEASES] + ["full"]
