@@ -537,3 +537,134 @@ def test_model_that_does_not_fit_trains_under_budget(tmp_path):
     rc, last, full, err = _limited(tmp_path, "none", 10 ** 12)
     assert rc == 0 and last == "OK", (rc, last, err)
     assert np.array_equal(np.load(out), np.load(full))
+
+
+# -- the rest of the tape's API under a budget ------------------------------------
+# Each body runs under tf.GradientTape (the values, within tolerance), under an
+# unbudgeted fasttape tape and under a tape with a budget of 0 bytes (bit for
+# bit), and the budgeted run must have dropped and recomputed tensors, or the
+# test would prove nothing.
+
+_X = np.random.RandomState(0).randn(3, 4)
+_W = np.random.RandomState(1).randn(4, 5)
+
+
+def _api_f(x, w):
+    return tf.tanh(tf.sin(tf.matmul(x, w)) * 2.0)
+
+
+def _api_jacobian(T):
+    x, w = tf.constant(_X), tf.Variable(_W)
+    with T(persistent=True) as tape:
+        tape.watch(x)
+        y = _api_f(x, w)
+    return [tape.jacobian(y, x), tape.jacobian(y, w),
+            tape.jacobian(y, x, experimental_use_pfor=False)]
+
+
+def _api_jacobian_non_persistent(T):
+    x, w = tf.constant(_X), tf.Variable(_W)
+    with T() as tape:
+        tape.watch(x)
+        y = _api_f(x, w)
+    return [tape.jacobian(y, [x, w])]
+
+
+def _api_batch_jacobian(T):
+    x, w = tf.constant(_X), tf.Variable(_W)
+    with T(persistent=True) as tape:
+        tape.watch(x)
+        y = _api_f(x, w)
+    return [tape.batch_jacobian(y, x),
+            tape.batch_jacobian(y, x, experimental_use_pfor=False)]
+
+
+def _api_hessian(T):
+    x, w = tf.constant(_X), tf.Variable(_W)
+    with T() as outer:
+        outer.watch(x)
+        with T() as inner:
+            inner.watch(x)
+            y = tf.reduce_sum(_api_f(x, w))
+        g = inner.gradient(y, x)
+    return [g, outer.jacobian(g, x)]
+
+
+def _api_forward_over_back(T):
+    x, w = tf.constant(_X), tf.Variable(_W)
+    acc_cls = (tf.autodiff.ForwardAccumulator if T is tf.GradientTape
+               else fasttape.ForwardAccumulator)
+    with acc_cls(x, tf.ones_like(x)) as acc:
+        with T() as tape:
+            tape.watch(x)
+            y = _api_f(x, w)
+        g = tape.gradient(y, x)
+    return [g, acc.jvp(g)]
+
+
+def _api_back_over_forward(T):
+    x, w = tf.constant(_X), tf.Variable(_W)
+    acc_cls = (tf.autodiff.ForwardAccumulator if T is tf.GradientTape
+               else fasttape.ForwardAccumulator)
+    with T() as tape:
+        tape.watch(x)
+        with acc_cls(x, tf.ones_like(x)) as acc:
+            y = _api_f(x, w)
+        jvp = acc.jvp(y)
+    return [jvp, tape.gradient(jvp, [x, w])]
+
+
+_API_BODIES = {f.__name__[5:]: f for f in (
+    _api_jacobian, _api_jacobian_non_persistent, _api_batch_jacobian,
+    _api_hessian, _api_forward_over_back, _api_back_over_forward)}
+
+
+@pytest.mark.parametrize("name", sorted(_API_BODIES))
+def test_api_under_tiny_budget(name):
+    body = _API_BODIES[name]
+    assert_same(body(tf.GradientTape), body(fasttape.GradientTape))
+    budgeted = _parity(body)
+    assert budgeted.total("dropped_tensors") > 0, "nothing was dropped"
+    assert budgeted.total("recomputed_tensors") > 0, "nothing was recomputed"
+
+
+def test_anomaly_mode_under_tiny_budget():
+    """detect_anomaly checks every gradient the pass computes, recomputed
+    inputs included: same gradients, and a NaN is still caught."""
+    def body(T):
+        with fasttape.detect_anomaly():
+            return _api_hessian(T)
+    budgeted = _parity(body)
+    assert budgeted.total("recomputed_tensors") > 0
+
+    def nan_body(T):
+        x = tf.constant([1.0, -1.0])
+        with fasttape.detect_anomaly():
+            with T() as tape:
+                tape.watch(x)
+                y = tf.sqrt(tf.sin(tf.exp(x)) - 2.0)
+            return tape.gradient(y, x)
+    expected = _run(nan_body, fasttape.GradientTape)
+    actual = _run(nan_body, Budgeted(TINY))
+    assert isinstance(expected, Raised) and isinstance(actual, Raised)
+    assert type(actual.exc) is type(expected.exc)
+
+
+def test_explain_under_tiny_budget():
+    """explain reads the trace, not saved values: the same diagnosis with a
+    budget, before and after the tensors it would name were dropped."""
+    def body(T):
+        x, w = tf.constant(_X), tf.Variable(_W)
+        with T(persistent=True) as tape:
+            tape.watch(x)
+            cut = tf.cast(tf.cast(_api_f(x, w), tf.int32), tf.float64)
+            z = tf.reduce_sum(_api_f(x, w))
+        before = str(tape.explain(cut, x))
+        grads = tape.gradient(z, [x, w])
+        return [before, str(tape.explain(cut, x)), grads]
+    out = body(fasttape.GradientTape)
+    budgeted = Budgeted(TINY)
+    out_b = body(budgeted)
+    assert out[0] == out_b[0] and out[1] == out_b[1]
+    assert_same(out[2], out_b[2], exact=True)
+    assert budgeted.total("dropped_tensors") > 0
