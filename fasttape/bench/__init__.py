@@ -226,7 +226,10 @@ def main(argv=None):
     print(format_table(rows))
     print("\nms per step, medians of alternating runs in one process, each "
           "± half its interquartile range.\nratio = fasttape / tf (< 1: "
-          "fasttape faster; its ± from the per-step ratios).\nrec = recording overhead "
+          "fasttape faster; its ± from the per-step ratios).\ntf.fn, xla = "
+          "TF's step traced by tf.function, without and with jit_compile=True "
+          "(n/a: shapes change\nevery step, or it did not trace or compile); "
+          "ft/fn = fasttape's eager step / the tf.function step.\nrec = recording overhead "
           "(forward under the tape minus the floor); held = bytes of forward "
           "tensors the\ntape keeps alive for the backward pass. ft backward: "
           "fasttape's backward passes replayed\nas compiled functions, or "
