@@ -2,14 +2,40 @@
 TF's step, fasttape's step), gradients checked equal, medians and spreads,
 bytes held for the backward pass, and a rough duration up front."""
 
+import contextlib
 import gc
+import os
 import statistics
+import sys
+import tempfile
 import time
 import weakref
 
 import numpy as np
 
 from fasttape.bench.workloads import VARIABLE_STEPS
+
+
+@contextlib.contextmanager
+def _native_stderr_to_file():
+    """File descriptor 2 (C++ and Python alike) goes to a temporary file for
+    the block; what was written is shown if the block raises, else dropped."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            captured.seek(0)
+            sys.stderr.write(captured.read().decode(errors="replace"))
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _flat(tf, grads):
@@ -128,7 +154,6 @@ def traced_steps(tf, workload, record, reference):
     steps = {"fn": None, "xla": None}
     if workload.variable:
         return steps
-    from fasttape.bench import _native_stderr_to_file
     impl = _Impl(tf.GradientTape, tf.autodiff.ForwardAccumulator)
     for name, jit_compile in (("fn", False), ("xla", True)):
         step = tf.function(lambda: _step(record, impl), jit_compile=jit_compile)
