@@ -140,3 +140,26 @@ def test_variables_in_a_list_argument_of_an_unknown_op_are_read_and_watched(cont
     gv, gw = tape.gradient(y, [v, w])
     np.testing.assert_allclose(gv.numpy(), [3.0, 3.0])
     np.testing.assert_allclose(gw.numpy(), [3.0])
+
+
+def test_the_wrapper_calls_tfs_fast_path_without_pybind_and_raises_what_tf_raises():
+    """On the supported releases the wrapper finds TF's C entry points (the
+    fast path and the stop test) and calls them directly; an op's error
+    comes out as TF's own, with and without a tape."""
+    from fasttape.recording import _callback
+    assert _callback.c_entry_points()
+    x = tf.constant([[1.0, 2.0]])
+    seen = []
+    for tape_class in (tf.GradientTape, fasttape.GradientTape):
+        with tape_class() as tape:
+            tape.watch(x)
+            with pytest.raises(tf.errors.InvalidArgumentError) as exc:
+                tf.matmul(x, x)
+            seen.append(exc.value.message)
+            with tape.stop_recording():
+                y = tf.sin(x)
+            z = tf.sin(x)
+        grads = tape.gradient([y, z], [x, x])
+        seen.append([g.numpy().tolist() for g in grads])
+    assert seen[0] == seen[2] and seen[1] == seen[3]
+    np.testing.assert_allclose(seen[1][0], np.cos(x.numpy()), rtol=1e-6)

@@ -76,6 +76,16 @@ def test_bench_prints_its_table_writes_json_and_plot_and_no_tf_noise(tmp_path):
                         r"\(a rough estimate\)", out.stdout.splitlines()[0])
     rows = json.loads(result.read_text())
     assert [r["workload"] for r in rows] == ["chain", "jvp", "jacobian"]
+    # TF's step traced by tf.function, beside the eager tapes.
+    head = next(line for line in out.stdout.splitlines()
+                if line.startswith("workload ") and "ratio" in line)
+    assert head.split()[1:8] == ["floor", "tf", "tf.fn", "xla", "fasttape",
+                                 "ratio", "ft/fn"], head
+    chain = rows[0]
+    assert chain["tf_function_ms"] > 0
+    assert chain["ratio_to_tf_function"] == pytest.approx(
+        chain["fasttape_ms"] / chain["tf_function_ms"])
+    assert all("xla_ms" in r for r in rows)
     assert all(r["grads_equal"] for r in rows)
     assert all(r["fasttape_ms"] > 0 and r["tf_ms"] > 0 for r in rows)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -154,6 +164,38 @@ def test_every_printed_median_shows_its_spread():
         assert cell in line, (cell, line)
     assert bench.iqr_ms([0.001, 0.002, 0.003, 0.004, 0.005]) == (2.0, 4.0)
     assert bench.iqr_ms([0.003]) == (3.0, 3.0)
+
+
+def test_a_column_that_does_not_apply_reads_n_a():
+    row = dict(_row("varlen", 2.0, 10.0, 5.0, 1.0, 0.5), held_bytes_tf=0,
+               held_bytes_fasttape=0, backward="eager", grads_equal=True,
+               tf_function_ms=None, xla_ms=None, ratio_to_tf_function=None)
+    line = bench.format_table([row]).splitlines()[2]
+    assert line.split()[3:5] == ["n/a", "n/a"] and line.split()[7] == "n/a", line
+
+
+def test_recording_dying_drops_its_tape_with_no_gradient():
+    """The recording arm of recording_dying frees the tape and all it
+    recorded: nothing is left for a backward pass."""
+    import weakref
+
+    import tensorflow as tf
+
+    import fasttape
+    workload = bench.BY_NAME["recording_dying"]
+    assert workload.ops_per_step == bench.RECORDING_OPS
+    _, record = workload.make(tf)
+    made = []
+
+    class Tape(fasttape.GradientTape):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    impl = bench.timing._Impl(Tape, fasttape.ForwardAccumulator)
+    finish = record(impl)
+    assert len(made) == 1 and made[0]() is None
+    assert finish() is None
 
 
 def test_a_workload_says_what_it_measures():

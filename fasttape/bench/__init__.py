@@ -14,18 +14,17 @@ The package: ``workloads`` (what is run, and what each workload measures),
 ``plot`` (the picture); this module is the command line.
 """
 import argparse
-import contextlib
 import cProfile
 import json
 import logging
 import os
 import sys
-import tempfile
 
 from fasttape.bench.plot import PLOT_PARTS, _check_plotting, plot, step_parts  # noqa: F401
 from fasttape.bench.report import format_cache_table, format_per_op, format_table  # noqa: F401
 from fasttape.bench.timing import (  # noqa: F401
-    _counts, check_equal, estimate_seconds, held_bytes, iqr_ms, run_workload)
+    _counts, _native_stderr_to_file, check_equal, estimate_seconds, held_bytes,
+    iqr_ms, run_workload)
 from fasttape.bench.workloads import (  # noqa: F401
     BY_NAME, RECORDING_OPS, VARIABLE_STEPS, WORKLOADS, Workload)
 from fasttape.bench.privacy import DP_BY_NAME, format_dp_table, run_dp_workload
@@ -36,28 +35,6 @@ def _startup_output_hidden():
     """Whether TF's start-up output is hidden: unless the user chose a
     ``TF_CPP_MIN_LOG_LEVEL`` (``0`` shows everything)."""
     return "TF_CPP_MIN_LOG_LEVEL" not in os.environ
-
-
-@contextlib.contextmanager
-def _native_stderr_to_file():
-    """File descriptor 2 (C++ and Python alike) goes to a temporary file for
-    the block; what was written is shown if the block raises, else dropped."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 2)
-        try:
-            yield
-        except BaseException:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            captured.seek(0)
-            sys.stderr.write(captured.read().decode(errors="replace"))
-            raise
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
 
 
 def _import_tf():
@@ -226,7 +203,10 @@ def main(argv=None):
     print(format_table(rows))
     print("\nms per step, medians of alternating runs in one process, each "
           "± half its interquartile range.\nratio = fasttape / tf (< 1: "
-          "fasttape faster; its ± from the per-step ratios).\nrec = recording overhead "
+          "fasttape faster; its ± from the per-step ratios).\ntf.fn, xla = "
+          "TF's step traced by tf.function, without and with jit_compile=True "
+          "(n/a: shapes change\nevery step, or it did not trace or compile); "
+          "ft/fn = fasttape's eager step / the tf.function step.\nrec = recording overhead "
           "(forward under the tape minus the floor); held = bytes of forward "
           "tensors the\ntape keeps alive for the backward pass. ft backward: "
           "fasttape's backward passes replayed\nas compiled functions, or "

@@ -12,11 +12,12 @@ def with_spread(value, spread, digits=2):
 def format_table(rows):
     """Medians, each with ± half its interquartile range (the timed steps)."""
     cols = (("floor", "floor_ms", "floor"), ("tf", "tf_ms", "tf"),
+            ("tf.fn", "tf_function_ms", "fn"), ("xla", "xla_ms", "xla"),
             ("fasttape", "fasttape_ms", "ft"), ("ratio", "ratio", "ratio"),
+            ("ft/fn", "ratio_to_tf_function", "ratio_to_fn"),
             ("rec tf", "record_overhead_tf_ms", "rec_tf"),
             ("rec ft", "record_overhead_fasttape_ms", "rec_ft"))
-    cells = [[with_spread(r[key], r.get("spread_ms", {}).get(arm)) for _, key, arm in cols]
-             for r in rows]
+    cells = [[_cell(r, key, arm) for _, key, arm in cols] for r in rows]
     widths = [max([len(title)] + [len(c[i]) for c in cells])
               for i, (title, _, _) in enumerate(cols)]
     head = (f"{'workload':<16} "
@@ -29,6 +30,14 @@ def format_table(rows):
             + f" {_kib(r['held_bytes_tf']):>8} {_kib(r['held_bytes_fasttape']):>8}  "
             f"{r['backward']:<11}  {'equal' if r['grads_equal'] else 'DIFFER'}")
     return "\n".join(lines)
+
+
+def _cell(row, key, arm):
+    """A median with its spread; n/a for a column that does not apply
+    (the traced steps of a workload that has none)."""
+    if row.get(key) is None:
+        return "n/a"
+    return with_spread(row[key], row.get("spread_ms", {}).get(arm))
 
 
 def format_per_op(rows):

@@ -2,14 +2,40 @@
 TF's step, fasttape's step), gradients checked equal, medians and spreads,
 bytes held for the backward pass, and a rough duration up front."""
 
+import contextlib
 import gc
+import os
 import statistics
+import sys
+import tempfile
 import time
 import weakref
 
 import numpy as np
 
 from fasttape.bench.workloads import VARIABLE_STEPS
+
+
+@contextlib.contextmanager
+def _native_stderr_to_file():
+    """File descriptor 2 (C++ and Python alike) goes to a temporary file for
+    the block; what was written is shown if the block raises, else dropped."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            captured.seek(0)
+            sys.stderr.write(captured.read().decode(errors="replace"))
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _flat(tf, grads):
@@ -119,6 +145,30 @@ class _Builds:
         return seconds, result
 
 
+def traced_steps(tf, workload, record, reference):
+    """TF's step traced by ``tf.function``, and with ``jit_compile=True``
+    (XLA): {"fn": step, "xla": step}, each traced and run once here, and
+    None where it does not apply (shapes that change every step: a traced
+    step would see only the first shape), fails to trace or compile, or
+    gives other gradients than ``reference`` (TF's eager step's)."""
+    steps = {"fn": None, "xla": None}
+    if workload.variable:
+        return steps
+    impl = _Impl(tf.GradientTape, tf.autodiff.ForwardAccumulator)
+    for name, jit_compile in (("fn", False), ("xla", True)):
+        step = tf.function(lambda: _step(record, impl), jit_compile=jit_compile)
+        try:
+            # (What XLA logs when it cannot compile a step is shown only
+            # if something else goes wrong.)
+            with _native_stderr_to_file():
+                result = step()
+        except Exception:   # noqa: BLE001 -- any failure: the column says n/a
+            continue
+        if check_equal(tf, reference, result):
+            steps[name] = step
+    return steps
+
+
 def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
                  tick=lambda: None):
     """One workload's row. ``tick()`` is called once after the checks and
@@ -141,6 +191,7 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
     ft_first, ft_result = builds.step(record, ft_impl)
     tf_first, tf_result = _time(_step, record, tf_impl)
     equal = check_equal(tf, tf_result, ft_result)
+    traced = traced_steps(tf, workload, record, tf_result)
     off_first = None
     if workload.variable:
         off_first = _time(_step_compiled_off, record, off_impl)[0]
@@ -150,6 +201,9 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
         forward()
         _step(record, tf_impl)
         builds.step(record, ft_impl)
+        for step in traced.values():
+            if step is not None:
+                step()
         tick()
     # Checked again in the steady state: after warm-up, fasttape replays
     # compiled backward passes.
@@ -161,7 +215,8 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
     mem_tf = held_bytes(tf, record, rec_tf_impl)
     mem_ft = held_bytes(tf, record, rec_ft_impl)
     tick()
-    times = {k: [] for k in ("floor", "rec_tf", "rec_ft", "tf", "ft", "off")}
+    times = {k: [] for k in ("floor", "rec_tf", "rec_ft", "tf", "fn", "xla",
+                             "ft", "off")}
     replayed_before = stats["replayed"]
     timed_before = dict(stats)
     for _ in range(repeats):
@@ -169,6 +224,9 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
         times["rec_tf"].append(_time(record, rec_tf_impl)[0])
         times["rec_ft"].append(_time(record, rec_ft_impl)[0])
         times["tf"].append(_time(_step, record, tf_impl)[0])
+        for name, step in traced.items():
+            if step is not None:
+                times[name].append(_time(step)[0])
         if profiler is not None:
             profiler.enable()
         times["ft"].append(builds.step(record, ft_impl)[0])
@@ -184,6 +242,10 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
     spread = {k: iqr_ms(v) for k, v in times.items() if v}
     # The ratio's spread: that of the paired per-step ratios ft / tf.
     spread["ratio"] = iqr_ms([f / t / 1e3 for f, t in zip(times["ft"], times["tf"])])
+    for name in ("fn", "xla"):
+        if times[name]:
+            spread["ratio_to_" + name] = iqr_ms(
+                [f / t / 1e3 for f, t in zip(times["ft"], times[name])])
     if times["off"]:
         spread["ratio_to_off"] = iqr_ms([f / o / 1e3 for f, o
                                          in zip(times["ft"], times["off"])])
@@ -197,6 +259,13 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
         "tf_ms": med["tf"],
         "fasttape_ms": med["ft"],
         "ratio": med["ft"] / med["tf"],
+        # TF's step traced by tf.function, and compiled by XLA
+        # (jit_compile=True), timed in the same alternation; None where
+        # not applicable (see traced_steps).
+        "tf_function_ms": med.get("fn"),
+        "xla_ms": med.get("xla"),
+        "ratio_to_tf_function": med["ft"] / med["fn"] if "fn" in med else None,
+        "ratio_to_xla": med["ft"] / med["xla"] if "xla" in med else None,
         "record_overhead_tf_ms": med["rec_tf"] - med["floor"],
         "record_overhead_fasttape_ms": med["rec_ft"] - med["floor"],
         # Interquartile range (q1, q3) of each arm's timed steps, in ms
@@ -248,8 +317,9 @@ def iqr_ms(seconds):
 
 
 # Rough cost of one timed step, in forward passes: floor 1, each recording
-# arm about 1.5, each full step (forward + backward) about 3.
-_FORWARDS_PER_STEP = 1 + 2 * 1.5 + 2 * 3
+# arm about 1.5, each eager step (forward + backward) about 3, each traced
+# one about 1.
+_FORWARDS_PER_STEP = 1 + 2 * 1.5 + 2 * 3 + 2 * 1
 _FORWARDS_PER_OFF_STEP = 3
 
 

@@ -53,11 +53,7 @@ def _chain(tf):
 RECORDING_OPS = 400
 
 
-def _recording(tf):
-    """The recording microbenchmark: a chain of tf.sin on 2x2, where the
-    kernels cost least and what a tape adds per op shows most. Its rec tf /
-    rec ft columns, divided by RECORDING_OPS, are each tape's recording
-    cost per op above the no-tape floor."""
+def _sin_chain(tf):
     x = tf.constant([[0.1, 0.2], [0.3, 0.4]])
 
     def forward():
@@ -66,7 +62,35 @@ def _recording(tf):
             y = tf.sin(y)
         return y
 
+    return x, forward
+
+
+def _recording(tf):
+    """The recording microbenchmark: a chain of tf.sin on 2x2, where the
+    kernels cost least and what a tape adds per op shows most. Its rec tf /
+    rec ft columns, divided by RECORDING_OPS, are each tape's recording
+    cost per op above the no-tape floor."""
+    x, forward = _sin_chain(tf)
     return _grad_case(forward, x, watch=[x])
+
+
+def _recording_dying(tf):
+    """The same chain recorded and dropped with no gradient: the tape and
+    what it recorded are freed inside the recording arm, so its rec columns
+    count forgetting the ops as well as recording them."""
+    x, forward = _sin_chain(tf)
+
+    def record(impl):
+        with impl.GradientTape() as tape:
+            tape.watch(x)
+            forward()
+        return _nothing
+
+    return forward, record
+
+
+def _nothing():
+    return None
 
 
 def _dense_stack(tf, sizes, batch, seed):
@@ -363,6 +387,9 @@ WORKLOADS = [
     Workload("recording", _recording,
              f"recording cost: {RECORDING_OPS} chained tf.sin, 2x2 "
              f"(rec / {RECORDING_OPS} = per op)", ops_per_step=RECORDING_OPS),
+    Workload("recording_dying", _recording_dying,
+             f"recording cost: the same {RECORDING_OPS} tf.sin recorded, then "
+             f"the tape dropped with no gradient", ops_per_step=RECORDING_OPS),
     Workload("varlen_rnn", _varlen_rnn, "rnn cell over 8-48 steps, 20 lengths "
              "(Zipf-like), a new length each step", variable=True),
     Workload("varlen_attention", _varlen_attention, "self-attention, 4 heads, "

@@ -41,7 +41,7 @@ cdef extern from "Python.h":
     int PyObject_GC_IsTracked(object)
 from fasttape.recording._saved import saved_indices
 
-cdef object _is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
+cdef object _py_is_stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped
 cdef object _uid = pywrap_tfe.TFE_Py_UID
 cdef object _EagerTensor = ops.EagerTensor
 cdef object _BaseVariable = resource_variable_ops.BaseResourceVariable
@@ -486,7 +486,83 @@ cdef inline bint _is_variable(a):
 
 
 cdef object _ResourceVariable = resource_variable_ops.ResourceVariable
-cdef object _RAW_FAST_PATH = pywrap_tfe.TFE_Py_FastPathExecute
+cdef object _PY_FAST_PATH = pywrap_tfe.TFE_Py_FastPathExecute
+
+
+# -- TF's C entry points, called without pybind11 ------------------------------
+#
+# pywrap_tfe.TFE_Py_FastPathExecute and TFE_Py_TapeSetIsStopped are pybind11
+# wrappers of C++ functions that take and return Python objects
+# (TFE_Py_FastPathExecute_C(args): a new reference, or NULL with the Python
+# error set; TFE_Py_TapeSetIsStopped(): a new reference to a bool). pybind11's
+# dispatch costs more than a recorded op's whole bookkeeping, and the
+# fast-path wrapper pays it on every op it runs, so the two are looked up in
+# TF's library (C++ names: the signature is part of the symbol, so another
+# signature is simply not found) and called directly; when they are not
+# found, the pybind11 wrappers are used.
+
+cdef extern from *:
+    """
+    #ifdef _WIN32
+    static void* fasttape_symbol(const char* path, const char* name) { return NULL; }
+    #else
+    #include <dlfcn.h>
+    static void* fasttape_symbol(const char* path, const char* name) {
+        /* Only a library this process has loaded already (RTLD_NOLOAD). */
+        void* lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+        void* f;
+        if (lib == NULL) return NULL;
+        f = dlsym(lib, name);
+        dlclose(lib);   /* drops the reference RTLD_NOLOAD took; TF keeps its own */
+        return f;
+    }
+    #endif
+    """
+    void* fasttape_symbol(const char* path, const char* name)
+
+ctypedef object (*_args_fn)(object)
+ctypedef object (*_noargs_fn)()
+cdef _args_fn _c_fast_path = NULL
+cdef _noargs_fn _c_is_stopped = NULL
+
+
+cdef _find_c_entry_points():
+    global _c_fast_path, _c_is_stopped
+    import os
+    from tensorflow import python as tf_python
+    directory = os.path.dirname(tf_python.__file__)
+    for lib in ("lib_pywrap_tensorflow_common.so", "_pywrap_tensorflow_internal.so"):
+        path = os.path.join(directory, lib)
+        if not os.path.exists(path):
+            continue
+        encoded = path.encode()
+        fast_path = fasttape_symbol(encoded, b"_Z24TFE_Py_FastPathExecute_CP7_object")
+        is_stopped = fasttape_symbol(encoded, b"_Z23TFE_Py_TapeSetIsStoppedv")
+        if fast_path != NULL and is_stopped != NULL:
+            _c_fast_path = <_args_fn>fast_path
+            _c_is_stopped = <_noargs_fn>is_stopped
+            return
+
+
+_find_c_entry_points()
+
+
+def c_entry_points():
+    """Whether TF's fast path and stop test are called without pybind11."""
+    return _c_fast_path != NULL
+
+
+cdef inline object _is_stopped():
+    if _c_is_stopped != NULL:
+        return _c_is_stopped()
+    return _py_is_stopped()
+
+
+cdef object _RAW_FAST_PATH(args):
+    """pywrap_tfe.TFE_Py_FastPathExecute(*args)."""
+    if _c_fast_path != NULL:
+        return _c_fast_path(args if type(args) is tuple else tuple(args))
+    return _PY_FAST_PATH(*args)
 cdef object _tape_variable_accessed = pywrap_tfe.TFE_Py_TapeVariableAccessed
 cdef object _watcher_variable_accessed = pywrap_tfe.TFE_Py_VariableWatcherVariableAccessed
 cdef object _default_get_variables = tf_tape.default_get_variables
@@ -515,8 +591,8 @@ cdef object _read(v):
                     (<TapeState>tp).watch_variable(var)
     handle = v.handle
     dtype = v._dtype
-    value = _RAW_FAST_PATH(context._context, "ReadVariableOp", None, handle,
-                           "dtype", dtype)
+    value = _RAW_FAST_PATH((context._context, "ReadVariableOp", None, handle,
+                            "dtype", dtype))
     op_callback("ReadVariableOp", (handle,), ("dtype", dtype), [value])
     return value
 
@@ -626,19 +702,19 @@ def fast_path_execute(*args):
     the op is recorded from its arguments once it has run."""
     cdef ThreadState st = _current()
     if not st.tapes and not st.accumulators:
-        return _RAW_FAST_PATH(*args)
+        return _RAW_FAST_PATH(args)
     if _is_stopped():
         if st.tapes and args[1] == "StopGradient" \
                 and len(args) > _INPUT_START:
             result = (_capture(st, args)
                       if _lineage_hook is not None and not st.in_callback
-                      else _RAW_FAST_PATH(*args))
+                      else _RAW_FAST_PATH(args))
             _note_stop_gradient(st, args[_INPUT_START], result)
             return result
         if _lineage_hook is not None and st.tapes and not st.in_callback:
             # explain_none: op_callback notes it as run while stopped.
             return _capture(st, args)
-        return _RAW_FAST_PATH(*args)
+        return _RAW_FAST_PATH(args)
     op_name = args[1]
     layout = _layout(op_name)
     if layout is False:
@@ -646,7 +722,7 @@ def fast_path_execute(*args):
     cdef _Layout lay = <_Layout>layout
     cdef Py_ssize_t n_in = lay.n_in, i
     if len(args) < _INPUT_START + n_in:
-        return _RAW_FAST_PATH(*args)    # TF raises its own error
+        return _RAW_FAST_PATH(args)    # TF raises its own error
     cdef list inputs = []
     cdef vector[int64_t] ids
     cdef bint converted = False         # some input TF's C++ will convert
@@ -684,7 +760,7 @@ def fast_path_execute(*args):
     if new_args is not None:
         args = tuple(new_args)
     if st.in_callback:
-        return _RAW_FAST_PATH(*args)
+        return _RAW_FAST_PATH(args)
     if not _may_record(st, ids):
         # (An input TF converts is a new tensor no tape watches.)
         if _lineage_hook is not None and st.tapes:
@@ -692,10 +768,10 @@ def fast_path_execute(*args):
             # while a tape records, recorded or not (op_callback does,
             # given the inputs TF converted).
             return _capture(st, args)
-        return _RAW_FAST_PATH(*args)
+        return _RAW_FAST_PATH(args)
     if converted:
         return _capture(st, args)
-    result = _RAW_FAST_PATH(*args)
+    result = _RAW_FAST_PATH(args)
     cdef list outputs
     cdef tuple out_lists = lay.out_lists
     if len(out_lists) == 1:
@@ -922,7 +998,7 @@ cdef object _capture(ThreadState st, args):
     st.capturing = True
     callbacks.append(_capture_callback)
     try:
-        return _RAW_FAST_PATH(*args)
+        return _RAW_FAST_PATH(args)
     finally:
         st.capturing = False
         for i in range(len(callbacks) - 1, -1, -1):
