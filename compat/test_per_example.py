@@ -111,6 +111,36 @@ def _fallback(dtype):
     return [tf.constant(x, dtype)], loss, [kernel, tied]
 
 
+def _einsum(equation, x_shape, w_shape):
+    """tf.einsum with a variable operand (tf_keras' EinsumDense): the
+    Einsum rule (equations with the batch on x's leading index)."""
+    def build(dtype):
+        rng = np.random.default_rng(7)
+        x = rng.normal(size=(B,) + x_shape)
+        w = _var(rng, w_shape, dtype)
+        w_first = not equation.startswith("a")
+
+        def loss(x):
+            z = tf.einsum(equation, *((w, x) if w_first else (x, w)))
+            return tf.reduce_sum(tf.sin(z), axis=list(range(1, len(z.shape))))
+        return [tf.constant(x, dtype)], loss, [w]
+    return build
+
+
+def _depthwise(strides, padding, multiplier):
+    def build(dtype):
+        rng = np.random.default_rng(8)
+        x = rng.normal(size=(B, 7, 6, 3))
+        kernel = _var(rng, (3, 2, 3, multiplier), dtype)
+
+        def loss(x):
+            z = tf.nn.depthwise_conv2d(x, kernel, [1, strides, strides, 1],
+                                       padding)
+            return tf.reduce_sum(tf.sin(z), axis=[1, 2, 3])
+        return [tf.constant(x, dtype)], loss, [kernel]
+    return build
+
+
 CASES = {
     "mlp": _mlp,
     "transposed": _transposed,
@@ -124,6 +154,16 @@ CASES = {
     "conv_dilated": _conv(1, "SAME", 2),
     # patches by extract_patches (the identity kernel would be large)
     "conv_wide": _conv(2, "SAME", 1, cin=64),
+    # EinsumDense's and MultiHeadAttention's equations; the variable first;
+    # a transposed kernel; the output's letters reordered
+    "einsum_dense": _einsum("abc,cd->abd", (5, 4), (4, 3)),
+    "einsum_heads": _einsum("abc,cde->abde", (5, 4), (4, 2, 3)),
+    "einsum_heads_out": _einsum("abcd,cde->abe", (5, 2, 3), (2, 3, 4)),
+    "einsum_weight_first": _einsum("cde,abc->abde", (5, 4), (4, 2, 3)),
+    "einsum_reordered": _einsum("abc,dc->adb", (5, 4), (3, 4)),
+    "einsum_flat": _einsum("ab,bc->ac", (4,), (4, 3)),
+    "depthwise_same": _depthwise(1, "SAME", 1),
+    "depthwise_valid_strided": _depthwise(2, "VALID", 2),
 }
 
 
@@ -153,6 +193,28 @@ def _keras_case(kind):
                       keras.layers.LayerNormalization(dtype=name),
                       keras.layers.Flatten(dtype=name),
                       keras.layers.Dense(2, dtype=name)]
+        elif kind == "conv1d":
+            x = rng.normal(size=(B, 6, 3))
+            layers = [keras.layers.Conv1D(4, 3, activation="tanh", dtype=name),
+                      keras.layers.Flatten(dtype=name),
+                      keras.layers.Dense(2, dtype=name)]
+        elif kind == "depthwise":
+            x = rng.normal(size=(B, 6, 6, 2))
+            layers = [keras.layers.DepthwiseConv2D(3, depth_multiplier=2,
+                                                   padding="same",
+                                                   activation="tanh", dtype=name),
+                      keras.layers.SeparableConv2D(3, 3, dtype=name),
+                      keras.layers.Flatten(dtype=name),
+                      keras.layers.Dense(2, dtype=name)]
+        elif kind == "einsumdense":
+            x = rng.normal(size=(B, 3, 4))
+            layers = [keras.layers.EinsumDense("abc,cde->abde", (3, 2, 3),
+                                               bias_axes="de", activation="tanh",
+                                               dtype=name),
+                      keras.layers.EinsumDense("abcd,cde->abe", (3, 2),
+                                               bias_axes="e", dtype=name),
+                      keras.layers.Flatten(dtype=name),
+                      keras.layers.Dense(2, dtype=name)]
         else:   # attention
             x = rng.normal(size=(B, 3, 4))
             mha = keras.layers.MultiHeadAttention(2, 2, dtype=name)
@@ -176,8 +238,31 @@ def _keras_case(kind):
 
 
 KERAS = {f"keras_{k}": _keras_case(k)
-         for k in ("dense", "conv", "embedding", "layernorm", "attention")}
-ALL = {**CASES, **KERAS}
+         for k in ("dense", "conv", "embedding", "layernorm", "attention",
+                   "conv1d", "depthwise", "einsumdense")}
+
+
+def _tf_keras_attention(dtype):
+    """tf_keras' MultiHeadAttention: Einsum ops on the kernels
+    ("abc,cde->abde", "abcd,cde->abe")."""
+    import tf_keras  # pylint: disable=import-outside-toplevel
+    tf_keras.utils.set_random_seed(0)
+    name = tf.as_dtype(dtype).name
+    x = np.random.default_rng(9).normal(size=(B, 3, 4))
+    inp = tf_keras.Input((3, 4), dtype=name)
+    mha = tf_keras.layers.MultiHeadAttention(2, 3, dtype=name)
+    # (not tf_keras' LayerNormalization: it folds the batch into a fused
+    # batch norm's second axis, so every source takes rows)
+    h = tf.tanh(inp + mha(inp, inp))
+    out = tf_keras.layers.Dense(2, dtype=name)(tf_keras.layers.Flatten(dtype=name)(h))
+    model = tf_keras.Model(inp, out)
+
+    def loss(x):
+        return tf.reduce_sum(tf.square(model(x)), axis=-1)
+    return [tf.constant(x, dtype)], loss, model.trainable_variables
+
+
+ALL = {**CASES, **KERAS, "tf_keras_attention": _tf_keras_attention}
 
 
 # TF's CPU kernels have no float64 Conv2D backprop with dilations (TF's own
@@ -236,7 +321,9 @@ def test_per_example_norms(case, dtype):
 @pytest.mark.parametrize("microbatches", [None, 3, 1])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("case", ["mlp", "embedding_resource", "fallback",
-                                  "keras_dense", "keras_conv"])
+                                  "keras_dense", "keras_conv", "einsum_heads",
+                                  "depthwise_valid_strided", "keras_depthwise",
+                                  "tf_keras_attention"])
 def test_dp_gradient_without_noise(case, dtype, microbatches):
     xs, loss, variables = ALL[case](dtype)
     ref = _reference(loss, xs, variables)
@@ -331,7 +418,8 @@ def test_rules_cover_dense_and_embedding_without_rows():
     for case in ("mlp", "sequence_gram", "embedding_resource", "embedding_read",
                  "keras_dense", "keras_embedding", "keras_attention",
                  "keras_conv", "conv_strided_valid", "conv_dilated",
-                 "conv_wide"):
+                 "conv_wide", "keras_conv1d",
+                 "keras_einsumdense"):
         xs, loss, variables = ALL[case](tf.float32)
         with fasttape.GradientTape() as tape:
             losses = loss(*xs)
@@ -340,6 +428,43 @@ def test_rules_cover_dense_and_embedding_without_rows():
                                          variables, B)
         _per_example._ruled_pass("test", tape._tape, losses, flat, analysis)
         assert not analysis.fallback, (case, analysis.fallback)
+
+
+@pytest.mark.parametrize("method", ["per_example_norms", "dp_gradient"])
+def test_rules_cover_einsum_and_depthwise_without_rows(method):
+    """Einsum with a variable operand (tf_keras' EinsumDense and
+    MultiHeadAttention) and DepthwiseConv2dNative (Keras' DepthwiseConv2D
+    and SeparableConv2D) take their op rules: tape.summary() names no
+    source that took per-example rows."""
+    for case in ("einsum_dense", "einsum_heads", "einsum_heads_out",
+                 "einsum_weight_first", "einsum_reordered", "einsum_flat",
+                 "depthwise_same", "depthwise_valid_strided",
+                 "keras_depthwise", "tf_keras_attention"):
+        xs, loss, variables = ALL[case](tf.float32)
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        args = (1.0,) if method == "dp_gradient" else ()
+        getattr(tape, method)(losses, variables, *args)
+        assert tape.summary().per_example_rows == (method, ()), case
+
+
+def test_einsum_rule_declines_other_equations():
+    """An Einsum the rule does not cover (the weight shares a letter with
+    the batch operand and the output: a per-head weight) takes rows, with
+    the same values as B single-example tapes."""
+    rng = np.random.default_rng(10)
+    x = tf.constant(rng.normal(size=(B, 5, 2, 3)))
+    w = _var(rng, (2, 3, 4), tf.float64)
+
+    def loss(x):
+        z = tf.einsum("abnh,nhd->abnd", x, w)
+        return tf.reduce_sum(tf.sin(z), axis=[1, 2, 3])
+    ref = _reference(loss, [x], [w])
+    with fasttape.GradientTape() as tape:
+        losses = loss(x)
+    got = tape.per_example_gradients(losses, [w])
+    _close(got[0], ref[0], tf.float64)
+    assert [types for _, types in tape.summary().per_example_rows[1]] == [("Einsum",)]
 
 
 def test_noise_std_and_seed():
