@@ -127,6 +127,23 @@ def _einsum(equation, x_shape, w_shape):
     return build
 
 
+def _folded_rows(transpose_b):
+    """Dense on a sequence as Keras runs it: [B, T, K] -> [B*T, K] @ W ->
+    [B, T, N] (the MatMul rule on rows folded with time)."""
+    def build(dtype):
+        rng = np.random.default_rng(11)
+        x = rng.normal(size=(B, 5, 4))
+        w = _var(rng, (3, 4) if transpose_b else (4, 3), dtype)
+        bias = _var(rng, (3,), dtype)
+
+        def loss(x):
+            z = tf.matmul(tf.reshape(x, [-1, 4]), w, transpose_b=transpose_b)
+            z = tf.nn.bias_add(tf.reshape(z, [-1, 5, 3]), bias)
+            return tf.reduce_sum(tf.sin(z), axis=[1, 2])
+        return [tf.constant(x, dtype)], loss, [w, bias]
+    return build
+
+
 def _depthwise(strides, padding, multiplier):
     def build(dtype):
         rng = np.random.default_rng(8)
@@ -162,6 +179,8 @@ CASES = {
     "einsum_weight_first": _einsum("cde,abc->abde", (5, 4), (4, 2, 3)),
     "einsum_reordered": _einsum("abc,dc->adb", (5, 4), (3, 4)),
     "einsum_flat": _einsum("ab,bc->ac", (4,), (4, 3)),
+    "folded_rows": _folded_rows(False),
+    "folded_rows_transposed": _folded_rows(True),
     "depthwise_same": _depthwise(1, "SAME", 1),
     "depthwise_valid_strided": _depthwise(2, "VALID", 2),
 }
@@ -215,6 +234,25 @@ def _keras_case(kind):
                                                bias_axes="e", dtype=name),
                       keras.layers.Flatten(dtype=name),
                       keras.layers.Dense(2, dtype=name)]
+        elif kind == "transformer":
+            # a transformer block: attention, then Dense layers on the
+            # sequence (each one MatMul over B*T rows), LayerNormalization
+            x = rng.normal(size=(B, 3, 4))
+            mha = keras.layers.MultiHeadAttention(2, 2, dtype=name)
+            ffn = [keras.layers.Dense(6, activation="relu", dtype=name),
+                   keras.layers.Dense(4, dtype=name)]
+            norms = [keras.layers.LayerNormalization(dtype=name)
+                     for _ in range(2)]
+            inp = keras.Input(x.shape[1:], dtype=name)
+            h = norms[0](inp + mha(inp, inp))
+            h = norms[1](h + ffn[1](ffn[0](h)))
+            out = keras.layers.Dense(2, dtype=name)(
+                keras.layers.GlobalAveragePooling1D(dtype=name)(h))
+            model = keras.Model(inp, out)
+
+            def loss(x):
+                return tf.reduce_sum(tf.square(model(x)), axis=-1)
+            return [tf.constant(x, dtype)], loss, model.trainable_variables
         else:   # attention
             x = rng.normal(size=(B, 3, 4))
             mha = keras.layers.MultiHeadAttention(2, 2, dtype=name)
@@ -239,12 +277,13 @@ def _keras_case(kind):
 
 KERAS = {f"keras_{k}": _keras_case(k)
          for k in ("dense", "conv", "embedding", "layernorm", "attention",
-                   "conv1d", "depthwise", "einsumdense")}
+                   "conv1d", "depthwise", "einsumdense", "transformer")}
 
 
 def _tf_keras_attention(dtype):
-    """tf_keras' MultiHeadAttention: Einsum ops on the kernels
-    ("abc,cde->abde", "abcd,cde->abe")."""
+    """tf_keras' MultiHeadAttention (Einsum ops on the kernels:
+    "abc,cde->abde", "abcd,cde->abe") and Dense on a sequence (a tensordot:
+    one MatMul over B*T rows)."""
     import tf_keras  # pylint: disable=import-outside-toplevel
     tf_keras.utils.set_random_seed(0)
     name = tf.as_dtype(dtype).name
@@ -253,7 +292,8 @@ def _tf_keras_attention(dtype):
     mha = tf_keras.layers.MultiHeadAttention(2, 3, dtype=name)
     # (not tf_keras' LayerNormalization: it folds the batch into a fused
     # batch norm's second axis, so every source takes rows)
-    h = tf.tanh(inp + mha(inp, inp))
+    h = tf_keras.layers.Dense(4, activation="tanh", dtype=name)(
+        inp + mha(inp, inp))
     out = tf_keras.layers.Dense(2, dtype=name)(tf_keras.layers.Flatten(dtype=name)(h))
     model = tf_keras.Model(inp, out)
 
@@ -323,7 +363,8 @@ def test_per_example_norms(case, dtype):
 @pytest.mark.parametrize("case", ["mlp", "embedding_resource", "fallback",
                                   "keras_dense", "keras_conv", "einsum_heads",
                                   "depthwise_valid_strided", "keras_depthwise",
-                                  "tf_keras_attention"])
+                                  "tf_keras_attention", "folded_rows",
+                                  "keras_transformer"])
 def test_dp_gradient_without_noise(case, dtype, microbatches):
     xs, loss, variables = ALL[case](dtype)
     ref = _reference(loss, xs, variables)
@@ -378,23 +419,26 @@ def test_traced_post_pass_equals_eager(case, dtype, microbatches):
 @pytest.mark.parametrize("mode", ["auto", "verify"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 def test_fused_post_pass_declined_by_a_rule(dtype, mode):
-    """A MatMul over a batch folded with time ([B*T, d] @ W): its output's
-    shape is not recorded, so dp_gradient first tries the backward pass
-    fused with the post-pass; the MatMul rule declines the output gradient
-    ([B*T, n], not [B, n]) there, and the step takes the two-step path
-    (W through per-example rows). Same values as B single-example tapes,
-    the fused attempt remembered as declined."""
+    """A bias added over a batch folded with time ([B*T, n] + b): its
+    output's shape is not recorded, so dp_gradient first tries the backward
+    pass fused with the post-pass; the BiasAdd rule declines the output
+    gradient ([B*T, n], not [B, n]) there, and the step takes the two-step
+    path (the bias through per-example rows). Same values as B
+    single-example tapes, the fused attempt remembered as declined."""
     from compat.harness import compiled_mode
     rng = np.random.default_rng(3)
     x = tf.constant(rng.normal(size=(B, 4, 5)), dtype)
-    w, bias = _var(rng, (5, 3), dtype), _var(rng, (3,), dtype)
+    w = tf.constant(rng.normal(size=(5, 3)), dtype)
+    bias = _var(rng, (3,), dtype)
 
     def loss(x):
-        # (Identity saves nothing: the recording knows no shape of x @ w)
-        h = tf.reshape(tf.identity(tf.reshape(x, [-1, 5]) @ w), [-1, 4, 3]) + bias
+        # (CheckNumerics saves nothing: the recording knows no shape of the
+        # BiasAdd's output)
+        h = tf.reshape(tf.debugging.check_numerics(
+            tf.nn.bias_add(tf.reshape(x, [-1, 5]) @ w, bias), "h"), [-1, 4, 3])
         return tf.reduce_sum(tf.tanh(h) ** 2, axis=[1, 2])
 
-    variables = [w, bias]
+    variables = [bias]
     ref = _reference(loss, [x], variables)
     norms = _ref_norms(ref)
     clip = float(np.median(norms.numpy()))
@@ -418,8 +462,9 @@ def test_rules_cover_dense_and_embedding_without_rows():
     for case in ("mlp", "sequence_gram", "embedding_resource", "embedding_read",
                  "keras_dense", "keras_embedding", "keras_attention",
                  "keras_conv", "conv_strided_valid", "conv_dilated",
-                 "conv_wide", "keras_conv1d",
-                 "keras_einsumdense"):
+                 "conv_wide", "keras_conv1d", "keras_einsumdense",
+                 "keras_layernorm", "keras_transformer", "folded_rows",
+                 "folded_rows_transposed"):
         xs, loss, variables = ALL[case](tf.float32)
         with fasttape.GradientTape() as tape:
             losses = loss(*xs)

@@ -167,20 +167,55 @@ def _bcast(w, rank):
 
 # -- z = a @ W (MatMul), z = A @ W with A [B, ..., T, K] (BatchMatMul) -------
 
+# An attribute the analysis adds to a MatMul's payload (a copy) whose rows
+# fold T positions of each example ([B*T, K] @ W, as Keras runs Dense on a
+# sequence): T.
+ROWS_ATTR = "fasttape_rows_per_example"
+
+
 @norm_rule("MatMul")
 class _MatMul:
     """z = a W, a [B, K]: example i's gradient of W is the outer product
-    a_i g_i^T, whose squared norm is |a_i|^2 |g_i|^2 (Goodfellow's trick)."""
+    a_i g_i^T, whose squared norm is |a_i|^2 |g_i|^2 (Goodfellow's trick).
+    With a [B*T, K] (ROWS_ATTR T: rows i*T ... i*T+T-1 are example i's),
+    the BatchMatMul rule on a and g reshaped to [B, T, K] and [B, T, N]."""
 
     def applies(self, payload, pos, out_shape, src_shape, batch):
+        rows = attr(payload, ROWS_ATTR) or 1
         return (pos == 1 and not attr(payload, "transpose_a")
                 and payload.inputs[0] is not None and len(out_shape) == 2
-                and out_shape[0] == batch)
+                and out_shape[0] == batch * rows)
+
+    def _folded(self, payload, g, memo):
+        """The BatchMatMul rule's (payload, g) for folded rows, or None."""
+        rows = attr(payload, ROWS_ATTR)
+        if not rows:
+            return None
+        hit = None if memo is None else memo.get(("folded", id(payload)))
+        if hit is not None and hit[0] is payload:
+            folded = hit[1]
+        else:
+            a = payload.inputs[0]
+            folded = EagerOp(
+                ("adj_x", False, "adj_y", bool(attr(payload, "transpose_b"))),
+                (_ex("Reshape", a, _const((-1, rows, a.shape[1]), dtypes.int32)),
+                 payload.inputs[1]), 2)
+            if memo is not None:
+                memo[("folded", id(payload))] = (payload, folded)
+        return folded, _ex("Reshape", g, _const((-1, rows, g.shape[1]), dtypes.int32))
 
     def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
+        folded = self._folded(payload, g, memo)
+        if folded is not None:
+            return NORM_RULES["BatchMatMulV2"].sq_norms(
+                folded[0], pos, folded[1], src_shape=src_shape, memo=memo)
         return _ex("Mul", sq_rows(payload.inputs[0], memo), sq_rows(g, memo))
 
     def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        folded = self._folded(payload, g, memo)
+        if folded is not None:
+            return NORM_RULES["BatchMatMulV2"].weighted(
+                folded[0], pos, folded[1], w, src_shape=src_shape, memo=memo)
         a = payload.inputs[0]
         gw = _scaled(g, w, memo)
         if attr(payload, "transpose_b"):
@@ -188,6 +223,10 @@ class _MatMul:
         return _ex("MatMul", a, gw, "transpose_a", True, "transpose_b", False)
 
     def per_example(self, payload, pos, g, src_shape=None):
+        folded = self._folded(payload, g, None)
+        if folded is not None:
+            return NORM_RULES["BatchMatMulV2"].per_example(
+                folded[0], pos, folded[1], src_shape=src_shape)
         a = payload.inputs[0]
         if attr(payload, "transpose_b"):
             return special_math_ops.einsum("bk,bn->bnk", a, g)
