@@ -669,8 +669,10 @@ def test_dp_step_leaks_nothing():
 
 
 # mlp: the post-pass fused to the backward pass; fallback: traced after
-# it (a source takes per-example rows)
-@pytest.mark.parametrize("case", ["mlp", "fallback"])
+# it (a source takes per-example rows); the Einsum, depthwise and folded
+# rows rules (the last on a payload the analysis copies each step)
+@pytest.mark.parametrize("case", ["mlp", "fallback", "einsum_heads",
+                                  "depthwise_same", "folded_rows"])
 @pytest.mark.parametrize("mode", ["auto", "verify"])
 def test_traced_post_pass_passes_leak_checks(mode, case):
     """dp_gradient's traced post-pass (one cached function per structure):
