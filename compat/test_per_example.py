@@ -768,6 +768,32 @@ def test_rows_moved_across_the_batch_axis(build, dtype):
     assert not analysis.ruled and analysis.fallback
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_time_major_rows_folded_into_one_matmul(dtype):
+    """x [B, T, d] run time-major and folded ([T*B, d] @ W, T = 2B, so every
+    leading axis on the path is a multiple of B), reshaped to [T, B, n] and
+    summed over time: the MatMul's rows are not grouped by example, and
+    neither W nor the bias takes a rule (the values are B single-example
+    tapes')."""
+    rng = np.random.default_rng(12)
+    t = 2 * B
+    x = tf.constant(rng.normal(size=(B, t, 4)), dtype)
+    w, bias = _var(rng, (4, 3), dtype), _var(rng, (3,), dtype)
+
+    def loss(x):
+        rows = tf.reshape(tf.transpose(x, [1, 0, 2]), [-1, 4])
+        z = tf.reshape(rows @ w, [t, -1, 3]) + bias            # [T, B, 3]
+        return tf.reduce_sum(tf.reduce_sum(tf.tanh(z) ** 2, 0), -1)
+    variables = [w, bias]
+    ref = _full_batch_reference(loss, [x], variables)
+    with fasttape.GradientTape(persistent=True) as tape:
+        losses = loss(x)
+    for g, r in zip(tape.per_example_gradients(losses, variables), ref):
+        _close(g, r, dtype)
+    _close(tape.per_example_norms(losses, variables), _ref_norms(ref), dtype)
+    assert len(tape.summary().per_example_rows[1]) == 2
+
+
 @pytest.mark.parametrize("method", ["per_example_gradients", "per_example_norms",
                                     "dp_gradient"])
 def test_memory_budget_is_refused_loudly(method):

@@ -6,8 +6,8 @@ example. Then the ordinary backward pass of ``sum(losses)`` hands every op
 its output gradient with example i's cotangent at index i of the batch
 axis. For a source used by exactly one op that has a rule in
 gradients._norm_rules (MatMul, BatchMatMul, Einsum, Conv2D, a depthwise
-convolution, BiasAdd, a bias or scale
-broadcast over the batch, Gather on a table), the rule reads that output
+convolution, a bias or scale broadcast over the batch, Gather on a table),
+the rule reads that output
 gradient and the op's saved inputs and gives each example's squared norm,
 its gradient, or the clipped sum (book-keeping: no second backward pass).
 The output gradients come from one ordinary backward pass of ``losses`` to
