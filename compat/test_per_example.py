@@ -111,6 +111,53 @@ def _fallback(dtype):
     return [tf.constant(x, dtype)], loss, [kernel, tied]
 
 
+def _einsum(equation, x_shape, w_shape):
+    """tf.einsum with a variable operand (tf_keras' EinsumDense): the
+    Einsum rule (equations with the batch on x's leading index)."""
+    def build(dtype):
+        rng = np.random.default_rng(7)
+        x = rng.normal(size=(B,) + x_shape)
+        w = _var(rng, w_shape, dtype)
+        w_first = not equation.startswith("a")
+
+        def loss(x):
+            z = tf.einsum(equation, *((w, x) if w_first else (x, w)))
+            return tf.reduce_sum(tf.sin(z), axis=list(range(1, len(z.shape))))
+        return [tf.constant(x, dtype)], loss, [w]
+    return build
+
+
+def _folded_rows(transpose_b):
+    """Dense on a sequence as Keras runs it: [B, T, K] -> [B*T, K] @ W ->
+    [B, T, N] (the MatMul rule on rows folded with time)."""
+    def build(dtype):
+        rng = np.random.default_rng(11)
+        x = rng.normal(size=(B, 5, 4))
+        w = _var(rng, (3, 4) if transpose_b else (4, 3), dtype)
+        bias = _var(rng, (3,), dtype)
+
+        def loss(x):
+            z = tf.matmul(tf.reshape(x, [-1, 4]), w, transpose_b=transpose_b)
+            z = tf.nn.bias_add(tf.reshape(z, [-1, 5, 3]), bias)
+            return tf.reduce_sum(tf.sin(z), axis=[1, 2])
+        return [tf.constant(x, dtype)], loss, [w, bias]
+    return build
+
+
+def _depthwise(strides, padding, multiplier):
+    def build(dtype):
+        rng = np.random.default_rng(8)
+        x = rng.normal(size=(B, 7, 6, 3))
+        kernel = _var(rng, (3, 2, 3, multiplier), dtype)
+
+        def loss(x):
+            z = tf.nn.depthwise_conv2d(x, kernel, [1, strides, strides, 1],
+                                       padding)
+            return tf.reduce_sum(tf.sin(z), axis=[1, 2, 3])
+        return [tf.constant(x, dtype)], loss, [kernel]
+    return build
+
+
 CASES = {
     "mlp": _mlp,
     "transposed": _transposed,
@@ -124,6 +171,18 @@ CASES = {
     "conv_dilated": _conv(1, "SAME", 2),
     # patches by extract_patches (the identity kernel would be large)
     "conv_wide": _conv(2, "SAME", 1, cin=64),
+    # EinsumDense's and MultiHeadAttention's equations; the variable first;
+    # a transposed kernel; the output's letters reordered
+    "einsum_dense": _einsum("abc,cd->abd", (5, 4), (4, 3)),
+    "einsum_heads": _einsum("abc,cde->abde", (5, 4), (4, 2, 3)),
+    "einsum_heads_out": _einsum("abcd,cde->abe", (5, 2, 3), (2, 3, 4)),
+    "einsum_weight_first": _einsum("cde,abc->abde", (5, 4), (4, 2, 3)),
+    "einsum_reordered": _einsum("abc,dc->adb", (5, 4), (3, 4)),
+    "einsum_flat": _einsum("ab,bc->ac", (4,), (4, 3)),
+    "folded_rows": _folded_rows(False),
+    "folded_rows_transposed": _folded_rows(True),
+    "depthwise_same": _depthwise(1, "SAME", 1),
+    "depthwise_valid_strided": _depthwise(2, "VALID", 2),
 }
 
 
@@ -153,6 +212,47 @@ def _keras_case(kind):
                       keras.layers.LayerNormalization(dtype=name),
                       keras.layers.Flatten(dtype=name),
                       keras.layers.Dense(2, dtype=name)]
+        elif kind == "conv1d":
+            x = rng.normal(size=(B, 6, 3))
+            layers = [keras.layers.Conv1D(4, 3, activation="tanh", dtype=name),
+                      keras.layers.Flatten(dtype=name),
+                      keras.layers.Dense(2, dtype=name)]
+        elif kind == "depthwise":
+            x = rng.normal(size=(B, 6, 6, 2))
+            layers = [keras.layers.DepthwiseConv2D(3, depth_multiplier=2,
+                                                   padding="same",
+                                                   activation="tanh", dtype=name),
+                      keras.layers.SeparableConv2D(3, 3, dtype=name),
+                      keras.layers.Flatten(dtype=name),
+                      keras.layers.Dense(2, dtype=name)]
+        elif kind == "einsumdense":
+            x = rng.normal(size=(B, 3, 4))
+            layers = [keras.layers.EinsumDense("abc,cde->abde", (3, 2, 3),
+                                               bias_axes="de", activation="tanh",
+                                               dtype=name),
+                      keras.layers.EinsumDense("abcd,cde->abe", (3, 2),
+                                               bias_axes="e", dtype=name),
+                      keras.layers.Flatten(dtype=name),
+                      keras.layers.Dense(2, dtype=name)]
+        elif kind == "transformer":
+            # a transformer block: attention, then Dense layers on the
+            # sequence (each one MatMul over B*T rows), LayerNormalization
+            x = rng.normal(size=(B, 3, 4))
+            mha = keras.layers.MultiHeadAttention(2, 2, dtype=name)
+            ffn = [keras.layers.Dense(6, activation="relu", dtype=name),
+                   keras.layers.Dense(4, dtype=name)]
+            norms = [keras.layers.LayerNormalization(dtype=name)
+                     for _ in range(2)]
+            inp = keras.Input(x.shape[1:], dtype=name)
+            h = norms[0](inp + mha(inp, inp))
+            h = norms[1](h + ffn[1](ffn[0](h)))
+            out = keras.layers.Dense(2, dtype=name)(
+                keras.layers.GlobalAveragePooling1D(dtype=name)(h))
+            model = keras.Model(inp, out)
+
+            def loss(x):
+                return tf.reduce_sum(tf.square(model(x)), axis=-1)
+            return [tf.constant(x, dtype)], loss, model.trainable_variables
         else:   # attention
             x = rng.normal(size=(B, 3, 4))
             mha = keras.layers.MultiHeadAttention(2, 2, dtype=name)
@@ -176,8 +276,33 @@ def _keras_case(kind):
 
 
 KERAS = {f"keras_{k}": _keras_case(k)
-         for k in ("dense", "conv", "embedding", "layernorm", "attention")}
-ALL = {**CASES, **KERAS}
+         for k in ("dense", "conv", "embedding", "layernorm", "attention",
+                   "conv1d", "depthwise", "einsumdense", "transformer")}
+
+
+def _tf_keras_attention(dtype):
+    """tf_keras' MultiHeadAttention (Einsum ops on the kernels:
+    "abc,cde->abde", "abcd,cde->abe") and Dense on a sequence (a tensordot:
+    one MatMul over B*T rows)."""
+    import tf_keras  # pylint: disable=import-outside-toplevel
+    tf_keras.utils.set_random_seed(0)
+    name = tf.as_dtype(dtype).name
+    x = np.random.default_rng(9).normal(size=(B, 3, 4))
+    inp = tf_keras.Input((3, 4), dtype=name)
+    mha = tf_keras.layers.MultiHeadAttention(2, 3, dtype=name)
+    # (not tf_keras' LayerNormalization: it folds the batch into a fused
+    # batch norm's second axis, so every source takes rows)
+    h = tf_keras.layers.Dense(4, activation="tanh", dtype=name)(
+        inp + mha(inp, inp))
+    out = tf_keras.layers.Dense(2, dtype=name)(tf_keras.layers.Flatten(dtype=name)(h))
+    model = tf_keras.Model(inp, out)
+
+    def loss(x):
+        return tf.reduce_sum(tf.square(model(x)), axis=-1)
+    return [tf.constant(x, dtype)], loss, model.trainable_variables
+
+
+ALL = {**CASES, **KERAS, "tf_keras_attention": _tf_keras_attention}
 
 
 # TF's CPU kernels have no float64 Conv2D backprop with dilations (TF's own
@@ -236,7 +361,10 @@ def test_per_example_norms(case, dtype):
 @pytest.mark.parametrize("microbatches", [None, 3, 1])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("case", ["mlp", "embedding_resource", "fallback",
-                                  "keras_dense", "keras_conv"])
+                                  "keras_dense", "keras_conv", "einsum_heads",
+                                  "depthwise_valid_strided", "keras_depthwise",
+                                  "tf_keras_attention", "folded_rows",
+                                  "keras_transformer"])
 def test_dp_gradient_without_noise(case, dtype, microbatches):
     xs, loss, variables = ALL[case](dtype)
     ref = _reference(loss, xs, variables)
@@ -291,23 +419,26 @@ def test_traced_post_pass_equals_eager(case, dtype, microbatches):
 @pytest.mark.parametrize("mode", ["auto", "verify"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 def test_fused_post_pass_declined_by_a_rule(dtype, mode):
-    """A MatMul over a batch folded with time ([B*T, d] @ W): its output's
-    shape is not recorded, so dp_gradient first tries the backward pass
-    fused with the post-pass; the MatMul rule declines the output gradient
-    ([B*T, n], not [B, n]) there, and the step takes the two-step path
-    (W through per-example rows). Same values as B single-example tapes,
-    the fused attempt remembered as declined."""
+    """A bias added over a batch folded with time ([B*T, n] + b): its
+    output's shape is not recorded, so dp_gradient first tries the backward
+    pass fused with the post-pass; the BiasAdd rule declines the output
+    gradient ([B*T, n], not [B, n]) there, and the step takes the two-step
+    path (the bias through per-example rows). Same values as B
+    single-example tapes, the fused attempt remembered as declined."""
     from compat.harness import compiled_mode
     rng = np.random.default_rng(3)
     x = tf.constant(rng.normal(size=(B, 4, 5)), dtype)
-    w, bias = _var(rng, (5, 3), dtype), _var(rng, (3,), dtype)
+    w = tf.constant(rng.normal(size=(5, 3)), dtype)
+    bias = _var(rng, (3,), dtype)
 
     def loss(x):
-        # (Identity saves nothing: the recording knows no shape of x @ w)
-        h = tf.reshape(tf.identity(tf.reshape(x, [-1, 5]) @ w), [-1, 4, 3]) + bias
+        # (CheckNumerics saves nothing: the recording knows no shape of the
+        # BiasAdd's output)
+        h = tf.reshape(tf.debugging.check_numerics(
+            tf.nn.bias_add(tf.reshape(x, [-1, 5]) @ w, bias), "h"), [-1, 4, 3])
         return tf.reduce_sum(tf.tanh(h) ** 2, axis=[1, 2])
 
-    variables = [w, bias]
+    variables = [bias]
     ref = _reference(loss, [x], variables)
     norms = _ref_norms(ref)
     clip = float(np.median(norms.numpy()))
@@ -331,7 +462,9 @@ def test_rules_cover_dense_and_embedding_without_rows():
     for case in ("mlp", "sequence_gram", "embedding_resource", "embedding_read",
                  "keras_dense", "keras_embedding", "keras_attention",
                  "keras_conv", "conv_strided_valid", "conv_dilated",
-                 "conv_wide"):
+                 "conv_wide", "keras_conv1d", "keras_einsumdense",
+                 "keras_layernorm", "keras_transformer", "folded_rows",
+                 "folded_rows_transposed"):
         xs, loss, variables = ALL[case](tf.float32)
         with fasttape.GradientTape() as tape:
             losses = loss(*xs)
@@ -340,6 +473,43 @@ def test_rules_cover_dense_and_embedding_without_rows():
                                          variables, B)
         _per_example._ruled_pass("test", tape._tape, losses, flat, analysis)
         assert not analysis.fallback, (case, analysis.fallback)
+
+
+@pytest.mark.parametrize("method", ["per_example_norms", "dp_gradient"])
+def test_rules_cover_einsum_and_depthwise_without_rows(method):
+    """Einsum with a variable operand (tf_keras' EinsumDense and
+    MultiHeadAttention) and DepthwiseConv2dNative (Keras' DepthwiseConv2D
+    and SeparableConv2D) take their op rules: tape.summary() names no
+    source that took per-example rows."""
+    for case in ("einsum_dense", "einsum_heads", "einsum_heads_out",
+                 "einsum_weight_first", "einsum_reordered", "einsum_flat",
+                 "depthwise_same", "depthwise_valid_strided",
+                 "keras_depthwise", "tf_keras_attention"):
+        xs, loss, variables = ALL[case](tf.float32)
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        args = (1.0,) if method == "dp_gradient" else ()
+        getattr(tape, method)(losses, variables, *args)
+        assert tape.summary().per_example_rows == (method, ()), case
+
+
+def test_einsum_rule_declines_other_equations():
+    """An Einsum the rule does not cover (the weight shares a letter with
+    the batch operand and the output: a per-head weight) takes rows, with
+    the same values as B single-example tapes."""
+    rng = np.random.default_rng(10)
+    x = tf.constant(rng.normal(size=(B, 5, 2, 3)))
+    w = _var(rng, (2, 3, 4), tf.float64)
+
+    def loss(x):
+        z = tf.einsum("abnh,nhd->abnd", x, w)
+        return tf.reduce_sum(tf.sin(z), axis=[1, 2, 3])
+    ref = _reference(loss, [x], [w])
+    with fasttape.GradientTape() as tape:
+        losses = loss(x)
+    got = tape.per_example_gradients(losses, [w])
+    _close(got[0], ref[0], tf.float64)
+    assert [types for _, types in tape.summary().per_example_rows[1]] == [("Einsum",)]
 
 
 def test_noise_std_and_seed():
@@ -499,8 +669,10 @@ def test_dp_step_leaks_nothing():
 
 
 # mlp: the post-pass fused to the backward pass; fallback: traced after
-# it (a source takes per-example rows)
-@pytest.mark.parametrize("case", ["mlp", "fallback"])
+# it (a source takes per-example rows); the Einsum, depthwise and folded
+# rows rules (the last on a payload the analysis copies each step)
+@pytest.mark.parametrize("case", ["mlp", "fallback", "einsum_heads",
+                                  "depthwise_same", "folded_rows"])
 @pytest.mark.parametrize("mode", ["auto", "verify"])
 def test_traced_post_pass_passes_leak_checks(mode, case):
     """dp_gradient's traced post-pass (one cached function per structure):
@@ -594,6 +766,32 @@ def test_rows_moved_across_the_batch_axis(build, dtype):
     analysis = _per_example._analyse("test", tape._tape, losses, flat,
                                      variables, B)
     assert not analysis.ruled and analysis.fallback
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_time_major_rows_folded_into_one_matmul(dtype):
+    """x [B, T, d] run time-major and folded ([T*B, d] @ W, T = 2B, so every
+    leading axis on the path is a multiple of B), reshaped to [T, B, n] and
+    summed over time: the MatMul's rows are not grouped by example, and
+    neither W nor the bias takes a rule (the values are B single-example
+    tapes')."""
+    rng = np.random.default_rng(12)
+    t = 2 * B
+    x = tf.constant(rng.normal(size=(B, t, 4)), dtype)
+    w, bias = _var(rng, (4, 3), dtype), _var(rng, (3,), dtype)
+
+    def loss(x):
+        rows = tf.reshape(tf.transpose(x, [1, 0, 2]), [-1, 4])
+        z = tf.reshape(rows @ w, [t, -1, 3]) + bias            # [T, B, 3]
+        return tf.reduce_sum(tf.reduce_sum(tf.tanh(z) ** 2, 0), -1)
+    variables = [w, bias]
+    ref = _full_batch_reference(loss, [x], variables)
+    with fasttape.GradientTape(persistent=True) as tape:
+        losses = loss(x)
+    for g, r in zip(tape.per_example_gradients(losses, variables), ref):
+        _close(g, r, dtype)
+    _close(tape.per_example_norms(losses, variables), _ref_norms(ref), dtype)
+    assert len(tape.summary().per_example_rows[1]) == 2
 
 
 @pytest.mark.parametrize("method", ["per_example_gradients", "per_example_norms",

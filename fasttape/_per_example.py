@@ -5,8 +5,9 @@
 example. Then the ordinary backward pass of ``sum(losses)`` hands every op
 its output gradient with example i's cotangent at index i of the batch
 axis. For a source used by exactly one op that has a rule in
-gradients._norm_rules (MatMul, BatchMatMul, BiasAdd, a bias or scale
-broadcast over the batch, Gather on a table), the rule reads that output
+gradients._norm_rules (MatMul, BatchMatMul, Einsum, Conv2D, a depthwise
+convolution, a bias or scale broadcast over the batch, Gather on a table),
+the rule reads that output
 gradient and the op's saved inputs and gives each example's squared norm,
 its gradient, or the clipped sum (book-keeping: no second backward pass).
 The output gradients come from one ordinary backward pass of ``losses`` to
@@ -52,6 +53,13 @@ _RESHAPES = frozenset({"Reshape", "ExpandDims", "Squeeze"})
 _REDUCERS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm"})
 _BATCH_NORMS = frozenset({"FusedBatchNorm", "FusedBatchNormV2",
                           "FusedBatchNormV3"})
+# Ops whose output has the shape of their first input (the analysis carries
+# a known shape across them, either way).
+_SAME_SHAPE = frozenset({
+    "BiasAdd", "BiasAddV1", "Identity", "Relu", "Relu6", "Elu", "Selu",
+    "LeakyRelu", "Gelu", "Tanh", "Sigmoid", "Softplus", "Softsign", "Neg",
+    "Sin", "Cos", "Exp", "Log", "Log1p", "Square", "Sqrt", "Rsqrt", "Abs",
+    "Erf", "Softmax", "LogSoftmax", "Cast", "StopGradient"})
 
 
 class _Analysis:
@@ -264,10 +272,23 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
                     shapes[tid] = t._shape_tuple()  # pylint: disable=protected-access
             elif t.dtype != dtypes.resource:
                 shapes[tid] = tuple(t.shape.as_list())
-    for op_id in op_ids:
-        entry = core.op(op_id)
-        if entry is None:
-            continue
+    entries = [e for e in map(core.op, op_ids) if e is not None]
+    # ... and across the ops that keep their input's shape (a BiasAdd after
+    # a Dense's MatMul and Reshape saves neither)
+    for chain in (reversed(entries), entries):
+        for entry in chain:
+            if (entry.op_type in _SAME_SHAPE and entry.input_ids
+                    and len(entry.output_ids) == 1):
+                i, o = entry.input_ids[0], entry.output_ids[0]
+                if i in shapes and o not in shapes:
+                    shapes[o] = shapes[i]
+                elif o in shapes and i not in shapes:
+                    shapes[i] = shapes[o]
+    consumers = {}
+    for entry in entries:
+        for tid in entry.input_ids:
+            consumers.setdefault(tid, []).append(entry)
+    for entry in entries:
         ins = entry.input_ids
         if ins and ins[0] in alias and (
                 (entry.op_type in _TRANSPARENT and len(ins) == 1)
@@ -302,14 +323,43 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
         if use_rules and len(used) == 1 and None not in src_shape:
             entry, pos = used[0]
             rule = _norm_rules.candidate(entry.op_type, entry.payload)
+        if rule is not None and entry.op_type == "MatMul":
+            payload = _fold_rows(entry, shapes, consumers, batch)
+            if payload is None:
+                rule = None
+        else:
+            payload = entry.payload if rule is not None else None
         if rule is not None:
-            result.ruled[k] = (entry.payload, pos, rule, src_shape)
+            result.ruled[k] = (payload, pos, rule, src_shape)
             result.op_types[k] = entry.op_type
             result.out_ids[k] = entry.output_ids[0]
             result.out_shapes[k] = shapes.get(entry.output_ids[0])
         else:
             result.fallback[k] = sorted({e.op_type for e, _ in used})
     return result
+
+
+def _fold_rows(entry, shapes, consumers, batch):
+    """A MatMul's payload for its rule: itself where a's rows are the
+    examples; where they are B*T rows (Keras' Dense on [B, T, d] reshapes
+    to [B*T, d] and back), a copy noting T (_norm_rules.ROWS_ATTR), if the
+    output's one consumer on the path is a Reshape to [B, ...] (row-major:
+    rows i*T ... i*T+T-1 become example i); else None (rows)."""
+    payload = entry.payload
+    a = payload.inputs[0] if payload.inputs else None
+    if a is None or a.shape.rank != 2 or a.shape[0] is None:
+        return payload
+    lead = int(a.shape[0])
+    if lead == batch or lead % batch or _norm_rules.attr(payload, "transpose_a"):
+        return payload
+    users = consumers.get(entry.output_ids[0], ())
+    if len(users) != 1 or users[0].op_type != "Reshape":
+        return None
+    out = shapes.get(users[0].output_ids[0])
+    if not out or out[0] != batch:
+        return None
+    return EagerOp(tuple(payload.attrs) + (_norm_rules.ROWS_ATTR, lead // batch),
+                   tuple(payload.inputs), payload.num_inputs)
 
 
 def _source_name(source):

@@ -25,6 +25,7 @@ the per-example rows (one backward pass per example).
 """
 
 from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+import numpy as np
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.ops import array_ops
@@ -166,20 +167,55 @@ def _bcast(w, rank):
 
 # -- z = a @ W (MatMul), z = A @ W with A [B, ..., T, K] (BatchMatMul) -------
 
+# An attribute the analysis adds to a MatMul's payload (a copy) whose rows
+# fold T positions of each example ([B*T, K] @ W, as Keras runs Dense on a
+# sequence): T.
+ROWS_ATTR = "fasttape_rows_per_example"
+
+
 @norm_rule("MatMul")
 class _MatMul:
     """z = a W, a [B, K]: example i's gradient of W is the outer product
-    a_i g_i^T, whose squared norm is |a_i|^2 |g_i|^2 (Goodfellow's trick)."""
+    a_i g_i^T, whose squared norm is |a_i|^2 |g_i|^2 (Goodfellow's trick).
+    With a [B*T, K] (ROWS_ATTR T: rows i*T ... i*T+T-1 are example i's),
+    the BatchMatMul rule on a and g reshaped to [B, T, K] and [B, T, N]."""
 
     def applies(self, payload, pos, out_shape, src_shape, batch):
+        rows = attr(payload, ROWS_ATTR) or 1
         return (pos == 1 and not attr(payload, "transpose_a")
                 and payload.inputs[0] is not None and len(out_shape) == 2
-                and out_shape[0] == batch)
+                and out_shape[0] == batch * rows)
+
+    def _folded(self, payload, g, memo):
+        """The BatchMatMul rule's (payload, g) for folded rows, or None."""
+        rows = attr(payload, ROWS_ATTR)
+        if not rows:
+            return None
+        hit = None if memo is None else memo.get(("folded", id(payload)))
+        if hit is not None and hit[0] is payload:
+            folded = hit[1]
+        else:
+            a = payload.inputs[0]
+            folded = EagerOp(
+                ("adj_x", False, "adj_y", bool(attr(payload, "transpose_b"))),
+                (_ex("Reshape", a, _const((-1, rows, a.shape[1]), dtypes.int32)),
+                 payload.inputs[1]), 2)
+            if memo is not None:
+                memo[("folded", id(payload))] = (payload, folded)
+        return folded, _ex("Reshape", g, _const((-1, rows, g.shape[1]), dtypes.int32))
 
     def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
+        folded = self._folded(payload, g, memo)
+        if folded is not None:
+            return NORM_RULES["BatchMatMulV2"].sq_norms(
+                folded[0], pos, folded[1], src_shape=src_shape, memo=memo)
         return _ex("Mul", sq_rows(payload.inputs[0], memo), sq_rows(g, memo))
 
     def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        folded = self._folded(payload, g, memo)
+        if folded is not None:
+            return NORM_RULES["BatchMatMulV2"].weighted(
+                folded[0], pos, folded[1], w, src_shape=src_shape, memo=memo)
         a = payload.inputs[0]
         gw = _scaled(g, w, memo)
         if attr(payload, "transpose_b"):
@@ -187,6 +223,10 @@ class _MatMul:
         return _ex("MatMul", a, gw, "transpose_a", True, "transpose_b", False)
 
     def per_example(self, payload, pos, g, src_shape=None):
+        folded = self._folded(payload, g, None)
+        if folded is not None:
+            return NORM_RULES["BatchMatMulV2"].per_example(
+                folded[0], pos, folded[1], src_shape=src_shape)
         a = payload.inputs[0]
         if attr(payload, "transpose_b"):
             return special_math_ops.einsum("bk,bn->bnk", a, g)
@@ -204,14 +244,14 @@ class _BatchMatMul:
                 and out_shape[0] == batch and payload.inputs[0] is not None
                 and not attr(payload, "adj_x"))
 
-    def _flat(self, payload, g, src_shape):
+    def _flat(self, payload, g, src_shape, pos=1):
         a = payload.inputs[0]
         b = array_ops.shape(a)[0]
         return (array_ops.reshape(a, [b, -1, a.shape[-1]]),
                 array_ops.reshape(g, [b, -1, g.shape[-1]]))
 
     def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
-        a, g = self._flat(payload, g, src_shape)
+        a, g = self._flat(payload, g, src_shape, pos)
         t, k, n = a.shape[1], a.shape[2], g.shape[2]
         if t is not None and t * t < k * n:
             aa = math_ops.matmul(a, a, transpose_b=True)
@@ -279,7 +319,7 @@ class _Conv2D(_BatchMatMul):
                 and len(out_shape) == 4 and out_shape[0] == batch
                 and payload.inputs[0] is not None)
 
-    def _flat(self, payload, g, src_shape):
+    def _flat(self, payload, g, src_shape, pos=1):
         x = payload.inputs[0]
         kh, kw = src_shape[:2]
         padding = attr(payload, "padding")
@@ -326,6 +366,142 @@ class _Conv2D(_BatchMatMul):
     def per_example(self, payload, pos, g, src_shape=None):
         return array_ops.reshape(super().per_example(payload, pos, g, src_shape),
                                  [-1] + list(src_shape))
+
+
+def _decoded(payload, name, default=None):
+    value = attr(payload, name, default)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+@norm_rule("DepthwiseConv2dNative")
+class _DepthwiseConv2D(_BatchMatMul):
+    """z = depthwise_conv2d(x, K), K [kh, kw, cin, mult], NHWC, SAME or
+    VALID: example i's gradient of K[:, :, c, m] is P_ic^T G_icm, P_ic the
+    image patches of channel c [T, kh kw], G_icm the output gradient of
+    channel c m [T]; built per example (a depthwise kernel is small), the
+    clipped sum by TF's own filter gradient of the reweighted output
+    gradient."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        return (pos == 1 and (_decoded(payload, "data_format") or "NHWC") == "NHWC"
+                and _decoded(payload, "padding") in ("SAME", "VALID")
+                and len(src_shape) == 4 and None not in src_shape
+                and len(out_shape) == 4 and out_shape[0] == batch
+                and payload.inputs[0] is not None
+                and payload.inputs[0].shape[-1] == src_shape[2])
+
+    def per_example(self, payload, pos, g, src_shape=None):
+        x = payload.inputs[0]
+        kh, kw, cin, mult = src_shape
+        patches = array_ops.extract_image_patches_v2(
+            x, sizes=[1, kh, kw, 1], strides=list(attr(payload, "strides")),
+            rates=list(attr(payload, "dilations") or [1, 1, 1, 1]),
+            padding=_decoded(payload, "padding"))
+        b = array_ops.shape(x)[0]
+        # patches in the kernel's (kh, kw, cin) order
+        patches = array_ops.reshape(patches, [b, -1, kh * kw, cin])
+        g = array_ops.reshape(g, [b, -1, cin, mult])
+        grads = special_math_ops.einsum("btkc,btcm->bkcm", patches, g)
+        return array_ops.reshape(grads, [-1] + list(src_shape))
+
+    def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
+        grads = self.per_example(payload, pos, g, src_shape)
+        if memo is not None:
+            memo[("per_example", id(payload), pos)] = (payload, grads)
+        return sq_rows(grads)
+
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        summed = self._from_memo(payload, pos, w, memo)
+        if summed is not None:
+            return summed
+        return gen_nn_ops.depthwise_conv2d_native_backprop_filter(
+            payload.inputs[0], _const(tuple(src_shape), dtypes.int32),
+            _scaled(g, w, memo), strides=list(attr(payload, "strides")),
+            padding=_decoded(payload, "padding"),
+            dilations=list(attr(payload, "dilations") or [1, 1, 1, 1]),
+            data_format="NHWC")
+
+
+def _einsum_parts(payload, pos):
+    """For an Einsum with the source as operand ``pos`` and the batch on the
+    other operand's (and the output's) leading index: (x term, source term,
+    output term, rows, contracted, out letters), where rows are the letters
+    of x and the output only (a sequence's positions), contracted those of
+    x and the source only, out those of the source and the output only; or
+    None for an equation outside these (a letter in all three terms, one
+    summed in one operand only, an ellipsis, a repeated letter)."""
+    eq = _decoded(payload, "equation")
+    if (not eq or "->" not in eq or "." in eq or len(payload.inputs) != 2
+            or pos not in (0, 1)):
+        return None
+    lhs, out = eq.replace(" ", "").split("->")
+    terms = lhs.split(",")
+    if len(terms) != 2:
+        return None
+    xt, wt = terms[1 - pos], terms[pos]
+    if (not xt or not out or xt[0] != out[0] or xt[0] in wt
+            or any(len(set(t)) != len(t) for t in (xt, wt, out))):
+        return None
+    rows = [c for c in xt[1:] if c in out and c not in wt]
+    contracted = [c for c in xt[1:] if c in wt and c not in out]
+    outs = [c for c in wt if c in out and c not in xt]
+    if (len(rows) + len(contracted) != len(xt) - 1
+            or len(contracted) + len(outs) != len(wt)
+            or len(rows) + len(outs) != len(out) - 1):
+        return None
+    return xt, wt, out, rows, contracted, outs
+
+
+@norm_rule("Einsum")
+class _Einsum(_BatchMatMul):
+    """z = einsum(eq, x, W), x's leading index the batch (EinsumDense,
+    tf_keras' MultiHeadAttention: "abc,cd->abd", "abc,cde->abde",
+    "abcd,cde->abe"): the BatchMatMul rule on x transposed and reshaped to
+    [B, T, K] (its rows, then the letters summed with W) and the output
+    gradient to [B, T, N] (the rows, then W's output letters); example i's
+    gradient of W is their product, put back in W's letter order."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        parts = _einsum_parts(payload, pos)
+        x = payload.inputs[1 - pos]
+        return (parts is not None and x is not None
+                and len(x.shape) == len(parts[0])
+                and len(out_shape) == len(parts[2]) and out_shape[0] == batch
+                and len(src_shape) == len(parts[1]) and None not in src_shape)
+
+    def _flat(self, payload, g, src_shape, pos=1):
+        xt, _, out, rows, contracted, outs = _einsum_parts(payload, pos)
+        x = payload.inputs[1 - pos]
+        b = array_ops.shape(x)[0]
+        a = array_ops.transpose(x, [0] + [xt.index(c) for c in rows + contracted])
+        g = array_ops.transpose(g, [0] + [out.index(c) for c in rows + outs])
+        k = int(np.prod([x.shape[xt.index(c)] for c in contracted]))
+        n = int(np.prod([g.shape[1 + len(rows) + j] for j in range(len(outs))]))
+        return (array_ops.reshape(a, [b, -1, k]), array_ops.reshape(g, [b, -1, n]))
+
+    def _to_source(self, payload, pos, grads, src_shape, lead):
+        """[lead..., K, N] in the (contracted, out) letters -> W's layout."""
+        _, wt, _, _, contracted, outs = _einsum_parts(payload, pos)
+        order = contracted + outs
+        dims = [src_shape[wt.index(c)] for c in order]
+        grads = array_ops.reshape(grads, lead + dims)
+        perm = [order.index(c) for c in wt]
+        return array_ops.transpose(
+            grads, list(range(len(lead))) + [len(lead) + p for p in perm])
+
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        summed = self._from_memo(payload, pos, w, memo)
+        if summed is None:
+            a, g = self._flat(payload, g, src_shape, pos)
+            a = array_ops.reshape(a, [-1, a.shape[-1]])
+            gw = array_ops.reshape(g * _bcast(w, 3), [-1, g.shape[-1]])
+            summed = math_ops.matmul(a, gw, transpose_a=True)
+        return self._to_source(payload, pos, summed, src_shape, [])
+
+    def per_example(self, payload, pos, g, src_shape=None):
+        a, g = self._flat(payload, g, src_shape, pos)
+        return self._to_source(payload, pos, math_ops.matmul(a, g, transpose_a=True),
+                               src_shape, [-1])
 
 
 # -- a bias or scale broadcast over the batch --------------------------------
