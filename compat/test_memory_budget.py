@@ -19,7 +19,7 @@ import tensorflow as tf
 import fasttape
 from fasttape.recording import _budget
 import op_corpus as oc
-from harness import Raised, assert_leaks_nothing, assert_same
+from harness import Raised, assert_leaks_nothing, assert_same, compare
 
 TINY = 0   # bytes: every tensor that can be dropped is
 
@@ -537,3 +537,201 @@ def test_model_that_does_not_fit_trains_under_budget(tmp_path):
     rc, last, full, err = _limited(tmp_path, "none", 10 ** 12)
     assert rc == 0 and last == "OK", (rc, last, err)
     assert np.array_equal(np.load(out), np.load(full))
+
+
+# -- the rest of the tape's API under a budget ----------------------------------------
+# Each body runs under tf.GradientTape (and TF's ForwardAccumulator), under
+# fasttape without a budget and with a budget that drops every tensor it
+# can: TF's results (bit for bit where TF's own are, else within the
+# harness's tolerances), and the unbudgeted fasttape ones bit for bit.
+
+
+def _tf_parity(body, acc=False, budget=TINY, min_recomputed=1):
+    """body(GradientTape) (or body(GradientTape, ForwardAccumulator) with
+    ``acc``) under TF, fasttape, and fasttape with ``budget``; returns the
+    Budgeted class used (its tapes dropped and recomputed)."""
+    def under(tape_cls, acc_cls):
+        return _run(body, tape_cls) if not acc else _run(
+            lambda t: body(t, acc_cls), tape_cls)
+
+    expected = under(tf.GradientTape, tf.autodiff.ForwardAccumulator)
+    assert not isinstance(expected, Raised), expected
+    plain = under(fasttape.GradientTape, fasttape.ForwardAccumulator)
+    budgeted = Budgeted(budget)
+    actual = under(budgeted, fasttape.ForwardAccumulator)
+    assert_same(plain, actual, exact=True)
+    compare(expected, actual)
+    assert budgeted.total("dropped_tensors") > 0
+    assert budgeted.total("recomputed_tensors") >= min_recomputed
+    return budgeted
+
+
+def _mlp_weights(seed=0, shape=(6, 6)):
+    rng = np.random.RandomState(seed)
+    return (tf.constant(rng.randn(*shape).astype("float32")),
+            tf.constant(rng.randn(shape[1], shape[1]).astype("float32") * 0.5))
+
+
+@pytest.mark.parametrize("persistent,use_pfor", [(False, True), (True, True),
+                                                  (True, False)])
+def test_jacobian_under_budget(persistent, use_pfor):
+    """jacobian (fasttape's loop of backward passes over the trace; without
+    pfor, TF's while loop, which needs a persistent tape): each row's pass
+    recomputes what it reads."""
+    x, w = _mlp_weights()
+
+    def body(GradientTape):
+        with GradientTape(persistent=persistent) as tape:
+            tape.watch([x, w])
+            h = tf.tanh(tf.matmul(x, w))
+            y = tf.sin(tf.matmul(h, w)) * h
+        return tape.jacobian(y, [x, w], experimental_use_pfor=use_pfor)
+    _tf_parity(body)
+
+
+def test_jacobian_pfor_under_budget():
+    """A target of more than 1024 elements: TF's pfor traces the backward
+    pass into a graph; the recomputations run eagerly, outside it."""
+    x = tf.constant(np.random.RandomState(2).randn(40, 30).astype("float32"))
+
+    def body(GradientTape):
+        with GradientTape() as tape:
+            tape.watch(x)
+            y = tf.exp(tf.tanh(tf.sin(x) * x))
+        return tape.jacobian(y, x)
+    _tf_parity(body)
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["loop", "pfor"])
+def test_batch_jacobian_under_budget(big):
+    n = 40 if big else 4
+    rng = np.random.RandomState(5)
+    x = tf.constant(rng.randn(n, 30 if big else 5).astype("float32"))
+    w = tf.constant(rng.randn(x.shape[1], x.shape[1]).astype("float32") * 0.3)
+
+    def body(GradientTape):
+        with GradientTape() as tape:
+            tape.watch(x)
+            y = tf.tanh(tf.matmul(tf.sin(x), w)) * tf.exp(x)
+        return tape.batch_jacobian(y, x)
+    _tf_parity(body)
+
+
+def test_higher_order_outer_budgeted_inner_plain():
+    """The budget on the outer tape only: it records the inner pass's
+    gradient functions, whose saved tensors it may drop and recompute."""
+    x, w = _mlp_weights(1)
+
+    def body(GradientTape):
+        with GradientTape() as outer:
+            outer.watch(x)
+            with tf.GradientTape() if GradientTape is tf.GradientTape \
+                    else fasttape.GradientTape() as inner:
+                inner.watch(x)
+                y = tf.reduce_sum(tf.tanh(tf.matmul(tf.sin(x), w)) ** 2)
+            g = inner.gradient(y, x)
+            z = tf.reduce_sum(tf.exp(g) * g)
+        return outer.gradient(z, x)
+    _tf_parity(body)
+
+
+def test_explain_under_budget():
+    """explain() runs a backward pass over the path; on a budgeted tape it
+    recomputes what that pass reads (it read the dropped-tensor markers,
+    and said the pass raised AttributeError)."""
+    x, w = _mlp_weights(2)
+    v = tf.Variable(tf.ones((6, 6)))
+
+    def body(GradientTape):
+        with GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            h = tf.tanh(tf.matmul(x, w))
+            r = tf.round(tf.matmul(x, v))
+            y = tf.reduce_sum(tf.sin(h) * h) + tf.reduce_sum(r)
+        out = tape.gradient(y, [x, v])
+        if GradientTape is tf.GradientTape:
+            return out, ["connected", "not_differentiable_op"]
+        return out, [e.cause for e in tape.explain(y, [x, v])]
+    _tf_parity(body)
+
+
+def test_explain_under_budget_nonpersistent():
+    x, w = _mlp_weights(3)
+    with fasttape.GradientTape(memory_budget=TINY) as tape:
+        tape.watch(x)
+        y = tf.reduce_sum(tf.sin(tf.tanh(tf.matmul(x, w))) * x)
+    causes = [e.cause for e in tape.explain(y, [x, w])]
+    assert causes == ["connected", "source_not_watched"], causes
+    assert tape.summary().memory["recomputed_tensors"] > 0
+    got = tape.gradient(y, x)
+    with fasttape.GradientTape() as plain:
+        plain.watch(x)
+        y = tf.reduce_sum(tf.sin(tf.tanh(tf.matmul(x, w))) * x)
+    assert_same(plain.gradient(y, x), got, exact=True)
+
+
+def test_anomaly_mode_under_budget():
+    """Anomaly mode names the forward op and the user's line also when the
+    gradient function that made the NaN read recomputed tensors."""
+    from fasttape.diagnostics import anomaly  # pylint: disable=import-outside-toplevel
+    x = tf.constant([1.0, 4.0, 9.0])
+    try:
+        with fasttape.detect_anomaly():
+            with fasttape.GradientTape(memory_budget=TINY) as tape:
+                tape.watch(x)
+                h = tf.exp(tf.sin(x))
+                line = sys._getframe().f_lineno + 1  # pylint: disable=protected-access
+                loss = tf.reduce_sum(tf.sqrt(tf.nn.relu(-h)) * h)  # sqrt(0): Inf
+                del h
+            with pytest.raises(fasttape.AnomalyError) as info:
+                tape.gradient(loss, x)
+            assert tape.summary().memory["dropped_tensors"] > 0
+    finally:
+        anomaly._set(False)  # pylint: disable=protected-access
+    err = info.value
+    assert err.op_type == "Sqrt" and err.kind == "Inf", str(err)
+    assert err.filename == __file__ and err.lineno == line, str(err)
+
+
+def test_anomaly_mode_finite_under_budget():
+    """Anomaly mode on, finite gradients: TF's, bit for bit unbudgeted."""
+    from fasttape.diagnostics import anomaly  # pylint: disable=import-outside-toplevel
+    try:
+        with fasttape.detect_anomaly():
+            _tf_parity(_chain)
+    finally:
+        anomaly._set(False)  # pylint: disable=protected-access
+
+
+def test_forward_over_backward_under_budget():
+    """A ForwardAccumulator around a budgeted tape (a Hessian-vector
+    product): the recomputations run inside the accumulator, which gives
+    the recomputed tensors the tangents the gradient functions' jvps read."""
+    x, w = _mlp_weights(4)
+    v = tf.constant(np.random.RandomState(6).randn(6, 6).astype("float32"))
+
+    def body(GradientTape, ForwardAccumulator):
+        with ForwardAccumulator(x, v) as acc:
+            with GradientTape() as tape:
+                tape.watch(x)
+                y = tf.reduce_sum(tf.exp(tf.tanh(tf.matmul(tf.sin(x), w))) * x)
+            g = tape.gradient(y, x)
+        return g, acc.jvp(g)
+    _tf_parity(body, acc=True)
+
+
+def test_backward_over_forward_under_budget():
+    """A budgeted tape around a ForwardAccumulator: it records the jvp
+    computations too, and drops and recomputes their saved tensors."""
+    x, w = _mlp_weights(5)
+    v = tf.constant(np.random.RandomState(7).randn(6, 6).astype("float32"))
+
+    def body(GradientTape, ForwardAccumulator):
+        with GradientTape() as tape:
+            tape.watch(x)
+            with ForwardAccumulator(x, v) as acc:
+                y = tf.exp(tf.tanh(tf.matmul(tf.sin(x), w))) * x
+            jvp = acc.jvp(y)
+            loss = tf.reduce_sum(jvp * jvp)
+        return tape.gradient(loss, x)
+    _tf_parity(body, acc=True)

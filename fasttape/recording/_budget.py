@@ -615,7 +615,7 @@ class Store:
             self._locked = previous
 
     def restore(self, payload):
-        """A copy of payload with every dropped tensor recomputed."""
+        """payload's saved tuple with every dropped tensor recomputed."""
         saved = list(payload.saved)
         locked = set(self._locked)
         for k, x in enumerate(saved):
@@ -627,7 +627,7 @@ class Store:
                 finally:
                     self._locked = previous
                 locked.add(x.tid)
-        return EagerOp(payload.attrs, tuple(saved), payload.num_inputs)
+        return tuple(saved)
 
     def summary(self):
         """The budget's counters (tape.summary() reports them)."""
@@ -700,10 +700,12 @@ def _has_slots(payload):
     return False
 
 
-def backward_vspace(tape_state, base):
-    """The vspace for a backward pass over a budgeted tape."""
+def backward_vspace(tape_state, base, recorded=True):
+    """The vspace for a backward pass over a budgeted tape. recorded: the
+    pass may be recorded (by an outer tape, or by this one if it still
+    records: refused); False for a pass that no tape records (explain's)."""
     from fasttape.recording import _callback  # pylint: disable=import-outside-toplevel
-    if any(ts is tape_state for ts in _callback.current().tapes):
+    if recorded and any(ts is tape_state for ts in _callback.current().tapes):
         raise NotImplementedError(
             "fasttape: a tape with a memory_budget cannot compute gradients "
             "while it is still recording (a persistent tape inside its own "
@@ -755,10 +757,18 @@ class BudgetVSpace(VSpace):
             if position is not None:
                 store.position = position
         if type(payload) is EagerOp and _has_slots(payload):
-            payload = store.restore(payload)
-            grads = self.base.call_backward(op_type, payload, unneeded_indices,
-                                            out_grads)
-            del payload
+            # The recomputed tensors go into the payload itself for the
+            # call, not into a copy: what is keyed by the payload (anomaly
+            # mode's record of where the op ran) must find it. (While the
+            # payload holds them, they are not the store's alone: nothing
+            # drops them.)
+            marked = payload.saved
+            payload.saved = store.restore(payload)
+            try:
+                grads = self.base.call_backward(op_type, payload,
+                                                unneeded_indices, out_grads)
+            finally:
+                payload.saved = marked
         else:
             grads = self.base.call_backward(op_type, payload, unneeded_indices,
                                             out_grads)
