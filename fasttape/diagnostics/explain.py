@@ -42,6 +42,7 @@ import weakref
 from tensorflow.python import pywrap_tfe
 
 from fasttape.diagnostics import _frames
+from fasttape.recording import _budget
 from fasttape.recording import _callback
 from fasttape.recording import _recording
 
@@ -585,9 +586,14 @@ class _Analysis:
         from fasttape.recording._callback import output_meta  # pylint: disable=import-outside-toplevel
         from tensorflow.python.framework import ops  # pylint: disable=import-outside-toplevel
         tmap = {t._id: t for t in self.targets}  # pylint: disable=protected-access
+        vspace = _recording.VSPACE
+        if self.ts.budget is not None:
+            # A memory-budgeted tape: recompute the dropped tensors the
+            # pass reads (it runs under _quiet: no tape records it).
+            vspace = _budget.backward_vspace(self.ts, vspace, recorded=False)
         try:
             grads = self.core.compute_gradient(
-                _recording.VSPACE, self.target_ids, path,
+                vspace, self.target_ids, path,
                 {i: output_meta(tmap[i]) for i in path if i in tmap},
                 None, True, True, [output_meta(t) for t in self.targets])
         except LookupError as exc:

@@ -150,26 +150,34 @@ _INNER_DIM_OPS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
                   "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv1D")
 
 
-# An eager op's dispatch from Python costs about what touching this many
-# elements does (tens of microseconds): cheap elementwise ops are not free
+# Costs are in elements touched (read or written by an elementwise kernel:
+# about 0.3 ns each on this CPU). Re-running an op through the budget's
+# Python path (rematerialize, dispatch, bookkeeping) costs about 30 us,
+# what touching this many elements does: a cheap elementwise op is not free
 # to re-run.
-_DISPATCH = 30000
+_DISPATCH = 100000
+# A multiply-add of a matmul or convolution (MKL/oneDNN, vectorized and
+# threaded) costs about a twenty-fifth of an element touched: a 64x320 by
+# 320x1024 matmul, 21M multiply-adds, runs in about 0.3 ms, some 7 times a
+# 16K-element sigmoid re-run, not 340.
+_MACS_PER_ELEMENT = 25
 
 
 def _cost(op_type, inputs, outputs):
-    """A recipe's cost estimate: elements read and written, times the
-    contracted dimension for matmuls and convolutions (their work grows
-    with it; elementwise ops' does not)."""
+    """A recipe's cost estimate (in elements touched): the dispatch, the
+    elements read and written, and for matmuls and convolutions their
+    multiply-adds (outputs times the contracted dimension)."""
     n_in = sum(t._num_elements() for t in inputs)  # pylint: disable=protected-access
     n_out = sum(t._num_elements() for t in outputs)  # pylint: disable=protected-access
-    factor = 1
+    macs = 0
     if op_type in _INNER_DIM_OPS and inputs:
         shape = inputs[-1]._shape_tuple() if op_type.startswith(("Conv", "Depth")) \
             else inputs[0]._shape_tuple()  # pylint: disable=protected-access
         if shape:
             factor = max(1, math.prod(d or 1 for d in shape[:-1])
                          if op_type.startswith(("Conv", "Depth")) else shape[-1] or 1)
-    return _DISPATCH + n_in + n_out * factor
+            macs = n_out * factor // _MACS_PER_ELEMENT
+    return _DISPATCH + n_in + n_out + macs
 
 
 # -- the store ------------------------------------------------------------------
@@ -197,7 +205,7 @@ class Slot:
     of a dropped tensor, it is the marker that says how to recompute it."""
     __slots__ = ("tid", "tensor", "wref", "recipe", "nbytes", "holders",
                  "refs", "payloads", "last", "pinned", "closure_ok", "aliased",
-                 "__weakref__")
+                 "readers", "__weakref__")
 
     def __init__(self, t, recipe):
         self.tid = t._id  # pylint: disable=protected-access
@@ -212,6 +220,7 @@ class Slot:
         self.pinned = False         # a leaf some dropped tensor's recipe needs
         self.closure_ok = False     # every leaf it is recomputed from is pinned
         self.aliased = False        # a variable's value: shares its buffer, frees nothing
+        self.readers = None         # ids of the tensors whose recipes read it (or None)
 
     def __repr__(self):
         what = self.recipe.op_type if self.recipe is not None else "leaf"
@@ -219,6 +228,9 @@ class Slot:
         return f"<fasttape dropped-tensor slot {self.tid}: {what}, {state}>"
 
 
+# How many recomputation steps _next_use follows from a tensor to the
+# gradient functions that will need it (beyond: treated as not needed).
+_NEXT_DEPTH = 4
 # Hysteresis: once what the tape alone holds passes the budget, drop down to
 # this fraction of it, so that the next drop comes a tenth of the budget
 # later (a drop scores every candidate).
@@ -309,6 +321,11 @@ class Store:
                 s.last = clock
                 slots[s.tid] = s          # last writer wins, as in the core
                 recipe.outputs.append(s.tid)
+            for x in in_slots:
+                if x.readers is None:
+                    x.readers = list(recipe.outputs)
+                else:
+                    x.readers.extend(recipe.outputs)
         ref = None
         mine = None
         for t in payload.saved:
@@ -473,8 +490,8 @@ class Store:
         watched = self.watched.__contains__
         clock = self.clock
         position = self.position
-        when = self._when
         chain = {}
+        upcoming = {}
         scored = []
         for s in list(self.sole.values()):
             if not self._droppable(s, watched):
@@ -486,11 +503,7 @@ class Store:
             if position is None:
                 staleness = clock - s.last + 1
             else:
-                # (Readers recorded after position ran already, on a
-                # persistent tape.)
-                soonest = max([w for w in map(when.get, s.holders)
-                               if w is not None and w <= position], default=0)
-                staleness = position - soonest + 1
+                staleness = position - self._next_use(s, position, upcoming) + 1
             scored.append((cost / (max(s.nbytes, 1) * staleness), s.tid, s))
         scored.sort(key=lambda e: (e[0], e[1]))
         for _, _, s in scored:
@@ -506,6 +519,30 @@ class Store:
                 self.shared_bytes += s.nbytes
                 continue
             self._drop(s)
+
+    def _next_use(self, s, position, memo, depth=0):
+        """(Backward) The clock of the next gradient function to run that
+        reads s: the latest-recorded of its readers not run yet (those
+        recorded after position ran already), either directly (a payload
+        that saves it) or through a dropped tensor recomputed from it (its
+        recipe reads s; followed up to _NEXT_DEPTH such steps). 0: none."""
+        got = memo.get(s.tid)
+        if got is not None:
+            return got
+        when = self._when
+        soonest = max([w for w in map(when.get, s.holders)
+                       if w is not None and w <= position], default=0)
+        if s.readers is not None and depth < _NEXT_DEPTH:
+            slots = self.slots
+            for tid in s.readers:
+                c = slots.get(tid)
+                if c is not None and c.tensor is None and c.recipe is not None \
+                        and tid != s.tid:
+                    n = self._next_use(c, position, memo, depth + 1)
+                    if n > soonest:
+                        soonest = n
+        memo[s.tid] = soonest
+        return soonest
 
     def _measure(self):
         # (debug) What only the tape holds, counted afresh, over the budget
@@ -615,7 +652,7 @@ class Store:
             self._locked = previous
 
     def restore(self, payload):
-        """A copy of payload with every dropped tensor recomputed."""
+        """payload's saved tuple with every dropped tensor recomputed."""
         saved = list(payload.saved)
         locked = set(self._locked)
         for k, x in enumerate(saved):
@@ -627,7 +664,7 @@ class Store:
                 finally:
                     self._locked = previous
                 locked.add(x.tid)
-        return EagerOp(payload.attrs, tuple(saved), payload.num_inputs)
+        return tuple(saved)
 
     def summary(self):
         """The budget's counters (tape.summary() reports them)."""
@@ -700,10 +737,12 @@ def _has_slots(payload):
     return False
 
 
-def backward_vspace(tape_state, base):
-    """The vspace for a backward pass over a budgeted tape."""
+def backward_vspace(tape_state, base, recorded=True):
+    """The vspace for a backward pass over a budgeted tape. recorded: the
+    pass may be recorded (by an outer tape, or by this one if it still
+    records: refused); False for a pass that no tape records (explain's)."""
     from fasttape.recording import _callback  # pylint: disable=import-outside-toplevel
-    if any(ts is tape_state for ts in _callback.current().tapes):
+    if recorded and any(ts is tape_state for ts in _callback.current().tapes):
         raise NotImplementedError(
             "fasttape: a tape with a memory_budget cannot compute gradients "
             "while it is still recording (a persistent tape inside its own "
@@ -755,10 +794,18 @@ class BudgetVSpace(VSpace):
             if position is not None:
                 store.position = position
         if type(payload) is EagerOp and _has_slots(payload):
-            payload = store.restore(payload)
-            grads = self.base.call_backward(op_type, payload, unneeded_indices,
-                                            out_grads)
-            del payload
+            # The recomputed tensors go into the payload itself for the
+            # call, not into a copy: what is keyed by the payload (anomaly
+            # mode's record of where the op ran) must find it. (While the
+            # payload holds them, they are not the store's alone: nothing
+            # drops them.)
+            marked = payload.saved
+            payload.saved = store.restore(payload)
+            try:
+                grads = self.base.call_backward(op_type, payload,
+                                                unneeded_indices, out_grads)
+            finally:
+                payload.saved = marked
         else:
             grads = self.base.call_backward(op_type, payload, unneeded_indices,
                                             out_grads)

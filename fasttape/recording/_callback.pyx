@@ -894,18 +894,34 @@ cdef int _record_on_tapes(list tapes, op_type, vector[int64_t]& ids,
         out_ids.push_back((<object>t)._id)
     objs = outputs if mortal else None
     cdef int64_t op_id
+    cdef list copies = None
     for tp in tapes:
-        op_id = (<TapeState>tp).core.record_ids(op_type, ids, out_ids, meta,
-                                                payload, objs)
-        if (<TapeState>tp).budget is not None:
+        if (<TapeState>tp).budget is None:
+            op_id = (<TapeState>tp).core.record_ids(op_type, ids, out_ids, meta,
+                                                    payload, objs)
+        else:
             # A memory budget (recording._budget): one pointer test per tape
-            # and op when there is none.
+            # and op when there is none. It swaps the tensors it drops out
+            # of its payloads: with other tapes recording the op, its own
+            # copy, so theirs keep the tensors.
+            own = payload
+            if len(tapes) > 1 and type(payload) is EagerOp:
+                own = EagerOp((<EagerOp>payload).attrs, (<EagerOp>payload).saved,
+                              (<EagerOp>payload).num_inputs)
+                if copies is None:
+                    copies = []
+                copies.append(own)
+            op_id = (<TapeState>tp).core.record_ids(op_type, ids, out_ids, meta,
+                                                    own, objs)
             (<TapeState>tp).budget.recorded(op_id, op_type, inputs, outputs,
-                                            payload)
+                                            own)
     if _anomaly_hook is not None:
         # Anomaly mode (fasttape.anomaly): where in the user's code this op
         # ran. One C-level test per recorded op when off.
         _anomaly_hook(payload, op_type, inputs, outputs)
+        if copies is not None:
+            for own in copies:
+                _anomaly_hook(own, op_type, inputs, outputs)
     return 0
 
 
