@@ -10,13 +10,13 @@ of that computation to tapes older than itself: a fasttape tape inside it
 must still record the op itself, and not the JVP's ops.
 """
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
 import fasttape
 import harness
 from harness import Raised
+from test_forwardprop import attempt, const
 
 pytestmark = pytest.mark.usefixtures("fresh_tf_jvp_traces")
 
@@ -56,11 +56,6 @@ def mix_parity(case, mix):
     must succeed."""
     return harness.compare(_run(case, "tf"), _run(case, mix),
                            allow_tf_error=False)
-
-
-def const(*shape, seed=0, dtype=np.float64):
-    return tf.constant(np.random.default_rng(seed).standard_normal(shape)
-                       .astype(dtype))
 
 
 def _body(x):
@@ -216,13 +211,6 @@ def test_fasttape_tape_reenters_after_tf_accumulator_pushed_first():
     mix_parity(case, "tf_acc+fasttape_tape")
 
 
-def _attempt(fn, *args):
-    try:
-        return fn(*args)
-    except Exception as exc:  # noqa: BLE001 - compared by type
-        return ("raised", type(exc).__name__)
-
-
 def test_tape_outside_two_nested_accumulators():
     """Back over forward over forward: TF records the JVP calls of the inner
     accumulator's JVPs (some with no outputs at all) on the older tape."""
@@ -237,7 +225,7 @@ def test_tape_outside_two_nested_accumulators():
                     ji = inner.jvp(y)
                 jo = outer.jvp(y)
                 joi = outer.jvp(ji)
-        return (jo, joi) + tuple(_attempt(tape.gradient, t, x)
+        return (jo, joi) + tuple(attempt(tape.gradient, t, x)
                                  for t in (y, ji, jo, joi))
     mix_parity(case, "tf_acc+fasttape_tape")
 
