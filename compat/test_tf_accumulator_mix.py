@@ -243,3 +243,39 @@ def test_recorded_operation_without_outputs():
             y = tf.sin(x) * 2.0
         return tape.gradient(y, x)
     harness.assert_parity(case, allow_tf_error=False)
+
+
+# -- TF's and fasttape's accumulators nested in each other ---------------------------
+
+_ACCS = {"tf": tf.autodiff.ForwardAccumulator, "ft": fasttape.ForwardAccumulator}
+_TAPES = {"tf": tf.GradientTape, "ft": fasttape.GradientTape}
+
+
+@pytest.mark.parametrize("outer,inner,tape", [
+    (o, i, t) for o in "tf ft".split() for i in "tf ft".split()
+    for t in "tf ft".split() if (o, i, t) != ("tf", "tf", "tf")])
+def test_two_accumulators_and_a_tape_in_any_mix(outer, inner, tape):
+    """Forward over forward over back. An older fasttape accumulator must
+    take each op before a younger TF one computes its JVP (TF asks its
+    accumulators oldest first, and the JVP reads the older one's tangents
+    of the op's outputs): else the second order through tanh is zero."""
+    def case(FA1, FA2, GT):
+        x = const(3)
+        v = const(3, seed=1)
+        with FA1(x, v) as a1:
+            with FA2(x, v * 2.0) as a2:
+                with GT() as t:
+                    t.watch(x)
+                    y = _body(x) * x
+                g = t.gradient(y, x)
+            j2 = a2.jvp(y)
+        return g, a2.jvp(g), a1.jvp(g), a1.jvp(a2.jvp(g)), j2, a1.jvp(j2)
+
+    def run(FA1, FA2, GT):
+        try:
+            return case(FA1, FA2, GT)
+        except Exception as exc:  # noqa: BLE001 - compared, never swallowed
+            return Raised(exc)
+    harness.compare(run(_ACCS["tf"], _ACCS["tf"], _TAPES["tf"]),
+                    run(_ACCS[outer], _ACCS[inner], _TAPES[tape]),
+                    allow_tf_error=False)

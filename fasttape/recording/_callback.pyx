@@ -306,7 +306,8 @@ cdef int _record(ThreadState st, op_type, inputs, outputs, int kind, attrs, back
         # (TF's accumulators skip ops with no differentiable output.)
         for a in acc_list:
             if _acc_in_scope(st, a) \
-                    and (<ForwardAccumulatorCore>a.core).should_record(ids, None):
+                    and (<ForwardAccumulatorCore>a.core).should_record(ids, None) \
+                    and not _accumulated(a, outputs):
                 if accs is None:
                     accs = [a]
                 else:
@@ -380,6 +381,36 @@ cdef int _record(ThreadState st, op_type, inputs, outputs, int kind, attrs, back
                 st.in_callback = guard
                 ctx.invoking_op_callbacks = tf_guard
     return 0
+
+
+cdef bint _accumulated(a, list outputs) except -1:
+    """Has accumulator ``a`` already pushed tangents through the op that made
+    ``outputs``? (A TF accumulator's JVP makes fasttape's older ones take the
+    op before TF's op callbacks and fasttape's recorder see it: see
+    accumulate_before_tf.)"""
+    core = a.core
+    for t in outputs:
+        if core.fetch_jvp(t._id) is not None:
+            return True
+    return False
+
+
+def accumulate_before_tf(op_type, inputs, outputs, attrs, long long older_than):
+    """Push tangents through an eagerly run op for this thread's
+    accumulators pushed before ``older_than`` (in scope): TF's C++ asks its
+    accumulators in the order they were pushed, and a younger one's JVP of
+    the op reads the tangents the older ones give its outputs."""
+    cdef ThreadState st = _current()
+    if not st.accumulators or not outputs:
+        return
+    limit, floor = st.nesting_limit, st.nesting_floor
+    st.nesting_limit = min(limit, older_than - 1)
+    st.nesting_floor = NO_LIMIT
+    try:
+        _record(st, op_type, inputs, outputs, EAGER_OP, attrs, None, None,
+                False, True)
+    finally:
+        st.nesting_limit, st.nesting_floor = limit, floor
 
 
 cdef object _InvalidArgumentError = errors_impl.InvalidArgumentError

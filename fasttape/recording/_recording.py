@@ -504,12 +504,17 @@ def _tf_jvp_dispatch(op_name, attr_tuple, inputs, outputs, tangents,
     served = (served if key == out_key else ()) + (busy,)
     limit, floor = st.nesting_limit, st.nesting_floor
     guard, capturing = st.in_callback, st.capturing
-    st.nesting_limit = busy
-    st.nesting_floor = next(_nesting_ids)
     st.in_callback = False
     st.capturing = False
-    _tf_accumulators.served = (None, ())
     try:
+        if st.accumulators and not guard:
+            # fasttape's accumulators older than TF's take the op first, as
+            # TF's own would: its JVP reads the tangents of the op's outputs.
+            _callback.accumulate_before_tf(op_name, list(inputs),
+                                           list(outputs), attr_tuple, busy)
+        st.nesting_limit = busy
+        st.nesting_floor = next(_nesting_ids)
+        _tf_accumulators.served = (None, ())
         return _originals["jvp_function"](op_name, attr_tuple, inputs, outputs,
                                           tangents, use_batch)
     finally:
