@@ -110,8 +110,10 @@ cdef class ThreadState:
     cdef public bint in_callback       # re-entry guard
     # The fast-path wrapper lets TF's C++ convert an op's Python-value
     # inputs and hands the op to TF's op-callback machinery for that one
-    # call (see _capture): set while that call runs.
+    # call (see _capture): set while that call runs, until the op's own
+    # callback (of type capture_op) has been seen.
     cdef public bint capturing
+    cdef public object capture_op
     # While an accumulator computes a JVP: only tapes older than it
     # (nesting id < nesting_limit), accumulators not younger (<=), and
     # whatever is pushed during the computation (nesting id >
@@ -125,6 +127,7 @@ cdef class ThreadState:
         self.accumulators = []
         self.in_callback = False
         self.capturing = False
+        self.capture_op = None
         self.nesting_limit = NO_LIMIT
         self.nesting_floor = NO_LIMIT
 
@@ -273,7 +276,12 @@ def record(op_type, inputs, outputs, int kind, attrs=None, backward=None,
 
     kind: EAGER_OP (attrs given), GRAPH_OP, or PY_BACKWARD (backward and
     optionally forward functions given, as record.record_operation takes).
+    An op with no outputs is not recorded: no gradient can reach it (TF's
+    forward accumulator records such JVP calls, e.g. of nested accumulators;
+    _record reads outputs[0], unchecked).
     """
+    if not outputs:
+        return
     _record(_current(), op_type, inputs, outputs, kind, attrs, backward, forward,
             to_tapes, to_accumulators)
 
@@ -298,7 +306,8 @@ cdef int _record(ThreadState st, op_type, inputs, outputs, int kind, attrs, back
         # (TF's accumulators skip ops with no differentiable output.)
         for a in acc_list:
             if _acc_in_scope(st, a) \
-                    and (<ForwardAccumulatorCore>a.core).should_record(ids, None):
+                    and (<ForwardAccumulatorCore>a.core).should_record(ids, None) \
+                    and not _accumulated(a, outputs):
                 if accs is None:
                     accs = [a]
                 else:
@@ -372,6 +381,36 @@ cdef int _record(ThreadState st, op_type, inputs, outputs, int kind, attrs, back
                 st.in_callback = guard
                 ctx.invoking_op_callbacks = tf_guard
     return 0
+
+
+cdef bint _accumulated(a, list outputs) except -1:
+    """Has accumulator ``a`` already pushed tangents through the op that made
+    ``outputs``? (A TF accumulator's JVP makes fasttape's older ones take the
+    op before TF's op callbacks and fasttape's recorder see it: see
+    accumulate_before_tf.)"""
+    core = a.core
+    for t in outputs:
+        if core.fetch_jvp(t._id) is not None:
+            return True
+    return False
+
+
+def accumulate_before_tf(op_type, inputs, outputs, attrs, long long older_than):
+    """Push tangents through an eagerly run op for this thread's
+    accumulators pushed before ``older_than`` (in scope): TF's C++ asks its
+    accumulators in the order they were pushed, and a younger one's JVP of
+    the op reads the tangents the older ones give its outputs."""
+    cdef ThreadState st = _current()
+    if not st.accumulators or not outputs:
+        return
+    limit, floor = st.nesting_limit, st.nesting_floor
+    st.nesting_limit = min(limit, older_than - 1)
+    st.nesting_floor = NO_LIMIT
+    try:
+        _record(st, op_type, inputs, outputs, EAGER_OP, attrs, None, None,
+                False, True)
+    finally:
+        st.nesting_limit, st.nesting_floor = limit, floor
 
 
 cdef object _InvalidArgumentError = errors_impl.InvalidArgumentError
@@ -1009,14 +1048,22 @@ cdef object _capture(ThreadState st, args):
     NumPy arrays, sequences): the converted tensors are seen only by TF's
     op callbacks, so fasttape's is put in this thread's callback list for
     this one call. (MirroredStrategy's replica threads share the list: the
-    callback acts only on the thread that put it there.)"""
+    callback acts only on the thread that put it there.)
+
+    TF's C++ runs the callbacks last: the ops a forward accumulator of TF's
+    runs for this op (zeros for inputs without a tangent, the JVP) come
+    first. The callback takes only an eager op of this op's type (the JVP
+    itself runs with capturing off: _recording._tf_jvp_dispatch), and a
+    capture nested in those ops gives the outer one back when it ends."""
     callbacks = args[0].op_callbacks
+    outer, outer_op = st.capturing, st.capture_op
     st.capturing = True
+    st.capture_op = args[1]
     callbacks.append(_capture_callback)
     try:
         return _RAW_FAST_PATH(args)
     finally:
-        st.capturing = False
+        st.capturing, st.capture_op = outer, outer_op
         for i in range(len(callbacks) - 1, -1, -1):
             if callbacks[i] is _capture_callback:
                 del callbacks[i]
@@ -1026,7 +1073,8 @@ cdef object _capture(ThreadState st, args):
 def _capture_callback(op_type, inputs, attrs, outputs, op_name=None,
                       graph=None):
     cdef ThreadState st = _current()
-    if not st.capturing:
+    if not st.capturing or graph is not None \
+            or _str(op_type) != st.capture_op:
         return None
     st.capturing = False
     return op_callback(op_type, inputs, attrs, outputs, op_name, graph)

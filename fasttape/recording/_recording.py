@@ -17,6 +17,12 @@ All of fasttape's changes to TensorFlow live in this module:
     TF calls its op callbacks) and pfor's ``_create_op`` (it builds ops no
     callback sees) — each calls TF's original first, so TF's own tapes keep
     working beside fasttape's;
+  - a wrapper of the JVP function TF's own ForwardAccumulator calls for
+    every op it sees (``TFE_Py_RegisterJVPFunction``), and of
+    ``TFE_Py_ForwardAccumulatorSetAdd``/``SetRemove`` to know when each TF
+    accumulator was pushed: while one computes a JVP, only fasttape tapes
+    and accumulators older than it see the ops it runs, as TF's tapes do
+    (see _tf_jvp_dispatch);
   - wrappers of ``op_callbacks.add_op_callback``/``remove_op_callback``,
     which switch ``execute.execute`` for all threads: fasttape's wrapper is
     put back while anything records;
@@ -44,6 +50,7 @@ from tensorflow.python.autograph.core import config_lib as autograph_config_lib
 from tensorflow.python.eager import backprop
 from tensorflow.python.eager import context
 from tensorflow.python.eager import execute
+from tensorflow.python.eager import forwardprop as tf_forwardprop
 from tensorflow.python.eager import record
 from tensorflow.python.eager import tape as tf_tape
 from tensorflow.python.framework import op_callbacks
@@ -421,6 +428,112 @@ def _wrapped_context_clear_caches(context_handle):
     _compiled.kernels_cleared()
 
 
+# -- TF's own ForwardAccumulator -------------------------------------------------
+#
+# TF's C++ calls the registered JVP function (forwardprop._jvp_dispatch) for
+# each op one of its accumulators sees, from inside the op's execution: after
+# the kernel ran and BEFORE the op callbacks. The ops that JVP runs are then
+# recorded, by TF, only on tapes older than the accumulator computing it
+# (TapeSetRecordForwardprop's max_gradient_tape_id) and by accumulators older
+# than it. fasttape's tapes and accumulators follow that rule through the
+# same nesting limit its own accumulators use, numbered on fasttape's counter
+# when TF's accumulator is pushed. And the JVP must not end a fast-path
+# capture meant for the op it belongs to (_callback._capture): its ops would
+# reach the capture callback first and the op itself would go unrecorded.
+
+_tf_accumulators = _threading.local()  # .pushed: [(TF accumulator, nesting id)]
+                                       # .served: (output ids, nesting ids) of this level
+
+
+def _tf_pushed():
+    pushed = getattr(_tf_accumulators, "pushed", None)
+    if pushed is None:
+        pushed = _tf_accumulators.pushed = []
+    return pushed
+
+
+def _wrapped_accumulator_set_add(accumulator):
+    _originals["TFE_Py_ForwardAccumulatorSetAdd"](accumulator)
+    _tf_pushed().append((accumulator, next(_nesting_ids)))
+
+
+def _wrapped_accumulator_set_remove(accumulator):
+    _originals["TFE_Py_ForwardAccumulatorSetRemove"](accumulator)
+    pushed = _tf_pushed()
+    for i in range(len(pushed) - 1, -1, -1):
+        if pushed[i][0] is accumulator:
+            del pushed[i]
+            break
+
+
+def _busy_tf_accumulator(inputs, tangents, out_key):
+    """The nesting id of the TF accumulator whose JVP is asked for: the one
+    that holds these very tangents for these inputs. TF asks its accumulators
+    in the order they were pushed, so when several hold the same tangent (one
+    tangent given to nested accumulators), the oldest not yet asked for this
+    op's outputs. -1 (older than anything fasttape pushed) for an accumulator
+    pushed before fasttape's hooks were in."""
+    pushed = _tf_pushed()
+    found = []
+    for nid_acc in pushed:
+        acc = nid_acc[0]
+        for primal, tangent in zip(inputs, tangents):
+            if tangent is not None and pywrap_tfe.TFE_Py_ForwardAccumulatorJVP(
+                    acc, primal) is tangent:
+                found.append(nid_acc[1])
+                break
+    if not found:
+        return -1
+    key, served = getattr(_tf_accumulators, "served", (None, ()))
+    if key == out_key:
+        found = [nid for nid in found if nid not in served] or found
+    return min(found)
+
+
+def _tf_jvp_dispatch(op_name, attr_tuple, inputs, outputs, tangents,
+                     use_batch=False):
+    """TF's JVP function (forwardprop._jvp_dispatch), run with fasttape's
+    tapes and accumulators scoped as TF scopes its own (see above)."""
+    st = _current()
+    if not st.tapes and not st.accumulators:
+        return _originals["jvp_function"](op_name, attr_tuple, inputs, outputs,
+                                          tangents, use_batch)
+    out_key = tuple([getattr(t, "_id", None) for t in outputs])
+    busy = _busy_tf_accumulator(inputs, tangents, out_key)
+    key, served = getattr(_tf_accumulators, "served", (None, ()))
+    served = (served if key == out_key else ()) + (busy,)
+    limit, floor = st.nesting_limit, st.nesting_floor
+    guard, capturing = st.in_callback, st.capturing
+    st.in_callback = False
+    st.capturing = False
+    try:
+        if st.accumulators and not guard:
+            # fasttape's accumulators older than TF's take the op first, as
+            # TF's own would: its JVP reads the tangents of the op's outputs.
+            _callback.accumulate_before_tf(op_name, list(inputs),
+                                           list(outputs), attr_tuple, busy)
+        st.nesting_limit = busy
+        st.nesting_floor = next(_nesting_ids)
+        _tf_accumulators.served = (None, ())
+        return _originals["jvp_function"](op_name, attr_tuple, inputs, outputs,
+                                          tangents, use_batch)
+    finally:
+        st.nesting_limit, st.nesting_floor = limit, floor
+        st.in_callback, st.capturing = guard, capturing
+        _tf_accumulators.served = (out_key, served)
+
+
+_jvp_function_registered = False
+
+
+def _register_jvp_function(wrapped):
+    global _jvp_function_registered
+    _originals["jvp_function"] = tf_forwardprop._jvp_dispatch  # pylint: disable=protected-access
+    pywrap_tfe.TFE_Py_RegisterJVPFunction(
+        _tf_jvp_dispatch if wrapped else _originals["jvp_function"])
+    _jvp_function_registered = wrapped
+
+
 _HOOKS = (
     (record, "record_operation", _wrapped_record_operation),
     (record, "record_operation_backprop_only",
@@ -439,6 +552,10 @@ _HOOKS = (
     (pfor_lib, "_create_op", _wrapped_pfor_create_op),
     (context.Context, "_clear_caches", _wrapped_clear_caches),
     (pywrap_tfe, "TFE_ContextClearCaches", _wrapped_context_clear_caches),
+    (pywrap_tfe, "TFE_Py_ForwardAccumulatorSetAdd",
+     _wrapped_accumulator_set_add),
+    (pywrap_tfe, "TFE_Py_ForwardAccumulatorSetRemove",
+     _wrapped_accumulator_set_remove),
 )
 
 # AutoGraph must not try to convert fasttape's own (partly compiled) code
@@ -458,6 +575,7 @@ def install():
         setattr(module, name, wrapper)
     autograph_config.CONVERSION_RULES = (
         (_AUTOGRAPH_RULE,) + tuple(autograph_config.CONVERSION_RULES))
+    _register_jvp_function(True)
     _installed = True
 
 
@@ -472,6 +590,8 @@ def uninstall():
     autograph_config.CONVERSION_RULES = tuple(
         r for r in autograph_config.CONVERSION_RULES if r is not _AUTOGRAPH_RULE)
     _installed = False
+    _register_jvp_function(False)
+    _tf_pushed().clear()
     _uninstall_fast_path_wrapper()
     _disarm_execute()
     set_conversion_hook(None)
@@ -490,6 +610,8 @@ def installed_hooks():
              if getattr(module, name) is wrapper]
     if _AUTOGRAPH_RULE in autograph_config.CONVERSION_RULES:
         names.append("CONVERSION_RULES")
+    if _jvp_function_registered:
+        names.append("JVPFunction")
     if pywrap_tfe.TFE_Py_FastPathExecute is _fast_path_execute:
         names.append("TFE_Py_FastPathExecute")
     if execute.execute is _recording_execute:

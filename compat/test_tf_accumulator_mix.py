@@ -1,0 +1,281 @@
+"""Parity of mixes: fasttape's GradientTape with TF's own
+tf.autodiff.ForwardAccumulator, and fasttape's ForwardAccumulator with TF's
+tf.GradientTape.
+
+A case is ``case(ForwardAccumulator, GradientTape)``, as in
+test_forwardprop.py; ``mix_parity(case, mix)`` runs it with TF's two classes
+and with the mix, and compares. TF's accumulator computes each op's JVP from
+inside the op's execution (before TF's op callbacks run) and scopes the ops
+of that computation to tapes older than itself: a fasttape tape inside it
+must still record the op itself, and not the JVP's ops.
+"""
+
+import pytest
+import tensorflow as tf
+
+import fasttape
+import harness
+from harness import Raised
+from test_forwardprop import attempt, const
+
+pytestmark = pytest.mark.usefixtures("fresh_tf_jvp_traces")
+
+MIXES = {
+    "tf": (tf.autodiff.ForwardAccumulator, tf.GradientTape),
+    # fasttape's tape with TF's accumulator
+    "tf_acc+fasttape_tape": (tf.autodiff.ForwardAccumulator,
+                             fasttape.GradientTape),
+    # fasttape's accumulator with TF's tape
+    "fasttape_acc+tf_tape": (fasttape.ForwardAccumulator, tf.GradientTape),
+}
+BOTH_MIXES = ["tf_acc+fasttape_tape", "fasttape_acc+tf_tape"]
+
+# TF's tapes know nothing of fasttape's accumulators: a tf.GradientTape
+# younger than a fasttape.ForwardAccumulator records the ops of its JVPs,
+# which TF's C++ keeps off tapes younger than an accumulator of its own. The
+# gradient of a tangent then has a value where TF's pair gives None (TF's
+# nesting ids are not reachable from Python; hiding the tape from TF during
+# the JVP would renumber it).
+TF_TAPE_SEES_FASTTAPE_JVPS = pytest.mark.xfail(
+    strict=True, reason="a tf.GradientTape inside a fasttape.ForwardAccumulator "
+    "records the accumulator's JVP ops (TF's tape cannot be scoped from Python)")
+YOUNGER_TAPE_MIXES = ["tf_acc+fasttape_tape",
+                      pytest.param("fasttape_acc+tf_tape",
+                                   marks=TF_TAPE_SEES_FASTTAPE_JVPS)]
+
+
+def _run(case, mix):
+    try:
+        return case(*MIXES[mix])
+    except Exception as exc:  # noqa: BLE001 - compared, never swallowed
+        return Raised(exc)
+
+
+def mix_parity(case, mix):
+    """``case`` with TF's classes and with ``mix``: the same results. TF
+    must succeed."""
+    return harness.compare(_run(case, "tf"), _run(case, mix),
+                           allow_tf_error=False)
+
+
+def _body(x):
+    # Python constants: TF's C++ converts them, and its accumulator makes
+    # zeros for their missing tangents before the op callbacks run.
+    return tf.tanh(tf.sin(x) * 2.0 + 0.5)
+
+
+# -- a tape inside an accumulator: forward over back ---------------------------------
+
+@pytest.mark.parametrize("mix", BOTH_MIXES)
+def test_tape_inside_accumulator_gradient_and_its_jvp(mix):
+    def case(FA, GT):
+        x = const(3, 4)
+        with FA(x, tf.ones_like(x)) as acc:
+            with GT() as tape:
+                tape.watch(x)
+                y = _body(x)
+            g = tape.gradient(y, x)
+        return g, acc.jvp(g), acc.jvp(y)
+    mix_parity(case, mix)
+
+
+@pytest.mark.parametrize("mix", BOTH_MIXES)
+def test_persistent_tape_inside_accumulator(mix):
+    def case(FA, GT):
+        x = const(3, 4)
+        v = const(3, 4, seed=1)
+        with FA(x, v) as acc:
+            with GT(persistent=True) as tape:
+                tape.watch(x)
+                a = tf.sin(x)
+                b = a * 2.0
+                y = tf.tanh(b) + tf.reduce_sum(b * b, axis=1, keepdims=True)
+            gs = (tape.gradient(y, x), tape.gradient(y, a),
+                  tape.gradient(b, x), tape.gradient(y, b))
+        return gs, [acc.jvp(g) for g in gs]
+    mix_parity(case, mix)
+
+
+@pytest.mark.parametrize("mix", BOTH_MIXES)
+def test_tape_inside_two_nested_accumulators(mix):
+    def case(FA, GT):
+        x = const(3)
+        v = const(3, seed=1)
+        with FA(x, v) as outer:
+            # the same tangent for the inner one: TF asks both for the JVP
+            # of the same op with the very same tangent tensor
+            with FA(x, v) as inner:
+                with GT() as tape:
+                    tape.watch(x)
+                    y = _body(x) * x
+                g = tape.gradient(y, x)
+            hvp = inner.jvp(g)
+        return g, hvp, outer.jvp(g), outer.jvp(hvp)
+    mix_parity(case, mix)
+
+
+@pytest.mark.parametrize("shared_tangent", [False, True])
+@pytest.mark.parametrize("mix", YOUNGER_TAPE_MIXES)
+def test_tape_between_two_accumulators(mix, shared_tangent):
+    # The tape is younger than the outer accumulator (does not record its
+    # JVPs) and older than the inner one (records its JVPs). With one
+    # tangent tensor for both, TF asks both for the JVP of x's first ops
+    # with the same tangent: which one asks is told by the order.
+    def case(FA, GT):
+        x = const(3)
+        v = const(3, seed=1)
+        with FA(x, v) as outer:
+            with GT(persistent=True) as tape:
+                tape.watch(x)
+                with FA(x, v if shared_tangent else const(3, seed=2)) as inner:
+                    y = _body(x) * x
+                    jy_inner = inner.jvp(y)
+                jy_outer = outer.jvp(y)
+            g = tape.gradient(y, x)
+        return (g, jy_inner, jy_outer, tape.gradient(jy_inner, x),
+                tape.gradient(jy_outer, x), outer.jvp(g))
+    mix_parity(case, mix)
+
+
+@pytest.mark.parametrize("mix", BOTH_MIXES)
+def test_variable_source_inside_accumulator(mix):
+    def case(FA, GT):
+        w = tf.Variable(const(4, seed=3))
+        x = const(3, 4)
+        with FA(x, tf.ones_like(x)) as acc:
+            with GT() as tape:
+                y = tf.reduce_sum(_body(x * w) * 3.0)
+            gw, gx = tape.gradient(y, [w, x])
+        return gw, gx, acc.jvp(gw), acc.jvp(y)
+    mix_parity(case, mix)
+
+
+@pytest.mark.parametrize("mix", BOTH_MIXES)
+def test_tf_function_inside_accumulator(mix):
+    def case(FA, GT):
+        f = tf.function(lambda a: tf.tanh(a * 2.0) + a)
+        x = const(3, 4)
+        with FA(x, tf.ones_like(x)) as acc:
+            with GT() as tape:
+                tape.watch(x)
+                y = f(tf.sin(x)) * 3.0
+            g = tape.gradient(y, x)
+        return g, acc.jvp(g), acc.jvp(y)
+    mix_parity(case, mix)
+
+
+@pytest.mark.parametrize("mix", YOUNGER_TAPE_MIXES)
+def test_tape_inside_does_not_see_the_accumulators_jvps(mix):
+    def case(FA, GT):
+        x = const(3)
+        v = const(3, seed=1)
+        with FA(x, v) as acc:
+            with GT(persistent=True) as tape:
+                tape.watch([x, v])
+                y = _body(x) * x
+            jy = acc.jvp(y)
+        return jy, tape.gradient(jy, x), tape.gradient(jy, v), tape.gradient(y, x)
+    mix_parity(case, mix)
+
+
+# -- a tape outside an accumulator: back over forward -------------------------------
+
+@pytest.mark.parametrize("mix", BOTH_MIXES)
+def test_tape_outside_accumulator_sees_its_jvps(mix):
+    def case(FA, GT):
+        x = const(3)
+        v = const(3, seed=1)
+        with GT(persistent=True) as tape:
+            tape.watch([x, v])
+            with FA(x, v) as acc:
+                y = _body(x) * x
+                jy = acc.jvp(y)
+        return jy, tape.gradient(jy, x), tape.gradient(jy, v), tape.gradient(y, x)
+    mix_parity(case, mix)
+
+
+def test_fasttape_tape_reenters_after_tf_accumulator_pushed_first():
+    """The accumulator is pushed before fasttape's hooks go in (fasttape
+    installs them at its first tape): its JVPs must still stay off the tape."""
+    def case(FA, GT):
+        x = const(3)
+        v = const(3, seed=1)
+        acc = FA(x, v)
+        tape = GT(persistent=True)
+        with acc:
+            with tape:
+                tape.watch(x)
+                y = _body(x)
+            jy = acc.jvp(y)
+        return tape.gradient(y, x), tape.gradient(jy, x)
+    mix_parity(case, "tf_acc+fasttape_tape")
+
+
+def test_tape_outside_two_nested_accumulators():
+    """Back over forward over forward: TF records the JVP calls of the inner
+    accumulator's JVPs (some with no outputs at all) on the older tape."""
+    def case(FA, GT):
+        x = const(3)
+        v = const(3, seed=1)
+        with GT(persistent=True) as tape:
+            tape.watch(x)
+            with FA(x, v) as outer:
+                with FA(x, v) as inner:
+                    y = _body(x) * x
+                    ji = inner.jvp(y)
+                jo = outer.jvp(y)
+                joi = outer.jvp(ji)
+        return (jo, joi) + tuple(attempt(tape.gradient, t, x)
+                                 for t in (y, ji, jo, joi))
+    mix_parity(case, "tf_acc+fasttape_tape")
+
+
+def test_recorded_operation_without_outputs():
+    """record_operation of an op with no outputs (TF's accumulator records
+    such JVP calls): nothing to record, the rest of the tape unharmed."""
+    from tensorflow.python.eager import record
+
+    def case(GT):
+        x = const(3)
+        with GT() as tape:
+            tape.watch(x)
+            record.record_operation("NoOutputs", [], [x], lambda: [])
+            y = tf.sin(x) * 2.0
+        return tape.gradient(y, x)
+    harness.assert_parity(case, allow_tf_error=False)
+
+
+# -- TF's and fasttape's accumulators nested in each other ---------------------------
+
+_ACCS = {"tf": tf.autodiff.ForwardAccumulator, "ft": fasttape.ForwardAccumulator}
+_TAPES = {"tf": tf.GradientTape, "ft": fasttape.GradientTape}
+
+
+@pytest.mark.parametrize("outer,inner,tape", [
+    (o, i, t) for o in "tf ft".split() for i in "tf ft".split()
+    for t in "tf ft".split() if (o, i, t) != ("tf", "tf", "tf")])
+def test_two_accumulators_and_a_tape_in_any_mix(outer, inner, tape):
+    """Forward over forward over back. An older fasttape accumulator must
+    take each op before a younger TF one computes its JVP (TF asks its
+    accumulators oldest first, and the JVP reads the older one's tangents
+    of the op's outputs): else the second order through tanh is zero."""
+    def case(FA1, FA2, GT):
+        x = const(3)
+        v = const(3, seed=1)
+        with FA1(x, v) as a1:
+            with FA2(x, v * 2.0) as a2:
+                with GT() as t:
+                    t.watch(x)
+                    y = _body(x) * x
+                g = t.gradient(y, x)
+            j2 = a2.jvp(y)
+        return g, a2.jvp(g), a1.jvp(g), a1.jvp(a2.jvp(g)), j2, a1.jvp(j2)
+
+    def run(FA1, FA2, GT):
+        try:
+            return case(FA1, FA2, GT)
+        except Exception as exc:  # noqa: BLE001 - compared, never swallowed
+            return Raised(exc)
+    harness.compare(run(_ACCS["tf"], _ACCS["tf"], _TAPES["tf"]),
+                    run(_ACCS[outer], _ACCS[inner], _TAPES[tape]),
+                    allow_tf_error=False)
