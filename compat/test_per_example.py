@@ -12,7 +12,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import test_util
 
 import fasttape
-from fasttape import _per_example
+from fasttape.backward import _per_example
 from compat.harness import TOLERANCES
 
 B = 6

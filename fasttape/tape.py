@@ -26,9 +26,9 @@ from fasttape.recording import _budget
 from fasttape.recording import _recording
 from fasttape.diagnostics import explain as _explain
 from fasttape.recording._callback import is_trainable
-from fasttape import _backward
-from fasttape import _jacobians
-from fasttape import _per_example
+from fasttape.backward import _gradient
+from fasttape.backward import _jacobians
+from fasttape.backward import _per_example
 
 
 class GradientTape:
@@ -158,7 +158,7 @@ class GradientTape:
                 self._tape.core.watch(t._id)  # pylint: disable=protected-access
                 if self._tape.budget is not None:   # never dropped
                     self._tape.budget.watched.add(t._id)  # pylint: disable=protected-access
-            _explain.note_watch(self._tape, _backward.handle_or_self(t)._id)  # pylint: disable=protected-access
+            _explain.note_watch(self._tape, _gradient.handle_or_self(t)._id)  # pylint: disable=protected-access
 
     @tf_contextlib.contextmanager
     def stop_recording(self):
@@ -292,8 +292,8 @@ class GradientTape:
         stands for ones. See docs/differences.md.
         """
         if self._tape is None:
-            raise RuntimeError(_backward.CONSUMED)
-        unconnected_gradients = _backward.unconnected(unconnected_gradients)
+            raise RuntimeError(_gradient.CONSUMED)
+        unconnected_gradients = _gradient.unconnected(unconnected_gradients)
         if self._recording:
             if not self._persistent:
                 self._pop_tape()
@@ -315,30 +315,30 @@ class GradientTape:
         if plain_targets is not None and plain_sources is not None:
             # The common case (eager tensors and variables, alone or in a
             # list or tuple) without nest and composite-tensor machinery.
-            flat_targets = [_backward.handle_or_self(t) for t in plain_targets]
+            flat_targets = [_gradient.handle_or_self(t) for t in plain_targets]
             flat_sources_raw = plain_sources
-            flat_sources = [_backward.handle_or_self(t) for t in flat_sources_raw]
+            flat_sources = [_gradient.handle_or_self(t) for t in flat_sources_raw]
             trainable = is_trainable    # compiled; tensors only
         else:
             plain_sources = None
             trainable = backprop_util.IsTrainable   # TF's errors for non-tensors
             flat_targets = composite_tensor_gradient.get_flat_tensors_for_gradients(
                 nest.flatten(target))
-            flat_targets = nest.map_structure(_backward.handle_or_self, flat_targets)
+            flat_targets = nest.map_structure(_gradient.handle_or_self, flat_targets)
             flat_sources_raw = nest.flatten(sources)
             flat_sources = composite_tensor_gradient.get_flat_tensors_for_gradients(
-                [_backward.handle_or_self(t) for t in flat_sources_raw])
+                [_gradient.handle_or_self(t) for t in flat_sources_raw])
         for t in flat_targets:
             if not trainable(t):
-                _backward.vlog_untrainable("target", t)
+                _gradient.vlog_untrainable("target", t)
         for t in flat_sources:
             if not trainable(t):
-                _backward.vlog_untrainable("source", t)
+                _gradient.vlog_untrainable("source", t)
             if getattr(t, "is_packed", False):
                 raise ValueError("GradientTape.gradient is not supported on "
                                  "packed EagerTensors yet.")
-        _backward.check_tensors(flat_targets, "target")
-        _backward.check_tensors(flat_sources, "sources")
+        _gradient.check_tensors(flat_targets, "target")
+        _gradient.check_tensors(flat_sources, "sources")
         if output_gradients is not None:
             output_gradients = nest.flatten(
                 variable_utils.convert_variables_to_tensors(output_gradients))
@@ -358,7 +358,7 @@ class GradientTape:
             self._tape = None
         explaining = _explain.enabled()
         try:
-            flat_grad = _backward.compute(
+            flat_grad = _gradient.compute(
                 tape_state, flat_targets, flat_sources, output_gradients,
                 flat_sources_raw, unconnected_gradients, retain=explaining,
                 all_watched=output_gradients is not None and any(
@@ -374,7 +374,7 @@ class GradientTape:
             if cls is list:
                 return flat_grad
             return tuple(flat_grad) if cls is tuple else flat_grad[0]
-        flat_sources_raw = nest.map_structure(_backward.handle_or_self, flat_sources_raw)
+        flat_sources_raw = nest.map_structure(_gradient.handle_or_self, flat_sources_raw)
         flat_grad = composite_tensor_gradient.replace_flat_tensors_for_gradients(
             flat_sources_raw, flat_grad)
         return nest.pack_sequence_as(sources, flat_grad)
@@ -402,7 +402,7 @@ class GradientTape:
           RuntimeError: If called on a used, non-persistent tape.
         """
         if self._tape is None:
-            raise RuntimeError(_backward.CONSUMED)
+            raise RuntimeError(_gradient.CONSUMED)
         return _explain.explain(self._tape, target, sources)
 
     def jacobian(self, target, sources,

@@ -6,6 +6,7 @@ directly or around a loop:
 
     public face   fasttape/__init__, __main__, tape, forwardprop, functional,
                   _patch, bench/
+    backward      fasttape/backward/
     diagnostics   fasttape/diagnostics/
     recording     fasttape/recording/
     gradients     fasttape/gradients/
@@ -24,7 +25,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "fasttape")
 
-LAYERS = ("core", "gradients", "recording", "diagnostics", "public")
+LAYERS = ("core", "gradients", "recording", "diagnostics", "backward", "public")
 _RANK = {name: rank for rank, name in enumerate(LAYERS)}
 # Names that `from fasttape import NAME` may take from any layer: plain
 # globals of fasttape/__init__.py (it runs before any submodule anyway).
@@ -39,7 +40,7 @@ def layer_of(module):
         return "public"
     if parts[1] == "_core":
         return "core"
-    if parts[1] in ("gradients", "recording", "diagnostics"):
+    if parts[1] in ("gradients", "recording", "diagnostics", "backward"):
         return parts[1]
     return "public"   # tape, forwardprop, functional, _patch, __main__, bench
 
@@ -195,8 +196,8 @@ def test_every_module_is_read(graph_and_external):
 def test_no_upward_import(graph_and_external):
     graph, _ = graph_and_external
     upward = upward_imports(graph)
-    assert not upward, ("imports that run up the layers (public face > diagnostics "
-                        "> recording > gradients > core):\n  " + "\n  ".join(upward))
+    assert not upward, ("imports that run up the layers (public face > backward > "
+                        "diagnostics > recording > gradients > core):\n  " + "\n  ".join(upward))
 
 
 def test_no_import_cycle(graph_and_external):
@@ -243,3 +244,12 @@ def test_the_checks_can_fail(tmp_path):
     assert [u.split(" in ")[0] for u in upward_imports(graph)] == [
         "fasttape.gradients.a (gradients) imports fasttape.diagnostics.b (diagnostics)"]
     assert cycles(graph) == [["fasttape.diagnostics.b", "fasttape.gradients.a"]]
+
+
+def test_the_top_level_holds_only_the_public_face_and_the_core():
+    """Machinery lives in a layer's subpackage; the package's top level is
+    the public API, the CLI and the core (whose path the design names)."""
+    top = {os.path.splitext(fn)[0] for fn in os.listdir(PACKAGE)
+           if fn.endswith((".py", ".pyx", ".pxd", ".pyi"))}
+    assert top <= {"__init__", "__main__", "tape", "forwardprop", "functional",
+                   "_patch", "_core"}, sorted(top)

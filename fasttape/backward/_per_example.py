@@ -34,8 +34,8 @@ from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.platform import tf_logging as logging
 from tensorflow.python.util import nest
 
-from fasttape import _backward
-from fasttape import _jacobians
+from fasttape.backward import _gradient
+from fasttape.backward import _jacobians
 from fasttape.diagnostics import _frames
 from fasttape.diagnostics import anomaly as _anomaly
 from fasttape.gradients import _compiled
@@ -89,7 +89,7 @@ def _start(tape, losses, sources, what):
             "(inside one, compute per-example gradients with "
             "tf.vectorized_map over single-example tapes).")
     if tape._tape is None:  # pylint: disable=protected-access
-        raise RuntimeError(_backward.CONSUMED)
+        raise RuntimeError(_gradient.CONSUMED)
     if tape._tape.budget is not None:  # pylint: disable=protected-access
         # The rules read saved tensors straight from the trace, where a
         # budget may have dropped them: a loud error, not a wrong norm.
@@ -108,8 +108,8 @@ def _start(tape, losses, sources, what):
             f"per example, not reduced over the batch), got shape "
             f"{losses.shape}.")
     flat_raw = nest.flatten(sources)
-    flat = [_backward.handle_or_self(s) for s in flat_raw]
-    _backward.check_tensors(flat, "sources")
+    flat = [_gradient.handle_or_self(s) for s in flat_raw]
+    _gradient.check_tensors(flat, "sources")
     return tape._tape, int(losses.shape[0]), flat_raw, flat  # pylint: disable=protected-access
 
 

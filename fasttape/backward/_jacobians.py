@@ -24,7 +24,7 @@ from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.util import nest
 from tensorflow.python.util import tf_contextlib
 
-from fasttape import _backward
+from fasttape.backward import _gradient
 
 
 def gradient_rows(tape, target, flat_sources, unconnected_gradients,
@@ -35,19 +35,19 @@ def gradient_rows(tape, target, flat_sources, unconnected_gradients,
     basis: the output gradients of the rows (default: the unit vectors).
     release: end a non-persistent tape afterwards (False: its caller runs
     more passes over it and ends it)."""
-    unconnected_gradients = _backward.unconnected(unconnected_gradients)
+    unconnected_gradients = _gradient.unconnected(unconnected_gradients)
     tape_state = tape._tape
     if tape._recording and not tape._persistent:
         tape._pop_tape()
     flat_raw = list(flat_sources)
     flat = composite_tensor_gradient.get_flat_tensors_for_gradients(
-        [_backward.handle_or_self(t) for t in flat_raw])
+        [_gradient.handle_or_self(t) for t in flat_raw])
     for t in flat:
         # As TF's gradient() in its loop_fn: TypeError for a source
         # that is not a tensor (None, object(), a string).
         if not backprop_util.IsTrainable(t):
-            _backward.vlog_untrainable("source", t)
-    _backward.check_tensors([target] + flat, "sources")
+            _gradient.vlog_untrainable("source", t)
+    _gradient.check_tensors([target] + flat, "sources")
     shape = target.shape
     if basis is not None:
         n = basis.shape[0]
@@ -65,7 +65,7 @@ def gradient_rows(tape, target, flat_sources, unconnected_gradients,
     columns = [[] for _ in flat]
     try:
         for i in range(n):
-            grads = _backward.compute(tape_state, [target], flat, [basis[i]], flat_raw,
+            grads = _gradient.compute(tape_state, [target], flat, [basis[i]], flat_raw,
                             UnconnectedGradients.NONE, retain=True)
             for col, g in zip(columns, grads):
                 col.append(g)
@@ -99,7 +99,7 @@ def jacobian(tape, target, sources,
              parallel_iterations=None, experimental_use_pfor=True):
     """Computes the jacobian using operations recorded in context of this tape."""
     if tape._tape is None:
-        raise RuntimeError(_backward.CONSUMED)
+        raise RuntimeError(_gradient.CONSUMED)
     flat_sources = nest.flatten(sources)
     if _use_loop(target):
         if not experimental_use_pfor:
@@ -158,7 +158,7 @@ def batch_jacobian(tape, target, source,
     if tape._tape is None:
         raise RuntimeError("A non-persistent GradientTape can only be used to"
                            "compute one set of gradients (or jacobians)"
-                           + _backward.USE_PERSISTENT)
+                           + _gradient.USE_PERSISTENT)
     target_shape = target.shape
     loop = _use_loop(target, batch=True)
     nested = nest.is_nested(source)
