@@ -209,7 +209,16 @@ def test_a_workload_says_what_it_measures():
     text = bench.format_per_op(rows)
     assert text.splitlines() == [
         "sin_chain: recording overhead per op above the floor: tf 2.00 us, "
-        "fasttape 1.00 us (0.50x TF's)"]
+        "fasttape 1.00 us (0.50x TF's); the forward pass under the tape, per "
+        "op: 0.83x TF's"]
+
+
+def test_the_graph_split_adds_up_to_the_ratio():
+    rows = [dict(_row("mlp", 2.0, 10.0, 5.0, 1.0, 0.5), tf_function_ms=2.5),
+            dict(_row("varlen", 2.0, 10.0, 5.0, 1.0, 0.5), tf_function_ms=None)]
+    assert bench.format_graph_split(rows).splitlines() == [
+        "mlp: fasttape / tf.function 2.00 = forward floor 0.80 + recording 0.20"
+        " + backward 1.00"]
 
 
 def test_the_cache_tables_means_show_their_spread():

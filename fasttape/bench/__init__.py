@@ -21,7 +21,8 @@ import os
 import sys
 
 from fasttape.bench.plot import PLOT_PARTS, _check_plotting, plot, step_parts  # noqa: F401
-from fasttape.bench.report import format_cache_table, format_per_op, format_table  # noqa: F401
+from fasttape.bench.report import (  # noqa: F401
+    format_cache_table, format_graph_split, format_per_op, format_table)
 from fasttape.bench.timing import (  # noqa: F401
     _counts, _native_stderr_to_file, check_equal, estimate_seconds, held_bytes,
     iqr_ms, run_workload)
@@ -214,6 +215,10 @@ def main(argv=None):
     per_op = format_per_op(rows)
     if per_op:
         print(per_op)
+    graph_split = format_graph_split(rows)
+    if graph_split:
+        print("Against graph mode (each part over the tf.function step):")
+        print(graph_split)
     print()
     print(format_cache_table(rows))
     print("\nms; 1st = each tape's first step (fasttape's runs first); ft "
