@@ -7,7 +7,8 @@
   vmap eager  the same vectorized_map step, not wrapped in tf.function
 
 The dp and vmap steps are checked equal without noise before anything is
-timed. Each arm runs in alternation; medians, with ratios to the plain step.
+timed. fasttape's two steps run in alternation, then the two vectorized_map
+steps in theirs; medians, with ratios to the plain step.
 Each arm's extra peak memory (TF's CPU allocator's peak over one step, less
 what was allocated before it: the forward pass's activations, the backward
 pass, the gradients) is measured once, after the timing.
@@ -178,13 +179,17 @@ def run_dp_workload(tf, fasttape, workload, repeats, warmup):
         for step in steps.values():
             step(NOISE)
     times = {name: [] for name in steps}
-    for i in range(repeats):
-        for name, step in steps.items():
-            if name == "vmap eager" and i >= EAGER_VMAP_REPEATS:
-                continue
-            t0 = time.perf_counter()
-            step(NOISE)
-            times[name].append(time.perf_counter() - t0)
+    # fasttape's two steps alternate; then the vectorized_map steps, in an
+    # alternation of their own (run between fasttape's, the traced step
+    # and the eager one's tracing slowed the step after them).
+    for group in (("plain", "dp"), ("vmap fn", "vmap eager")):
+        for i in range(repeats):
+            for name in group:
+                if name == "vmap eager" and i >= EAGER_VMAP_REPEATS:
+                    continue
+                t0 = time.perf_counter()
+                steps[name](NOISE)
+                times[name].append(time.perf_counter() - t0)
     row = {"workload": workload.name, "grads_equal": bool(equal)}
     for name, seconds in times.items():
         row[name] = float(np.median(seconds) * 1e3)
