@@ -95,6 +95,14 @@ def test_sdist_wheel_and_install_into_a_clean_venv(tmp_path):
     for typed in ("fasttape/__init__.pyi", "fasttape/py.typed"):
         assert typed in names, f"{typed} missing from the wheel (type checkers need it)"
     assert not [n for n in names if n.endswith((".cpp", ".c"))]
+    # every module of the checkout (a subpackage, a module that MANIFEST.in
+    # or the packages list left out would only fail at a user's import)
+    modules = sorted(os.path.relpath(os.path.join(d, f), ROOT).replace(os.sep, "/")
+                     for d, _, files in os.walk(os.path.join(ROOT, "fasttape"))
+                     for f in files if f.endswith(".py"))
+    assert modules and not [m for m in modules if m not in names], (
+        "modules missing from the wheel: "
+        + ", ".join(m for m in modules if m not in names))
 
     # 3. a venv with nothing in it; the wheel installed by this interpreter's
     # pip into it (`pip --python`), before anything else is visible there.
