@@ -18,6 +18,9 @@ trace (the Jacobian's machinery).
 """
 
 from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from concurrent import futures
+import os
+
 import numpy as np
 from tensorflow.python.eager import context
 from tensorflow.python.framework import constant_op
@@ -541,6 +544,113 @@ def _noise_rng(seed):
         key=((int(seed1) & _U64) << 64) | (int(seed2) & _U64)))
 
 
+# The noise vector of a dp_gradient call is drawn on a worker thread (numpy
+# releases the GIL while it fills an array): while the calling thread walks
+# the tape and runs the backward pass's Python, and, for unseeded noise,
+# ahead of the next call (the draw does not depend on the gradients).
+_drawer = []        # the ThreadPoolExecutor, made on first use
+_prefetched = {}    # (n, numpy dtype, stddev) -> Future: the unseeded next draw
+# With one core the worker could only take turns with the calling thread.
+_THREADED = len(os.sched_getaffinity(0)) > 1 if hasattr(
+    os, "sched_getaffinity") else (os.cpu_count() or 1) > 1
+
+
+def _executor():
+    if not _drawer:
+        _drawer.append(futures.ThreadPoolExecutor(
+            1, thread_name_prefix="fasttape-noise"))
+    return _drawer[0]
+
+
+def _clear_noise():
+    """Drop the unseeded draws made ahead (with fasttape.clear_caches; a
+    forked child has no worker thread: a new one is made there)."""
+    _prefetched.clear()
+
+
+def _after_fork_in_child():
+    _drawer.clear()
+    _prefetched.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+_recording.observe_from_above(clear_caches=_clear_noise)
+
+
+def _draw(rng, n, np_dtype, stddev):
+    noise = rng.standard_normal(n, dtype=np_dtype)
+    noise *= stddev
+    return noise
+
+
+class _Drawn:
+    """A draw made in the calling thread, as a Future's result."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+def _submit(rng, args):
+    if not _THREADED:
+        return _Drawn(_draw(rng, *args))
+    return _executor().submit(_draw, rng, *args)
+
+
+class _Noise:
+    """The noise vector of one dp_gradient call: ``at[k]`` = (offset, size)
+    of source k's noise in it, for every source of the vector's dtype (the
+    first float32/float64 source's) up to one noise block; drawn from
+    ``rng`` first of all (the larger sources' blocks after it), on the
+    worker thread. Its offsets depend on the sources alone, so a seed draws
+    the same for each source whichever of them the losses reach."""
+
+    def __init__(self, flat_raw, stddev, rng):
+        self.at, self.dtype, size = {}, None, 0
+        for k, s in enumerate(flat_raw):
+            if self.dtype is None and s.dtype in _NUMPY_NOISE:
+                self.dtype = s.dtype
+            n = s.shape.num_elements()
+            if s.dtype == self.dtype and n is not None and n <= _NOISE_CHUNK:
+                self.at[k] = (size, n)
+                size += n
+        self._tensor = self._future = self._args = None
+        if not size:
+            return
+        self._args, self._rng = (size, self.dtype.as_numpy_dtype, stddev), rng
+        # unseeded: made ahead by the previous call (see ahead())
+        if rng is _unseeded_rng():
+            self._future = _prefetched.pop(self._args, None)
+        if self._future is None:
+            self._future = _submit(rng, self._args)
+
+    def ahead(self):
+        """Unseeded: start the next call's draw (of this layout), to run
+        while the caller runs its next step's forward pass."""
+        if self._args is not None and self._rng is _unseeded_rng() and _THREADED:
+            if len(_prefetched) >= 8:
+                _prefetched.clear()
+            _prefetched[self._args] = _submit(self._rng, self._args)
+
+    def tensor(self):
+        if self._tensor is None:
+            self._tensor = constant_op.constant(self._future.result())
+            self._future = None
+        return self._tensor
+
+    def wait(self):
+        """The draw finished (before ``rng`` draws anything else)."""
+        if self._future is not None:
+            self._future.result()
+
+
+def _unseeded_rng():
+    return _unseeded[0] if _unseeded else None
+
+
 def _noise(dtype, shape, seed, k, stddev, rng):
     """Normal noise of standard deviation ``stddev`` for source k: from
     ``rng`` (_noise_rng) for float32 and float64, else from TF's kernels
@@ -599,9 +709,10 @@ def _hashable(value):
     return value
 
 
-def _post_plan(ruled, rows, flat_raw, noise_dtype, op_types, reserved=0,
+def _post_plan(ruled, rows, flat_raw, noise_at, op_types, reserved=0,
                batch=None):
-    """What dp_gradient's post-pass computes, as (spec, feeds, noise size):
+    """What dp_gradient's post-pass computes, as (spec, feeds): noise is
+    added from the noise vector to the sources in ``noise_at`` (see _Noise);
     ``spec`` is hashable (it keys the traced function, with the feeds'
     shapes and dtypes) and ``feeds`` the tensors it reads: the rules' saved
     inputs and output gradients (each once), the fallback rows. With
@@ -629,22 +740,15 @@ def _post_plan(ruled, rows, flat_raw, noise_dtype, op_types, reserved=0,
         ruled_spec.append((k, op_types[k], pos, tuple(src_shape),
                            attrs, payload.num_inputs, inputs, feed(g)))
     rows_spec = tuple((k, feed(r)) for k, r in rows.items() if r is not None)
-    # The noise added inside the post-pass: every source of the noise's
-    # dtype up to one noise block (larger ones get theirs a block at a time
-    # after it, as do other dtypes), from one vector.
-    noised, offset = [], 0
-    if noise_dtype is not None:
-        for k in sorted([k for k, *_ in ruled_spec] + [k for k, _ in rows_spec]):
-            shape = flat_raw[k].shape
-            n = shape.num_elements()
-            if flat_raw[k].dtype == noise_dtype and n <= _NOISE_CHUNK:
-                noised.append((k, offset, n))
-                offset += n
+    # The noise added inside the post-pass, from one vector (larger
+    # sources get theirs a block at a time after it, as do other dtypes).
+    noised = tuple((k, *noise_at[k]) for k in sorted(
+        [k for k, *_ in ruled_spec] + [k for k, _ in rows_spec]) if k in noise_at)
     shapes = tuple((k, tuple(flat_raw[k].shape.as_list()))
                    for k in sorted([k for k, *_ in ruled_spec]
                                    + [k for k, _ in rows_spec]))
-    return ((tuple(ruled_spec), rows_spec, tuple(noised), shapes, batch),
-            feeds[reserved:], offset)
+    return ((tuple(ruled_spec), rows_spec, noised, shapes, batch),
+            feeds[reserved:])
 
 
 class _NotFusable(Exception):
@@ -749,35 +853,26 @@ _DECLINED = set()    # fused post-pass specs a rule declined (_NotFusable)
 
 
 def _dp_finish(tape_state, losses, flat_raw, analysis, ruled, rows, clip, m,
-               stddev, rng, out, out_ids=None):
+               noise, out, out_ids=None):
     """The post-pass of dp_gradient: fills ``out`` with each source's
     clipped, summed, divided gradient, with noise for the sources the spec
-    notes (see _post_plan); returns the spec. With ``out_ids``, ``ruled``
+    notes (see _post_plan; ``noise`` a _Noise, or None); returns the spec. With ``out_ids``, ``ruled``
     holds indices into them and the backward pass to them runs fused with
     the post-pass (may raise _NotFusable)."""
-    noise_dtype = None
-    if stddev > 0:
-        for k in sorted(list(ruled) + [k for k, r in rows.items()
-                                       if r is not None]):
-            if flat_raw[k].dtype in _NUMPY_NOISE:
-                noise_dtype = flat_raw[k].dtype
-                break
     fused = out_ids is not None
-    spec, feeds, n_noise = _post_plan(
-        ruled, rows, flat_raw, noise_dtype, analysis.op_types,
+    spec, feeds = _post_plan(
+        ruled, rows, flat_raw, {} if noise is None else noise.at,
+        analysis.op_types,
         reserved=len(out_ids) if fused else 0,
         batch=int(losses.shape[0]) if fused else None)
     if fused and spec in _DECLINED:
         raise _NotFusable()
     if not spec[3]:
         return spec
-    dtype = flat_raw[spec[3][0][0]].dtype if noise_dtype is None else noise_dtype
+    dtype = noise.dtype if spec[2] else flat_raw[spec[3][0][0]].dtype
     feeds += [_const(clip, dtype), _const(clip / m, dtype)]
-    if n_noise:
-        noise = rng.standard_normal(
-            n_noise, dtype=noise_dtype.as_numpy_dtype)
-        noise *= stddev
-        feeds.append(constant_op.constant(noise))
+    if spec[2]:
+        feeds.append(noise.tensor())
     if not fused:
         grads = _compiled.traced_call(
             ("dp_gradient", spec), lambda *t: _post_pass(spec, *t), feeds)
@@ -816,6 +911,7 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
     stddev = clip * float(noise_multiplier) / m
     out = [None] * len(flat)
     rng = _noise_rng(seed) if stddev > 0 else None
+    noise = _Noise(flat_raw, stddev, rng) if stddev > 0 else None
     try:
         if m == batch:
             analysis = _analyse("dp_gradient", tape_state, losses, flat,
@@ -826,17 +922,16 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
                 # the backward pass and the post-pass: one function
                 try:
                     spec = _dp_finish(tape_state, losses, flat_raw, analysis,
-                                      fused[0], {}, clip, m, stddev, rng, out,
+                                      fused[0], {}, clip, m, noise, out,
                                       fused[1])
                 except _NotFusable:
-                    # (a seed's noise as if drawn once)
-                    rng = _noise_rng(seed) if stddev > 0 else None
+                    pass
             if spec is None:
                 ruled = _ruled_pass("dp_gradient", tape_state, losses, flat,
                                     analysis)
                 rows = _rows(tape, losses, flat_raw, list(analysis.fallback))
                 spec = _dp_finish(tape_state, losses, flat_raw, analysis,
-                                  ruled, rows, clip, m, stddev, rng, out)
+                                  ruled, rows, clip, m, noise, out)
         else:
             # TF Privacy: losses reshaped to [m, B/m] and averaged per
             # microbatch; a microbatch's gradient goes through rows.
@@ -847,11 +942,14 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
                 linalg_ops_impl.eye(m, dtype=losses.dtype), size, axis=1) / size
             rows = _rows(tape, losses, flat_raw, list(analysis.fallback), basis)
             spec = _dp_finish(tape_state, losses, flat_raw, analysis, {}, rows,
-                              clip, m, stddev, rng, out)
+                              clip, m, noise, out)
         _note_fallback("dp_gradient", tape, flat_raw, analysis)
     finally:
         _end(tape, tape_state)
     noised = {k for k, _, _ in spec[2]} if stddev > 0 else ()
+    if noise is not None:
+        noise.wait()    # (the vector comes first from a seeded rng)
+        noise.ahead()
     for k, g in enumerate(out):
         if g is None or k in noised or not stddev > 0:
             continue
