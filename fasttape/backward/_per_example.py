@@ -18,9 +18,6 @@ trace (the Jacobian's machinery).
 """
 
 from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
-from concurrent import futures
-import os
-
 import numpy as np
 from tensorflow.python.eager import context
 from tensorflow.python.framework import constant_op
@@ -114,6 +111,15 @@ def _start(tape, losses, sources, what):
     flat = [_gradient.handle_or_self(s) for s in flat_raw]
     _gradient.check_tensors(flat, "sources")
     return tape._tape, int(losses.shape[0]), flat_raw, flat  # pylint: disable=protected-access
+
+
+def _pack(sources, flat_raw, out):
+    """nest.pack_sequence_as(sources, out), without nest's walk for a flat
+    list or tuple of sources (a model's trainable_variables)."""
+    if type(sources) in (list, tuple) and len(sources) == len(flat_raw) and all(
+            s is f for s, f in zip(sources, flat_raw)):
+        return type(sources)(out)
+    return nest.pack_sequence_as(sources, out)
 
 
 def _end(tape, tape_state):
@@ -264,9 +270,9 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
     # Shapes of the tensors on the path: the recorder keeps no output
     # metadata, but a consumer that saved the tensor for its gradient knows it.
     shapes = {}
-    for op_id in op_ids:
-        entry = core.op(op_id)
-        inputs = None if entry is None else getattr(entry.payload, "inputs", None)
+    entries = [e for e in map(core.op, op_ids) if e is not None]
+    for entry in entries:
+        inputs = getattr(entry.payload, "inputs", None)
         for tid, t in zip(entry.input_ids if inputs else (), inputs or ()):
             if tid in shapes or t is None:
                 continue
@@ -275,7 +281,6 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
                     shapes[tid] = t._shape_tuple()  # pylint: disable=protected-access
             elif t.dtype != dtypes.resource:
                 shapes[tid] = tuple(t.shape.as_list())
-    entries = [e for e in map(core.op, op_ids) if e is not None]
     # ... and across the ops that keep their input's shape (a BiasAdd after
     # a Dense's MatMul and Reshape saves neither)
     for chain in (reversed(entries), entries):
@@ -470,7 +475,7 @@ def per_example_gradients(tape, losses, sources):
             out[k] = rows
     finally:
         _end(tape, tape_state)
-    return nest.pack_sequence_as(sources, out)
+    return _pack(sources, flat_raw, out)
 
 
 def _sq_norms(what, tape, tape_state, losses, flat, flat_raw, analysis):
@@ -544,111 +549,44 @@ def _noise_rng(seed):
         key=((int(seed1) & _U64) << 64) | (int(seed2) & _U64)))
 
 
-# The noise vector of a dp_gradient call is drawn on a worker thread (numpy
-# releases the GIL while it fills an array): while the calling thread walks
-# the tape and runs the backward pass's Python, and, for unseeded noise,
-# ahead of the next call (the draw does not depend on the gradients).
-_drawer = []        # the ThreadPoolExecutor, made on first use
-_prefetched = {}    # (n, numpy dtype, stddev) -> Future: the unseeded next draw
-# With one core the worker could only take turns with the calling thread.
-_THREADED = len(os.sched_getaffinity(0)) > 1 if hasattr(
-    os, "sched_getaffinity") else (os.cpu_count() or 1) > 1
-
-
-def _executor():
-    if not _drawer:
-        _drawer.append(futures.ThreadPoolExecutor(
-            1, thread_name_prefix="fasttape-noise"))
-    return _drawer[0]
-
-
-def _clear_noise():
-    """Drop the unseeded draws made ahead (with fasttape.clear_caches; a
-    forked child has no worker thread: a new one is made there)."""
-    _prefetched.clear()
-
-
-def _after_fork_in_child():
-    _drawer.clear()
-    _prefetched.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-_recording.observe_from_above(clear_caches=_clear_noise)
-
-
-def _draw(rng, n, np_dtype, stddev):
-    noise = rng.standard_normal(n, dtype=np_dtype)
-    noise *= stddev
-    return noise
-
-
-class _Drawn:
-    """A draw made in the calling thread, as a Future's result."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
-def _submit(rng, args):
-    if not _THREADED:
-        return _Drawn(_draw(rng, *args))
-    return _executor().submit(_draw, rng, *args)
-
-
 class _Noise:
     """The noise vector of one dp_gradient call: ``at[k]`` = (offset, size)
     of source k's noise in it, for every source of the vector's dtype (the
-    first float32/float64 source's) up to one noise block; drawn from
-    ``rng`` first of all (the larger sources' blocks after it), on the
-    worker thread. Its offsets depend on the sources alone, so a seed draws
-    the same for each source whichever of them the losses reach."""
+    first float32/float64 source's) up to one noise block. Drawn from
+    ``rng`` before anything else (the larger sources' blocks after it).
+    Its offsets depend on the sources alone, so a seed draws the same for
+    each source whichever of them the losses reach."""
 
     def __init__(self, flat_raw, stddev, rng):
-        self.at, self.dtype, size = {}, None, 0
+        self.at, self.dtype, self.size = {}, None, 0
         for k, s in enumerate(flat_raw):
             if self.dtype is None and s.dtype in _NUMPY_NOISE:
                 self.dtype = s.dtype
             n = s.shape.num_elements()
             if s.dtype == self.dtype and n is not None and n <= _NOISE_CHUNK:
-                self.at[k] = (size, n)
-                size += n
-        self._tensor = self._future = self._args = None
-        if not size:
-            return
-        self._args, self._rng = (size, self.dtype.as_numpy_dtype, stddev), rng
-        # unseeded: made ahead by the previous call (see ahead())
-        if rng is _unseeded_rng():
-            self._future = _prefetched.pop(self._args, None)
-        if self._future is None:
-            self._future = _submit(rng, self._args)
+                self.at[k] = (self.size, n)
+                self.size += n
+        self._stddev, self._rng = stddev, rng
+        self._values = self._tensor = None
 
-    def ahead(self):
-        """Unseeded: start the next call's draw (of this layout), to run
-        while the caller runs its next step's forward pass."""
-        if self._args is not None and self._rng is _unseeded_rng() and _THREADED:
-            if len(_prefetched) >= 8:
-                _prefetched.clear()
-            _prefetched[self._args] = _submit(self._rng, self._args)
+    def _draw(self):
+        if self._values is None and self.size:
+            self._values = self._rng.standard_normal(
+                self.size, dtype=self.dtype.as_numpy_dtype)
+            self._values *= self._stddev
 
     def tensor(self):
         if self._tensor is None:
-            self._tensor = constant_op.constant(self._future.result())
-            self._future = None
+            self._draw()
+            # (no copy, as constant() makes: the array is this call's alone)
+            ctx = context.context()
+            ctx.ensure_initialized()
+            self._tensor = ops.EagerTensor(self._values, ctx.device_name)
         return self._tensor
 
     def wait(self):
-        """The draw finished (before ``rng`` draws anything else)."""
-        if self._future is not None:
-            self._future.result()
-
-
-def _unseeded_rng():
-    return _unseeded[0] if _unseeded else None
+        """Drawn (before ``rng`` draws anything else)."""
+        self._draw()
 
 
 def _noise(dtype, shape, seed, k, stddev, rng):
@@ -736,7 +674,11 @@ def _post_plan(ruled, rows, flat_raw, noise_at, op_types, reserved=0,
         inputs = tuple(
             -1 if t is None or t.dtype == dtypes.resource else feed(t)
             for t in payload.inputs)
-        attrs = tuple(_hashable(a) for a in payload.attrs)
+        attrs = payload.attrs
+        try:
+            hash(attrs)
+        except TypeError:
+            attrs = tuple(_hashable(a) for a in attrs)
         ruled_spec.append((k, op_types[k], pos, tuple(src_shape),
                            attrs, payload.num_inputs, inputs, feed(g)))
     rows_spec = tuple((k, feed(r)) for k, r in rows.items() if r is not None)
@@ -856,9 +798,9 @@ def _dp_finish(tape_state, losses, flat_raw, analysis, ruled, rows, clip, m,
                noise, out, out_ids=None):
     """The post-pass of dp_gradient: fills ``out`` with each source's
     clipped, summed, divided gradient, with noise for the sources the spec
-    notes (see _post_plan; ``noise`` a _Noise, or None); returns the spec. With ``out_ids``, ``ruled``
-    holds indices into them and the backward pass to them runs fused with
-    the post-pass (may raise _NotFusable)."""
+    notes (see _post_plan; ``noise``: a _Noise, or None); returns the spec.
+    With ``out_ids``, ``ruled`` holds indices into them and the backward
+    pass to them runs fused with the post-pass (may raise _NotFusable)."""
     fused = out_ids is not None
     spec, feeds = _post_plan(
         ruled, rows, flat_raw, {} if noise is None else noise.at,
@@ -948,8 +890,7 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
         _end(tape, tape_state)
     noised = {k for k, _, _ in spec[2]} if stddev > 0 else ()
     if noise is not None:
-        noise.wait()    # (the vector comes first from a seeded rng)
-        noise.ahead()
+        noise.wait()    # (the vector comes first from rng)
     for k, g in enumerate(out):
         if g is None or k in noised or not stddev > 0:
             continue
@@ -959,4 +900,4 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
         else:
             g = _ex("AddV2", g, _noise(g.dtype, shape, seed, k, stddev, rng))
         out[k] = g
-    return nest.pack_sequence_as(sources, out)
+    return _pack(sources, flat_raw, out)
