@@ -512,6 +512,27 @@ def test_einsum_rule_declines_other_equations():
     assert [types for _, types in tape.summary().per_example_rows[1]] == [("Einsum",)]
 
 
+def test_float32_noise_generator_is_standard_normal():
+    """float32 noise is drawn by Box-Muller (_standard_normal): its values
+    follow N(0, 1) (Kolmogorov-Smirnov against the normal CDF), the two
+    normals of each uniform pair are independent."""
+    import math
+    n = 400_001
+    x = _per_example._standard_normal(
+        np.random.Generator(np.random.Philox(key=5)), n, np.float32)
+    assert x.dtype == np.float32 and x.shape == (n,)
+    z = np.sort(x.astype(np.float64))
+    cdf = 0.5 * (1 + np.vectorize(math.erf)(z / math.sqrt(2)))
+    ranks = np.arange(1, n + 1) / n
+    ks = max(np.max(ranks - cdf), np.max(cdf - (ranks - 1 / n)))
+    assert ks < 1.95 / math.sqrt(n), ks      # p = 0.001
+    half = (n + 1) // 2
+    a, b = x[:half - 1].astype(np.float64), x[half:].astype(np.float64)
+    assert abs(np.corrcoef(a, b)[0, 1]) < 0.01
+    assert abs(np.corrcoef(a * a, b * b)[0, 1]) < 0.01
+    assert abs(np.mean(z ** 4) - 3) < 0.06       # kurtosis of a normal
+
+
 def test_noise_std_and_seed():
     xs, loss, variables = _mlp(tf.float64)
     clip, multiplier, m = 0.5, 1.3, 3
