@@ -889,3 +889,55 @@ def test_compiled_post_pass_replays_after_a_reseed(case):
         for _ in range(3):
             step()
         assert stats["post_replayed"] == replayed + 3, stats
+
+
+# -- the analysis and fused plan kept per structure ---------------------------
+
+def test_cached_analysis_serves_new_values():
+    """A second step of the same structure takes the kept analysis and
+    fused plan, on its own tensors: its gradients are this step's (checked
+    against the loop of single-example tapes), not the first step's."""
+    fasttape.clear_caches()
+    xs, loss, variables = _mlp(tf.float64)
+    for step in range(3):
+        if step:
+            for v in variables:
+                v.assign(v * 0.5 + 0.1)
+            xs = [x * (1.0 + step) for x in xs]
+        ref = _reference(loss, xs, variables)
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        got = tape.dp_gradient(losses, variables, 0.7)
+        norms = _ref_norms(ref)
+        weights = tf.minimum(1.0, 0.7 / norms) / B
+        for g, r in zip(got, ref):
+            _close(g, tf.tensordot(weights, r, 1), tf.float64)
+    assert len(_per_example._ANALYSES) == 1
+    assert len(_per_example._FUSED_PLANS) == 1
+    fasttape.clear_caches()
+    assert not _per_example._ANALYSES and not _per_example._FUSED_PLANS
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_cached_analysis_keys_on_reduction_axes(axis):
+    """Two losses of equal shapes and op types that differ in a reduction
+    axis alone: the one over the batch axis raises after the other was
+    analysed (the axes' values are part of the key)."""
+    x = tf.constant(np.random.default_rng(0).normal(size=(B, B)))
+    w = tf.Variable(np.eye(B))
+
+    def run(ax):
+        with fasttape.GradientTape() as tape:
+            losses = tf.reduce_sum(tf.sin(x @ w), axis=ax)
+        return tape.per_example_norms(losses, [w])
+    other = 1 - axis
+    if other == 1:
+        run(1)
+    else:
+        with pytest.raises(ValueError):
+            run(0)
+    if axis == 0:
+        with pytest.raises(ValueError, match="batch axis"):
+            run(0)
+    else:
+        run(1)

@@ -18,6 +18,8 @@ trace (the Jacobian's machinery).
 """
 
 from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+import collections
+
 import numpy as np
 from tensorflow.python.eager import context
 from tensorflow.python.framework import constant_op
@@ -42,6 +44,7 @@ from fasttape.gradients import _compiled
 from fasttape.gradients import _norm_rules
 from fasttape.gradients._fast_grads import _cached, _const, _ex
 from fasttape.gradients._payloads import EagerOp
+from fasttape.gradients._payloads import backward_signature
 from fasttape.recording import _recording
 from fasttape.recording._callback import output_meta
 
@@ -72,6 +75,8 @@ class _Analysis:
         self.op_types = {}
         self.out_ids = {}       # k -> the id of its ruled op's output
         self.out_shapes = {}    # k -> its shape, where the recording knows it
+        self.key = None         # its structural key (_ANALYSES), if it has one
+        self.folded = {}        # k -> the payload a _fold_rows copy was made of
 
 
 def _meta_shape(meta):
@@ -257,12 +262,102 @@ def _keeps_axis0(entry, shapes, batch, alias):
             and op_type in ("Tile",) and const(1) is not None and const(1)[0] == 1)
 
 
+# Analyses by the structure of the path they walked (see _analyse): a
+# training loop records the same program each step, and its analysis then
+# costs a lookup. Values hold no tensor: entry positions, rules, shapes.
+_ANALYSES = collections.OrderedDict()
+_MAX_ANALYSES = 64
+
+
+class _Layout:
+    """An analysis with its ops as positions among the path's entries."""
+
+    __slots__ = ("ruled", "fallback", "logs")
+
+    def __init__(self, ruled, fallback, logs):
+        self.ruled = ruled          # k -> (j, pos, rule, src_shape, fold, op_type, out_shape)
+        self.fallback = fallback    # k -> op types
+        self.logs = logs            # its DEBUG lines
+
+
 def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
     """Walk the ops between the sources and `losses` once: refuse a losses
-    that mixes examples, and find each source's rule or its fallback."""
+    that mixes examples, and find each source's rule or its fallback.
+
+    A path equal in structure to one analysed before (the core's code for
+    it, and its backward signature: op types, attrs, shapes, dtypes, and
+    the values of the small config inputs the checks read, such as axes
+    and permutations) takes that analysis, on this path's ops."""
     core = tape_state.core
     source_ids = [t._id for t in flat]  # pylint: disable=protected-access
-    op_ids, _ = core.path([losses._id], source_ids)  # pylint: disable=protected-access
+    code, entries = core.plan([losses._id], source_ids)  # pylint: disable=protected-access
+    key = None
+    signed = backward_signature(entries, _compiled.CONFIG_INPUTS,
+                                _compiled.config_inputs_of)
+    if signed is not None:
+        key = (what, code, signed[0], batch, use_rules, tuple(
+            (tuple(s.shape.as_list()), s.dtype) for s in flat_raw))
+        try:
+            layout = _ANALYSES.get(key)
+        except TypeError:       # an attr value that cannot be a key
+            layout, key = None, None
+        if layout is not None:
+            _ANALYSES.move_to_end(key)
+            for line in layout.logs:
+                logging.debug(line)
+            return _rebind(layout, entries, key)
+    logs = []
+    result = _analyse_path(what, entries, flat, flat_raw, batch, use_rules,
+                           logs)
+    if key is not None:
+        layout = _layout(result, entries, logs)
+        if layout is not None:
+            _ANALYSES[key] = layout
+            if len(_ANALYSES) > _MAX_ANALYSES:
+                _ANALYSES.popitem(last=False)
+            result.key = key
+    return result
+
+
+def _layout(result, entries, logs):
+    """result as a _Layout over ``entries``, or None if a ruled payload
+    is not one of theirs (nor a _fold_rows copy of one)."""
+    at = {id(e.payload): j for j, e in enumerate(entries)}
+    ruled = {}
+    for k, (payload, pos, rule, src_shape) in result.ruled.items():
+        j, fold = at.get(id(payload)), None
+        if j is None:
+            j = at.get(id(result.folded.get(k)))
+            if j is None:
+                return None
+            fold = tuple(payload.attrs[len(entries[j].payload.attrs):])
+        ruled[k] = (j, pos, rule, src_shape, fold, result.op_types[k],
+                    result.out_shapes[k])
+    return _Layout(ruled, {k: tuple(v) for k, v in result.fallback.items()},
+                   tuple(logs))
+
+
+def _rebind(layout, entries, key):
+    """The analysis ``layout`` notes, on this path's ``entries``."""
+    result = _Analysis()
+    for k, (j, pos, rule, src_shape, fold, op_type, out_shape) in layout.ruled.items():
+        entry = entries[j]
+        payload = entry.payload
+        if fold is not None:
+            payload = EagerOp(tuple(payload.attrs) + fold,
+                              tuple(payload.inputs), payload.num_inputs)
+        result.ruled[k] = (payload, pos, rule, src_shape)
+        result.op_types[k] = op_type
+        result.out_ids[k] = entry.output_ids[0]
+        result.out_shapes[k] = out_shape
+    result.fallback = {k: list(v) for k, v in layout.fallback.items()}
+    result.key = key
+    return result
+
+
+def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
+    """_analyse's walk over the path's entries (DEBUG lines into logs)."""
+    source_ids = [t._id for t in flat]  # pylint: disable=protected-access
     alias = {}
     for k, sid in enumerate(source_ids):
         alias.setdefault(sid, k)
@@ -270,7 +365,6 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
     # Shapes of the tensors on the path: the recorder keeps no output
     # metadata, but a consumer that saved the tensor for its gradient knows it.
     shapes = {}
-    entries = [e for e in map(core.op, op_ids) if e is not None]
     for entry in entries:
         inputs = getattr(entry.payload, "inputs", None)
         for tid, t in zip(entry.input_ids if inputs else (), inputs or ()):
@@ -315,9 +409,10 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
         _check_mixing(what, entry, shapes, batch)
         if use_rules and not _keeps_axis0(entry, shapes, batch, alias):
             use_rules = False
-            logging.debug("fasttape %s: a %s op may move rows across the batch "
-                          "axis: every source takes per-example rows", what,
-                          entry.op_type)
+            logs.append(f"fasttape {what}: a {entry.op_type} op may move rows "
+                        "across the batch axis: every source takes per-example "
+                        "rows")
+            logging.debug(logs[-1])
         for o, meta in zip(entry.output_ids, entry.output_meta):
             shape = _meta_shape(meta)
             if shape is not None:
@@ -335,6 +430,8 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
             payload = _fold_rows(entry, shapes, consumers, batch)
             if payload is None:
                 rule = None
+            elif payload is not entry.payload:
+                result.folded[k] = entry.payload
         else:
             payload = entry.payload if rule is not None else None
         if rule is not None:
@@ -676,7 +773,7 @@ def _hashable(value):
 
 def _post_plan(ruled, rows, flat_raw, noise_at, op_types, reserved=0,
                batch=None):
-    """What dp_gradient's post-pass computes, as (spec, feeds): noise is
+    """What dp_gradient's post-pass computes, as (spec, feeds, feed_at): noise is
     added from the noise vector to the sources in ``noise_at`` (see _Noise);
     ``spec`` is hashable (it keys the traced function, with the feeds'
     shapes and dtypes) and ``feeds`` the tensors it reads: the rules' saved
@@ -684,23 +781,25 @@ def _post_plan(ruled, rows, flat_raw, noise_at, op_types, reserved=0,
     ``reserved`` = n, the first n feeds are the backward pass's outputs (a
     rule's ``g`` is then its index there) and are not in ``feeds``, and
     the post-pass checks that each rule applies to the batch size
-    ``batch`` (_NotFusable)."""
-    feeds, index = [None] * reserved, {}
+    ``batch`` (_NotFusable). ``feed_at`` says where each feed came from:
+    (k, i) for input i of source k's ruled op, None for others."""
+    feeds, index, feed_at = [None] * reserved, {}, []
 
-    def feed(t):
+    def feed(t, at=None):
         if type(t) is int:
             return t
         i = index.get(id(t))
         if i is None:
             i = index[id(t)] = len(feeds)
             feeds.append(t)
+            feed_at.append(at)
         return i
     ruled_spec = []
     for k, (payload, pos, rule, src_shape, g) in ruled.items():
         del rule
         inputs = tuple(
-            -1 if t is None or t.dtype == dtypes.resource else feed(t)
-            for t in payload.inputs)
+            -1 if t is None or t.dtype == dtypes.resource else feed(t, (k, i))
+            for i, t in enumerate(payload.inputs))
         attrs = payload.attrs
         try:
             hash(attrs)
@@ -717,7 +816,7 @@ def _post_plan(ruled, rows, flat_raw, noise_at, op_types, reserved=0,
                    for k in sorted([k for k, *_ in ruled_spec]
                                    + [k for k, _ in rows_spec]))
     return ((tuple(ruled_spec), rows_spec, noised, shapes, batch),
-            feeds[reserved:])
+            feeds[reserved:], feed_at)
 
 
 class _NotFusable(Exception):
@@ -819,21 +918,67 @@ def _post_pass(spec, *tensors, payloads=None):
 
 
 _DECLINED = set()    # fused post-pass specs a rule declined (_NotFusable)
+# The fused post-pass's plan by its analysis' key (_ANALYSES) and whether
+# it adds noise: (spec, the ks whose ops' outputs the pass goes to, where
+# each feed is among the ruled ops' inputs). No tensor in them.
+_FUSED_PLANS = collections.OrderedDict()
+
+
+def _remember_fused(analysis, noise, spec, feed_at, ruled, out_ids):
+    where = {o: i for i, o in enumerate(out_ids)}
+    out_ks = [None] * len(out_ids)
+    for k in ruled:
+        out_ks[where[analysis.out_ids[k]]] = k
+    if None in out_ks:
+        return
+    _FUSED_PLANS[(analysis.key, noise is None)] = (
+        spec, tuple(out_ks), tuple(feed_at))
+    if len(_FUSED_PLANS) > _MAX_ANALYSES:
+        _FUSED_PLANS.popitem(last=False)
+
+
+def _clear_plans():
+    _ANALYSES.clear()
+    _FUSED_PLANS.clear()
+
+
+_recording.observe_from_above(clear_caches=_clear_plans)
+
+
+def _fused_plan(analysis, noise):
+    """A remembered fused plan for this analysis, on its ops: (ruled, out_ids,
+    (spec, feeds)), or None."""
+    if analysis.key is None:
+        return None
+    found = _FUSED_PLANS.get((analysis.key, noise is None))
+    if found is None:
+        return None
+    spec, out_ks, feed_at = found
+    ruled = analysis.ruled
+    feeds = [ruled[k][0].inputs[i] for k, i in feed_at]
+    return ({k: ruled[k] for k in ruled}, [analysis.out_ids[k] for k in out_ks],
+            (spec, feeds))
 
 
 def _dp_finish(tape_state, losses, flat_raw, analysis, ruled, rows, clip, m,
-               noise, out, out_ids=None):
+               noise, out, out_ids=None, planned=None):
     """The post-pass of dp_gradient: fills ``out`` with each source's
     clipped, summed, divided gradient, with noise for the sources the spec
     notes (see _post_plan; ``noise``: a _Noise, or None); returns the spec.
     With ``out_ids``, ``ruled`` holds indices into them and the backward
-    pass to them runs fused with the post-pass (may raise _NotFusable)."""
+    pass to them runs fused with the post-pass (may raise _NotFusable).
+    ``planned``: _post_plan's (spec, feeds), from _FUSED_PLANS."""
     fused = out_ids is not None
-    spec, feeds = _post_plan(
-        ruled, rows, flat_raw, {} if noise is None else noise.at,
-        analysis.op_types,
-        reserved=len(out_ids) if fused else 0,
-        batch=int(losses.shape[0]) if fused else None)
+    if planned is not None:
+        spec, feeds = planned
+    else:
+        spec, feeds, feed_at = _post_plan(
+            ruled, rows, flat_raw, {} if noise is None else noise.at,
+            analysis.op_types,
+            reserved=len(out_ids) if fused else 0,
+            batch=int(losses.shape[0]) if fused else None)
+        if fused and analysis.key is not None and None not in feed_at:
+            _remember_fused(analysis, noise, spec, feed_at, ruled, out_ids)
     if fused and spec in _DECLINED:
         raise _NotFusable()
     if not spec[3]:
@@ -885,14 +1030,18 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
         if m == batch:
             analysis = _analyse("dp_gradient", tape_state, losses, flat,
                                 flat_raw, batch)
-            fused = _fusable(analysis, batch)
+            planned = _fused_plan(analysis, noise)
+            if planned is not None:
+                fused = planned[:2]
+            else:
+                fused = _fusable(analysis, batch)
             spec = None
             if fused is not None:
                 # the backward pass and the post-pass: one function
                 try:
                     spec = _dp_finish(tape_state, losses, flat_raw, analysis,
                                       fused[0], {}, clip, m, noise, out,
-                                      fused[1])
+                                      fused[1], planned and planned[2])
                 except _NotFusable:
                     pass
             if spec is None:
