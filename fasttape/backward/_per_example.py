@@ -646,21 +646,27 @@ def _noise_rng(seed):
         key=((int(seed1) & _U64) << 64) | (int(seed2) & _U64)))
 
 
-def _standard_normal(rng, n, np_dtype):
-    """n standard normal values of np_dtype from the numpy Generator rng.
+def _standard_normal(rng, n, np_dtype, scale=1.0):
+    """n normal values of standard deviation ``scale`` and dtype np_dtype,
+    from the numpy Generator rng.
 
     float32 by Box-Muller (two normals from two uniforms: the radius from a
     float64 uniform, so the tails reach 8.5 standard deviations, the angle
-    in float32, whose cos and sin numpy vectorizes): about twice as fast
-    as numpy's ziggurat in float32, which cost a small model's DP step
-    more than its clipping. float64 by the ziggurat (numpy has no
-    vectorized float64 cos and sin: Box-Muller is slower there)."""
+    in float32, whose cos and sin numpy vectorizes; the scale goes into
+    the radius): about twice as fast as numpy's ziggurat in float32, which
+    cost a small model's DP step more than its clipping. float64 by the
+    ziggurat (numpy has no vectorized float64 cos and sin: Box-Muller is
+    slower there)."""
     if np_dtype != np.float32:
-        return rng.standard_normal(n, dtype=np_dtype)
+        out = rng.standard_normal(n, dtype=np_dtype)
+        if scale != 1.0:
+            out *= scale
+        return out
     half = (n + 1) >> 1
-    radius = rng.random(half)      # [0, 1): -2 log(1 - u) is finite
-    np.log1p(np.negative(radius, out=radius), out=radius)
-    radius *= -2.0
+    radius = rng.random(half)      # u in [0, 1): 1 - u in (0, 1], exact
+    np.subtract(1.0, radius, out=radius)
+    np.log(radius, out=radius)
+    radius *= -2.0 * scale * scale
     np.sqrt(radius, out=radius)
     radius = radius.astype(np.float32)
     angle = rng.random(half, dtype=np.float32)
@@ -694,8 +700,7 @@ class _Noise:
     def _draw(self):
         if self._values is None and self.size:
             self._values = _standard_normal(
-                self._rng, self.size, self.dtype.as_numpy_dtype)
-            self._values *= self._stddev
+                self._rng, self.size, self.dtype.as_numpy_dtype, self._stddev)
 
     def tensor(self):
         if self._tensor is None:
@@ -724,9 +729,8 @@ def _noise(dtype, shape, seed, k, stddev, rng):
                 "seed", seed1, "seed2", seed2, "dtype", dtype), _const(stddev, dtype))
         return stateless_random_ops.stateless_random_normal(
             shape, seed=_noise_seed(seed, k), stddev=stddev, dtype=dtype)
-    noise = _standard_normal(rng, shape.num_elements(), dtype.as_numpy_dtype
-                             ).reshape(shape.as_list())
-    noise *= stddev
+    noise = _standard_normal(rng, shape.num_elements(), dtype.as_numpy_dtype,
+                             stddev).reshape(shape.as_list())
     return constant_op.constant(noise)
 
 
@@ -745,11 +749,9 @@ def _add_noise_in_place(g, stddev, rng, seeded):
     for first in range(0, rows, step):
         last = min(rows, first + step)
         if seeded:
-            chunk = _standard_normal(rng, (last - first) * cols,
-                                     g.dtype.as_numpy_dtype).reshape(
-                                         last - first, cols)
-            chunk *= stddev
-            chunk = constant_op.constant(chunk)
+            chunk = constant_op.constant(_standard_normal(
+                rng, (last - first) * cols, g.dtype.as_numpy_dtype,
+                stddev).reshape(last - first, cols))
         else:
             seed1, seed2 = random_seed.get_seed(None)
             chunk = _ex("Mul", _ex(
