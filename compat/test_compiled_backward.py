@@ -382,6 +382,43 @@ def test_executor_falls_back_to_the_default(monkeypatch):
     _assert_replayed(stats, "always")
 
 
+@pytest.mark.parametrize("default_faster", [True, False])
+def test_large_kernels_pick_the_faster_executor(monkeypatch, default_faster):
+    """A pass slow enough per op is timed on both executors when it is
+    built and keeps the faster (by the margin); its replays then give TF's
+    gradients on it."""
+    monkeypatch.setattr(_compiled.CACHE, "keep_faster", True)
+    monkeypatch.setattr(_compiled, "TRY_DEFAULT_EXECUTOR_SECONDS_PER_OP", 0.0)
+    # (both faster than any eager pass)
+    seconds = {"SINGLE_THREADED_EXECUTOR": 2e-9,
+               "": 1e-9 if default_faster else 1.98e-9}
+    warm = _compiled._warm_seconds
+    monkeypatch.setattr(_compiled, "_warm_seconds", lambda c, feeds: (
+        warm(c, feeds), seconds[c.executor_type])[1])
+    with _in_mode("auto"):
+        stats = _run(chain, steps=8)
+        executors = [c.executor_type for c in _compiled.CACHE.compiled.values()]
+    assert executors == (["" if default_faster else "SINGLE_THREADED_EXECUTOR"]), executors
+    assert stats.get("default_executor", 0) == int(default_faster), stats
+    assert stats.get("replayed", 0) >= 3, stats
+
+
+def test_small_kernels_keep_the_single_threaded_executor(monkeypatch):
+    """A pass of small kernels is not timed on the default executor."""
+    monkeypatch.setattr(_compiled.CACHE, "keep_faster", True)
+    tried = []
+    pick = _compiled._pick_executor
+    monkeypatch.setattr(_compiled, "_pick_executor", lambda c, f, s, n: (
+        tried.append(s / n), pick(c, f, s, n))[1])
+    with _in_mode("auto"):
+        stats = _run(chain)
+        executors = [c.executor_type for c in _compiled.CACHE.compiled.values()]
+    assert tried and all(
+        t < _compiled.TRY_DEFAULT_EXECUTOR_SECONDS_PER_OP for t in tried), tried
+    assert not stats.get("default_executor"), stats
+    assert set(executors) <= {"SINGLE_THREADED_EXECUTOR", _compiled._FAILED}
+
+
 def test_config_input_names_are_op_input_names():
     """Every name in the list names an input of some registered op (an attr
     name there would silently bake nothing)."""
