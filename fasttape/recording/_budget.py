@@ -136,6 +136,10 @@ def _recomputable(op_type):
     return True
 
 
+_EagerTensor = ops.EagerTensor
+_UNPLAIN = (_DT_RESOURCE, _DT_VARIANT)
+
+
 def _plain(tensors):
     """Eager tensors, none a resource or variant (checked per op: a type
     attr may make them so)."""
@@ -288,19 +292,40 @@ class Store:
 
     def recorded(self, op_id, op_type, inputs, outputs, payload):
         """Called by the recorder after it recorded an op on the tape."""
+        # (Called for every recorded op: written for speed, with _slot,
+        # _hold and the checks of _plain and recomputable inlined.)
         if type(payload) is not EagerOp:
             return
+        slots = self.slots
         if op_type == "ReadVariableOp":
             for t in outputs:
                 self._slot(t).aliased = True
         self.clock += 1
         clock = self.clock
-        slots = self.slots
-        if outputs and recomputable(op_type) and _plain(outputs) \
-                and _plain(inputs):
+        ok = _recomputable_cache.get(op_type)
+        if ok is None:
+            ok = recomputable(op_type)
+        if ok and outputs:
+            for t in outputs:
+                if type(t) is not _EagerTensor or \
+                        t._datatype_enum() in _UNPLAIN:  # pylint: disable=protected-access
+                    ok = False
+                    break
+            else:
+                for t in inputs:
+                    if type(t) is not _EagerTensor or \
+                            t._datatype_enum() in _UNPLAIN:  # pylint: disable=protected-access
+                        ok = False
+                        break
+        else:
+            ok = False
+        if ok:
             in_slots = []
             for t in inputs:
-                x = self._slot(t)
+                x = slots.get(t._id)  # pylint: disable=protected-access
+                if x is None:
+                    x = Slot(t, None)
+                    slots[x.tid] = x
                 if x.recipe is None and not x.pinned:
                     # A leaf a recipe reads (a variable's value, a constant,
                     # a random op's output) is kept: by the backward pass
@@ -316,37 +341,41 @@ class Store:
                                for v in attrs[k:k + 2]])
             recipe = Recipe(op_type, attrs, in_slots, outputs[0].device,
                             _cost(op_type, inputs, outputs))
+            out_ids = recipe.outputs
             for t in outputs:
-                s = Slot(t, recipe)
-                s.last = clock
-                slots[s.tid] = s          # last writer wins, as in the core
-                recipe.outputs.append(s.tid)
+                x = Slot(t, recipe)
+                x.last = clock
+                slots[x.tid] = x          # last writer wins, as in the core
+                out_ids.append(x.tid)
             for x in in_slots:
                 if x.readers is None:
-                    x.readers = list(recipe.outputs)
+                    x.readers = list(out_ids)
                 else:
-                    x.readers.extend(recipe.outputs)
+                    x.readers.extend(out_ids)
         ref = None
         mine = None
         for t in payload.saved:
-            if t is None or type(t) is not ops.EagerTensor:
+            if type(t) is not _EagerTensor:
                 continue
             s = slots.get(t._id)  # pylint: disable=protected-access
             if s is None:
-                s = self._slot(t)
-            self._hold(s, t)
+                s = Slot(t, None)
+                slots[s.tid] = s
+            if s.tensor is None:
+                self._hold(s, t)
             if s.nbytes > self.largest:
                 self.largest = s.nbytes
             if ref is None:
                 ref = weakref.ref(payload, self._on_death)
                 mine = []
-            n = s.holders.get(ref)
+            holders = s.holders
+            n = holders.get(ref)
             if n is None:
-                s.holders[ref] = 1
+                holders[ref] = 1
                 s.payloads += 1
                 mine.append(s)
             else:
-                s.holders[ref] = n + 1
+                holders[ref] = n + 1
             s.refs += 1
             s.last = clock
         if ref is not None:
@@ -487,25 +516,36 @@ class Store:
         functions run in is known, the ticks until the next one that reads
         the tensor will run (the pass runs the recorded ops from the last
         one back: Belady's choice, weighed by cost and bytes)."""
-        watched = self.watched.__contains__
+        watched = self.watched
+        locked = self._locked
         clock = self.clock
         position = self.position
         chain = {}
         upcoming = {}
         scored = []
         for s in list(self.sole.values()):
-            if not self._droppable(s, watched):
+            # (Inlined: _droppable.)
+            recipe = s.recipe
+            if recipe is None:
                 continue
-            cost = s.recipe.cost
-            for x in s.recipe.inputs:
+            tid = s.tid
+            if tid in locked or tid in watched or \
+                    not (s.closure_ok or self._check_closure(s)):
+                continue
+            cost = recipe.cost
+            for x in recipe.inputs:
                 if x.tensor is None and x.recipe is not None:
-                    cost += _chain_cost(x, chain)
+                    c = chain.get(x.tid)
+                    cost += _chain_cost(x, chain) if c is None else c
             if position is None:
                 staleness = clock - s.last + 1
             else:
                 staleness = position - self._next_use(s, position, upcoming) + 1
-            scored.append((cost / (max(s.nbytes, 1) * staleness), s.tid, s))
-        scored.sort(key=lambda e: (e[0], e[1]))
+            nbytes = s.nbytes
+            scored.append((cost / ((nbytes if nbytes > 1 else 1) * staleness),
+                           tid, s))
+        # (Ties by tensor id, which is unique: the slots are never compared.)
+        scored.sort()
         for _, _, s in scored:
             if self.sole_bytes <= target:
                 break
@@ -703,15 +743,21 @@ def _chain_cost(s, memo):
         if x.tid in memo:
             stack.pop()
             continue
-        todo = [i for i in x.recipe.inputs if i.tensor is None
-                and i.recipe is not None and i.tid not in memo]
-        if todo:
-            stack.extend(todo)
-            continue
         cost = x.recipe.cost
+        todo = None
         for i in x.recipe.inputs:
             if i.tensor is None and i.recipe is not None:
-                cost += memo.get(i.tid, 0)
+                c = memo.get(i.tid)
+                if c is None:
+                    if todo is None:
+                        todo = [i]
+                    else:
+                        todo.append(i)
+                else:
+                    cost += c
+        if todo is not None:
+            stack.extend(todo)
+            continue
         memo[x.tid] = cost
         stack.pop()
     return memo[s.tid]
