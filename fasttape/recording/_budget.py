@@ -43,6 +43,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.eager import execute
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops
+from tensorflow.python.ops import array_ops
 
 from fasttape._core import VSpace
 from fasttape.gradients._payloads import EagerOp
@@ -150,6 +151,15 @@ def _plain(tensors):
     return True
 
 
+# Ops whose gradient functions read the tensors they save for their shapes
+# only, never their values (TF's _AddGrad and _SubGrad, and fasttape's fast
+# rules for them): a dropped tensor such a gradient reads is not recomputed
+# for it; it gets zeros of the same shape and dtype (one per shape, dtype
+# and device in a pass), and the gradient is the same bit for bit. A tensor
+# that only such gradients read (a matmul's output before its bias add)
+# costs nothing to drop.
+SHAPE_ONLY = frozenset({"Add", "AddV2", "Sub"})
+
 _INNER_DIM_OPS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
                   "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv1D")
 
@@ -209,7 +219,7 @@ class Slot:
     of a dropped tensor, it is the marker that says how to recompute it."""
     __slots__ = ("tid", "tensor", "wref", "recipe", "nbytes", "holders",
                  "refs", "payloads", "last", "pinned", "closure_ok", "aliased",
-                 "readers", "__weakref__")
+                 "readers", "valued", "shape", "dtype", "__weakref__")
 
     def __init__(self, t, recipe):
         self.tid = t._id  # pylint: disable=protected-access
@@ -225,6 +235,9 @@ class Slot:
         self.closure_ok = False     # every leaf it is recomputed from is pinned
         self.aliased = False        # a variable's value: shares its buffer, frees nothing
         self.readers = None         # ids of the tensors whose recipes read it (or None)
+        self.valued = 0             # live payloads that save it for its values, not only its shape
+        self.shape = None           # (once dropped) its shape and dtype: what a
+        self.dtype = None           # shape-only reader is given in its place
 
     def __repr__(self):
         what = self.recipe.op_type if self.recipe is not None else "leaf"
@@ -282,6 +295,7 @@ class Store:
         self._locked = ()
         self._saved_by = {}         # payload weakref -> Slots its saved tuple names
         self._when = {}             # payload weakref -> clock when it was recorded
+        self._shape_refs = set()    # payload weakrefs whose gradient reads shapes only
         self.position = None        # (backward) clock of the op whose gradient runs
         self._on_death = _death_callback(weakref.ref(self))
         self.watched = set()        # ids the program asked the tape to watch
@@ -354,6 +368,7 @@ class Store:
                     x.readers.extend(out_ids)
         ref = None
         mine = None
+        valued = op_type not in SHAPE_ONLY
         for t in payload.saved:
             if type(t) is not _EagerTensor:
                 continue
@@ -373,6 +388,8 @@ class Store:
             if n is None:
                 holders[ref] = 1
                 s.payloads += 1
+                if valued:
+                    s.valued += 1
                 mine.append(s)
             else:
                 holders[ref] = n + 1
@@ -381,6 +398,8 @@ class Store:
         if ref is not None:
             self._saved_by[ref] = mine
             self._when[ref] = clock
+            if not valued:
+                self._shape_refs.add(ref)
         if self.sole_bytes + self.shared_bytes > self.budget or self.debug:
             self._check()
 
@@ -395,9 +414,14 @@ class Store:
         # (A weakref callback: may run inside the garbage collector; it only
         # lets go of references.)
         self._when.pop(ref, None)
+        valued = ref not in self._shape_refs
+        if not valued:
+            self._shape_refs.discard(ref)
         for s in self._saved_by.pop(ref, ()):
             s.refs -= s.holders.pop(ref, 0)
             s.payloads -= 1
+            if valued:
+                s.valued -= 1
             if s.payloads <= 0 and not s.pinned:
                 self._release(s)
 
@@ -518,6 +542,7 @@ class Store:
         one back: Belady's choice, weighed by cost and bytes)."""
         watched = self.watched
         locked = self._locked
+        slots = self.slots
         clock = self.clock
         position = self.position
         chain = {}
@@ -532,11 +557,16 @@ class Store:
             if tid in locked or tid in watched or \
                     not (s.closure_ok or self._check_closure(s)):
                 continue
-            cost = recipe.cost
-            for x in recipe.inputs:
-                if x.tensor is None and x.recipe is not None:
-                    c = chain.get(x.tid)
-                    cost += _chain_cost(x, chain) if c is None else c
+            if s.valued or _feeds_dropped(s, slots):
+                cost = recipe.cost
+                for x in recipe.inputs:
+                    if x.tensor is None and x.recipe is not None:
+                        c = chain.get(x.tid)
+                        cost += _chain_cost(x, chain) if c is None else c
+            else:
+                # Only shape-only gradients read it, and no dropped tensor
+                # is recomputed from it: nothing will re-run to make it.
+                cost = 0
             if position is None:
                 staleness = clock - s.last + 1
             else:
@@ -570,7 +600,9 @@ class Store:
         if got is not None:
             return got
         when = self._when
-        soonest = max([w for w in map(when.get, s.holders)
+        shape_refs = self._shape_refs
+        soonest = max([w for w in map(when.get, [r for r in s.holders
+                                                 if r not in shape_refs])
                        if w is not None and w <= position], default=0)
         if s.readers is not None and depth < _NEXT_DEPTH:
             slots = self.slots
@@ -604,6 +636,8 @@ class Store:
     def _drop(self, s):
         """Let go of s: swap it for its slot in every holder's saved tuple."""
         t = s.tensor
+        s.shape = t._shape_tuple()  # pylint: disable=protected-access
+        s.dtype = t.dtype
         for ref, n in s.holders.items():
             if not n:
                 continue
@@ -691,12 +725,18 @@ class Store:
         finally:
             self._locked = previous
 
-    def restore(self, payload):
-        """payload's saved tuple with every dropped tensor recomputed."""
+    def restore(self, payload, standins=None):
+        """payload's saved tuple with every dropped tensor recomputed; for
+        a gradient that reads shapes only (standins: a dict, per pass),
+        zeros of each dropped tensor's shape instead."""
         saved = list(payload.saved)
         locked = set(self._locked)
         for k, x in enumerate(saved):
             if type(x) is Slot:
+                if standins is not None:
+                    t = self._get(x)
+                    saved[k] = t if t is not None else _standin(x, standins)
+                    continue
                 previous = self._locked
                 self._locked = locked
                 try:
@@ -763,6 +803,31 @@ def _chain_cost(s, memo):
     return memo[s.tid]
 
 
+def _feeds_dropped(s, slots):
+    """Is a dropped tensor recomputed from s (a recipe that reads it)?"""
+    if s.readers is not None:
+        for tid in s.readers:
+            c = slots.get(tid)
+            if c is not None and c.tensor is None and c.recipe is not None:
+                return True
+    return False
+
+
+def _standin(s, standins):
+    """Zeros of the dropped tensor s's shape and dtype, on its device, for
+    a gradient that reads only its shape (one per shape in a pass)."""
+    key = (s.shape, s.dtype, s.recipe.device)
+    t = standins.get(key)
+    if t is None:
+        if not context.executing_eagerly():
+            with ops.init_scope():
+                return _standin(s, standins)
+        with ops.device(s.recipe.device):
+            t = array_ops.zeros(s.shape, s.dtype)
+        standins[key] = t
+    return t
+
+
 def _run(recipe, inputs, ctx):
     """Re-run a recipe's op eagerly, on its device. Through execute.execute
     as a module attribute: an outer tape (higher order) records it."""
@@ -814,6 +879,7 @@ class BudgetVSpace(VSpace):
         super().__init__(base.none_ok_indices)
         self.base = base
         self.store = store
+        self.standins = {}  # (shape, dtype, device) -> zeros, for shape-only reads
 
     def num_elements(self, grad):
         return self.base.num_elements(grad)
@@ -846,7 +912,8 @@ class BudgetVSpace(VSpace):
             # payload holds them, they are not the store's alone: nothing
             # drops them.)
             marked = payload.saved
-            payload.saved = store.restore(payload)
+            payload.saved = store.restore(
+                payload, self.standins if op_type in SHAPE_ONLY else None)
             try:
                 grads = self.base.call_backward(op_type, payload,
                                                 unneeded_indices, out_grads)
