@@ -760,7 +760,10 @@ def test_next_reader_rule_saves_recomputation(monkeypatch):
     """In the backward pass a tensor that only a dropped tensor's recipe
     reads (an LSTM's gates, split from the matmul) is as urgent as that
     tensor's next reader: without the rule it was dropped first and the
-    chain recomputed again for each gate."""
+    chain recomputed again for each gate. (Measured without the free drops
+    of tensors read only for their shapes: with them, this step's gates
+    are no longer chosen, and both runs re-run about as much.)"""
+    monkeypatch.setattr(_budget, "_SHAPE_ONLY", {})
     expected, _ = _small_lstm_step(None)
     budget = 8600
     got, with_rule = _small_lstm_step(budget)
@@ -768,9 +771,7 @@ def test_next_reader_rule_saves_recomputation(monkeypatch):
     monkeypatch.setattr(_budget, "_NEXT_DEPTH", 0)
     got, without = _small_lstm_step(budget)
     assert_same(expected, got, exact=True)
-    # (Since shape-only readers cost nothing to drop for, the run without
-    # the rule also re-runs less: 219 ops against 190 with it, from 308.)
-    assert with_rule["recomputed_ops"] < 0.9 * without["recomputed_ops"], (
+    assert with_rule["recomputed_ops"] < 0.85 * without["recomputed_ops"], (
         with_rule, without)
 
 

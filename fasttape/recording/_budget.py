@@ -151,14 +151,24 @@ def _plain(tensors):
     return True
 
 
-# Ops whose gradient functions read the tensors they save for their shapes
-# only, never their values (TF's _AddGrad and _SubGrad, and fasttape's fast
-# rules for them): a dropped tensor such a gradient reads is not recomputed
-# for it; it gets zeros of the same shape and dtype (one per shape, dtype
-# and device in a pass), and the gradient is the same bit for bit. A tensor
-# that only such gradients read (a matmul's output before its bias add)
-# costs nothing to drop.
-SHAPE_ONLY = frozenset({"Add", "AddV2", "Sub"})
+# Inputs that an op's gradient function reads for their shapes only, never
+# their values (TF's registered gradients and fasttape's fast rules for
+# them): a dropped tensor such a gradient reads there is not recomputed for
+# it; it gets zeros of the same shape and dtype (one per shape, dtype and
+# device in a pass), and the gradient is the same bit for bit. A tensor
+# that only such reads keep (a matmul's output before its bias add) costs
+# nothing to drop. (ConcatV2: every input but the axis, whose value the
+# gradient reads.)
+_SHAPE_ONLY = {"Add": (0, 1), "AddV2": (0, 1), "Sub": (0, 1),
+               "Reshape": (0,), "ExpandDims": (0,), "Squeeze": (0,),
+               "ConcatV2": None}
+
+
+def shape_only(op_type, num_inputs):
+    """The positions of an op's saved inputs its gradient reads for their
+    shapes only (empty: none)."""
+    got = _SHAPE_ONLY.get(op_type, ())
+    return range(num_inputs - 1) if got is None else got
 
 _INNER_DIM_OPS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
                   "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv1D")
@@ -219,7 +229,8 @@ class Slot:
     of a dropped tensor, it is the marker that says how to recompute it."""
     __slots__ = ("tid", "tensor", "wref", "recipe", "nbytes", "holders",
                  "refs", "payloads", "last", "pinned", "closure_ok", "aliased",
-                 "readers", "valued", "shape", "dtype", "__weakref__")
+                 "readers", "valued", "shape_holders", "shape", "dtype",
+                 "__weakref__")
 
     def __init__(self, t, recipe):
         self.tid = t._id  # pylint: disable=protected-access
@@ -236,6 +247,7 @@ class Slot:
         self.aliased = False        # a variable's value: shares its buffer, frees nothing
         self.readers = None         # ids of the tensors whose recipes read it (or None)
         self.valued = 0             # live payloads that save it for its values, not only its shape
+        self.shape_holders = None   # (or a set) payload weakrefs that save it for its shape only
         self.shape = None           # (once dropped) its shape and dtype: what a
         self.dtype = None           # shape-only reader is given in its place
 
@@ -295,7 +307,6 @@ class Store:
         self._locked = ()
         self._saved_by = {}         # payload weakref -> Slots its saved tuple names
         self._when = {}             # payload weakref -> clock when it was recorded
-        self._shape_refs = set()    # payload weakrefs whose gradient reads shapes only
         self.position = None        # (backward) clock of the op whose gradient runs
         self._on_death = _death_callback(weakref.ref(self))
         self.watched = set()        # ids the program asked the tape to watch
@@ -368,8 +379,12 @@ class Store:
                     x.readers.extend(out_ids)
         ref = None
         mine = None
-        valued = op_type not in SHAPE_ONLY
+        shape_pos = _SHAPE_ONLY.get(op_type, ())
+        if shape_pos is None:
+            shape_pos = range(payload.num_inputs - 1)
+        k = -1
         for t in payload.saved:
+            k += 1
             if type(t) is not _EagerTensor:
                 continue
             s = slots.get(t._id)  # pylint: disable=protected-access
@@ -388,18 +403,26 @@ class Store:
             if n is None:
                 holders[ref] = 1
                 s.payloads += 1
-                if valued:
+                if k in shape_pos:
+                    if s.shape_holders is None:
+                        s.shape_holders = {ref}
+                    else:
+                        s.shape_holders.add(ref)
+                else:
                     s.valued += 1
                 mine.append(s)
             else:
                 holders[ref] = n + 1
+                if k not in shape_pos and s.shape_holders is not None \
+                        and ref in s.shape_holders:
+                    # (Also read for its values by the same gradient.)
+                    s.shape_holders.discard(ref)
+                    s.valued += 1
             s.refs += 1
             s.last = clock
         if ref is not None:
             self._saved_by[ref] = mine
             self._when[ref] = clock
-            if not valued:
-                self._shape_refs.add(ref)
         if self.sole_bytes + self.shared_bytes > self.budget or self.debug:
             self._check()
 
@@ -414,13 +437,12 @@ class Store:
         # (A weakref callback: may run inside the garbage collector; it only
         # lets go of references.)
         self._when.pop(ref, None)
-        valued = ref not in self._shape_refs
-        if not valued:
-            self._shape_refs.discard(ref)
         for s in self._saved_by.pop(ref, ()):
             s.refs -= s.holders.pop(ref, 0)
             s.payloads -= 1
-            if valued:
+            if s.shape_holders is not None and ref in s.shape_holders:
+                s.shape_holders.discard(ref)
+            else:
                 s.valued -= 1
             if s.payloads <= 0 and not s.pinned:
                 self._release(s)
@@ -600,9 +622,11 @@ class Store:
         if got is not None:
             return got
         when = self._when
-        shape_refs = self._shape_refs
-        soonest = max([w for w in map(when.get, [r for r in s.holders
-                                                 if r not in shape_refs])
+        holders = s.holders
+        if s.shape_holders:
+            shape_holders = s.shape_holders
+            holders = [r for r in holders if r not in shape_holders]
+        soonest = max([w for w in map(when.get, holders)
                        if w is not None and w <= position], default=0)
         if s.readers is not None and depth < _NEXT_DEPTH:
             slots = self.slots
@@ -725,15 +749,16 @@ class Store:
         finally:
             self._locked = previous
 
-    def restore(self, payload, standins=None):
-        """payload's saved tuple with every dropped tensor recomputed; for
-        a gradient that reads shapes only (standins: a dict, per pass),
-        zeros of each dropped tensor's shape instead."""
+    def restore(self, payload, shape_pos=(), standins=None):
+        """payload's saved tuple with every dropped tensor recomputed; at
+        the positions its gradient reads for their shapes only (shape_pos),
+        zeros of the dropped tensor's shape instead (standins: a dict, per
+        pass)."""
         saved = list(payload.saved)
         locked = set(self._locked)
         for k, x in enumerate(saved):
             if type(x) is Slot:
-                if standins is not None:
+                if k in shape_pos:
                     t = self._get(x)
                     saved[k] = t if t is not None else _standin(x, standins)
                     continue
@@ -913,7 +938,7 @@ class BudgetVSpace(VSpace):
             # drops them.)
             marked = payload.saved
             payload.saved = store.restore(
-                payload, self.standins if op_type in SHAPE_ONLY else None)
+                payload, shape_only(op_type, payload.num_inputs), self.standins)
             try:
                 grads = self.base.call_backward(op_type, payload,
                                                 unneeded_indices, out_grads)
