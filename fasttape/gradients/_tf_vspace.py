@@ -93,13 +93,18 @@ def nbytes(t):
     whose buffers hold handles or pointers, not their data."""
     # (By the dtype's enum: comparing DType objects costs about 2 us a
     # tensor, and the memory budget counts every tensor it records.)
+    return element_size(t) * t._num_elements()  # pylint: disable=protected-access
+
+
+def element_size(t):
+    """Bytes per element of an eager tensor's buffer (0: see nbytes)."""
     enum = t._datatype_enum()  # pylint: disable=protected-access
     size = _size_by_enum.get(enum)
     if size is None:
         dtype = dtypes.as_dtype(enum)
         size = 0 if dtype in _UNSIZED else dtype.size
         _size_by_enum[enum] = size
-    return size * t._num_elements() if size else 0  # pylint: disable=protected-access
+    return size
 
 
 class TFVSpace(VSpace):

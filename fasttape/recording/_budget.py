@@ -47,7 +47,7 @@ from tensorflow.python.ops import array_ops
 
 from fasttape._core import VSpace
 from fasttape.gradients._payloads import EagerOp
-from fasttape.gradients._tf_vspace import nbytes as _nbytes
+from fasttape.gradients._tf_vspace import element_size as _element_size
 
 ENV_VAR = "FASTTAPE_MEMORY_BUDGET"
 
@@ -187,12 +187,10 @@ _DISPATCH = 100000
 _MACS_PER_ELEMENT = 25
 
 
-def _cost(op_type, inputs, outputs):
-    """A recipe's cost estimate (in elements touched): the dispatch, the
-    elements read and written, and for matmuls and convolutions their
-    multiply-adds (outputs times the contracted dimension)."""
-    n_in = sum(t._num_elements() for t in inputs)  # pylint: disable=protected-access
-    n_out = sum(t._num_elements() for t in outputs)  # pylint: disable=protected-access
+def _macs(op_type, inputs, n_out):
+    """A matmul's or convolution's multiply-adds (outputs times the
+    contracted dimension), in elements touched. A recipe's cost estimate
+    is the dispatch, the elements read and written, and these."""
     macs = 0
     if op_type in _INNER_DIM_OPS and inputs:
         shape = inputs[-1]._shape_tuple() if op_type.startswith(("Conv", "Depth")) \
@@ -201,7 +199,7 @@ def _cost(op_type, inputs, outputs):
             factor = max(1, math.prod(d or 1 for d in shape[:-1])
                          if op_type.startswith(("Conv", "Depth")) else shape[-1] or 1)
             macs = n_out * factor // _MACS_PER_ELEMENT
-    return _DISPATCH + n_in + n_out + macs
+    return macs
 
 
 # -- the store ------------------------------------------------------------------
@@ -227,7 +225,7 @@ class Recipe:
 class Slot:
     """One tensor the budget knows. In a payload's ``saved`` tuple in place
     of a dropped tensor, it is the marker that says how to recompute it."""
-    __slots__ = ("tid", "tensor", "wref", "recipe", "nbytes", "holders",
+    __slots__ = ("tid", "tensor", "wref", "recipe", "nbytes", "nelem", "holders",
                  "refs", "payloads", "last", "pinned", "closure_ok", "aliased",
                  "readers", "valued", "shape_holders", "shape", "dtype",
                  "__weakref__")
@@ -237,7 +235,8 @@ class Slot:
         self.tensor = None          # the tensor, while this store holds it
         self.wref = weakref.ref(t)  # the original, while anyone holds it
         self.recipe = recipe        # Recipe, or None for a leaf
-        self.nbytes = _nbytes(t)
+        self.nelem = t._num_elements()  # pylint: disable=protected-access
+        self.nbytes = _element_size(t) * self.nelem
         self.holders = {}           # payload weakref -> occurrences of the tensor in its saved
         self.refs = 0               # sum of holders' values: the tape's references to the tensor
         self.payloads = 0           # live payloads that save it (the tensor or this slot)
@@ -346,6 +345,7 @@ class Store:
             ok = False
         if ok:
             in_slots = []
+            n_in = 0
             for t in inputs:
                 x = slots.get(t._id)  # pylint: disable=protected-access
                 if x is None:
@@ -357,6 +357,7 @@ class Store:
                     # it may be gone, or the variable changed.
                     x.pinned = True
                     self._hold(x, t)
+                n_in += x.nelem
                 in_slots.append(x)
             attrs = payload.attrs
             if any([v is None for v in attrs[1::2]]):
@@ -364,14 +365,19 @@ class Store:
                 attrs = tuple([v for k in range(0, len(attrs), 2)
                                if attrs[k + 1] is not None
                                for v in attrs[k:k + 2]])
-            recipe = Recipe(op_type, attrs, in_slots, outputs[0].device,
-                            _cost(op_type, inputs, outputs))
+            recipe = Recipe(op_type, attrs, in_slots, outputs[0].device, 0)
             out_ids = recipe.outputs
+            n_out = 0
             for t in outputs:
                 x = Slot(t, recipe)
                 x.last = clock
                 slots[x.tid] = x          # last writer wins, as in the core
                 out_ids.append(x.tid)
+                n_out += x.nelem
+            # (The cost estimate: _DISPATCH, the elements the slots counted,
+            # and a matmul's or convolution's multiply-adds.)
+            recipe.cost = _DISPATCH + n_in + n_out + (
+                _macs(op_type, inputs, n_out) if op_type in _INNER_DIM_OPS else 0)
             for x in in_slots:
                 if x.readers is None:
                     x.readers = list(out_ids)
