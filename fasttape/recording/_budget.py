@@ -39,7 +39,9 @@ import sys
 import weakref
 
 from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context
+from tensorflow.python.eager import core
 from tensorflow.python.eager import execute
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops
@@ -96,6 +98,8 @@ def default_budget():
 
 
 # -- which ops can be re-run exactly -----------------------------------------------
+
+_quick_execute = execute.quick_execute
 
 _DT_RESOURCE = 20
 _DT_VARIANT = 21
@@ -309,6 +313,7 @@ class Store:
         self.position = None        # (backward) clock of the op whose gradient runs
         self._on_death = _death_callback(weakref.ref(self))
         self.watched = set()        # ids the program asked the tape to watch
+        self._devices = {}          # a recipe's device -> its name in a device scope
         self.dropped_by_type = {}   # op type (of the dropped tensor's recipe) -> count
         self.dropped_ids = set()    # (debug) ids of every tensor dropped
 
@@ -722,7 +727,7 @@ class Store:
                 stack.extend(missing)
                 continue
             inputs = [x.tensor for x in recipe.inputs]
-            outputs = _run(recipe, inputs, ctx)
+            outputs = _run(recipe, inputs, ctx, self._devices)
             del inputs
             self.recomputed_ops += 1
             for tid, t in zip(recipe.outputs, outputs):
@@ -859,14 +864,29 @@ def _standin(s, standins):
     return t
 
 
-def _run(recipe, inputs, ctx):
+def _run(recipe, inputs, ctx, devices):
     """Re-run a recipe's op eagerly, on its device. Through execute.execute
-    as a module attribute: an outer tape (higher order) records it."""
+    as a module attribute: an outer tape (higher order) records it; while
+    nothing records (it is TF's quick_execute), straight through TF's
+    C API, on the device's name as a device scope would set it (devices:
+    the store's dict of them)."""
     if not context.executing_eagerly():
         # Backprop traced in a graph (a jacobian's pfor): the recorded
         # tensors are eager, and so are their recomputations.
         with ops.init_scope():
-            return _run(recipe, inputs, context.context())
+            return _run(recipe, inputs, context.context(), devices)
+    if execute.execute is _quick_execute:
+        device = devices.get(recipe.device)
+        if device is None:
+            with ops.device(recipe.device):
+                device = ctx.device_name
+            devices[recipe.device] = device
+        try:
+            return pywrap_tfe.TFE_Py_Execute(
+                ctx._handle, device, recipe.op_type, inputs, recipe.attrs,  # pylint: disable=protected-access
+                len(recipe.outputs))
+        except core._NotOkStatusException as e:  # pylint: disable=protected-access
+            raise core._status_to_exception(e) from None  # pylint: disable=protected-access
     with ops.device(recipe.device):
         return execute.execute(recipe.op_type, len(recipe.outputs), inputs,
                                recipe.attrs, ctx)
