@@ -590,7 +590,7 @@ class Store:
             if tid in locked or tid in watched or \
                     not (s.closure_ok or self._check_closure(s)):
                 continue
-            if s.valued or _feeds_dropped(s, slots):
+            if s.valued or _feeds_needed(s, slots):
                 cost = recipe.cost
                 for x in recipe.inputs:
                     if x.tensor is None and x.recipe is not None:
@@ -598,7 +598,8 @@ class Store:
                         cost += _chain_cost(x, chain) if c is None else c
             else:
                 # Only shape-only gradients read it, and no dropped tensor
-                # is recomputed from it: nothing will re-run to make it.
+                # that a gradient needs is recomputed from it: nothing
+                # will re-run to make it.
                 cost = 0
             if position is None:
                 staleness = clock - s.last + 1
@@ -839,13 +840,24 @@ def _chain_cost(s, memo):
     return memo[s.tid]
 
 
-def _feeds_dropped(s, slots):
-    """Is a dropped tensor recomputed from s (a recipe that reads it)?"""
-    if s.readers is not None:
-        for tid in s.readers:
+def _feeds_needed(s, slots):
+    """Will s be needed to recompute a dropped tensor that a gradient reads
+    for its values? Followed through the dropped (or let go) tensors
+    recomputed from s, up to _NEXT_DEPTH steps (beyond: assumed so): an
+    LSTM's matmul output is needed only if one of the sigmoids of its
+    gates is dropped, not because the sum and the split between them
+    were let go."""
+    stack = [(s, 0)]
+    while stack:
+        x, depth = stack.pop()
+        if x.readers is None:
+            continue
+        for tid in x.readers:
             c = slots.get(tid)
             if c is not None and c.tensor is None and c.recipe is not None:
-                return True
+                if c.valued or depth >= _NEXT_DEPTH:
+                    return True
+                stack.append((c, depth + 1))
     return False
 
 
