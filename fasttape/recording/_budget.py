@@ -17,13 +17,16 @@ Terms:
 While recording, after each op, when the resident bytes pass the budget the
 store counts what it alone holds and, while that is over the budget, drops
 the candidate with the lowest ``h = cost / (bytes * staleness)``: cost is
-the op's own estimate plus that of its dropped inputs (DTR's neighbourhood,
-one level deep). Only what can be recomputed exactly is dropped: outputs of
-ops whose OpDef is stateless, that take and make no resource or variant,
-carry no function attr and are not random; never a watched tensor, and
-never a leaf (a tensor no recipe makes: a variable read, a random op's
-output, a constant, what a tf.function or custom_gradient returned). A leaf
-that a dropped tensor's recomputation needs is pinned (kept) instead.
+the op's own estimate plus that of re-making its dropped inputs (DTR's
+evicted neighbourhood, upstream), or 0 for a tensor that gradients read
+only for its shape (_SHAPE_ONLY: they get zeros of that shape) and that no
+needed recomputation reads. Only what can be recomputed exactly is
+dropped: outputs of ops whose OpDef is stateless, that take and make no
+resource or variant, carry no function attr and are not random; never a
+watched tensor, and never a leaf (a tensor no recipe makes: a variable
+read, a random op's output, a constant, what a tf.function or
+custom_gradient returned). A leaf that a dropped tensor's recomputation
+needs is pinned (kept) instead.
 
 In the backward pass the budget's vspace rematerializes the dropped tensors
 a gradient function reads just before calling it, re-running recipes from
@@ -142,17 +145,7 @@ def _recomputable(op_type):
 
 
 _EagerTensor = ops.EagerTensor
-_UNPLAIN = (_DT_RESOURCE, _DT_VARIANT)
-
-
-def _plain(tensors):
-    """Eager tensors, none a resource or variant (checked per op: a type
-    attr may make them so)."""
-    for t in tensors:
-        if type(t) is not ops.EagerTensor or \
-                t._datatype_enum() in (_DT_RESOURCE, _DT_VARIANT):  # pylint: disable=protected-access
-            return False
-    return True
+_UNPLAIN = (_DT_RESOURCE, _DT_VARIANT)   # no recipe takes or makes these
 
 
 # Inputs that an op's gradient function reads for their shapes only, never
@@ -321,8 +314,10 @@ class Store:
 
     def recorded(self, op_id, op_type, inputs, outputs, payload):
         """Called by the recorder after it recorded an op on the tape."""
-        # (Called for every recorded op: written for speed, with _slot,
-        # _hold and the checks of _plain and recomputable inlined.)
+        # (Called for every recorded op: written for speed, _slot and
+        # recomputable inlined. A recipe needs eager tensors, none a
+        # resource or variant: checked per op, as a type attr may make them
+        # so.)
         if type(payload) is not EagerOp:
             return
         slots = self.slots
@@ -530,11 +525,6 @@ class Store:
         if self.debug:
             self._measure()
 
-    def _droppable(self, s, watched):
-        if s.recipe is None or s.tid in self._locked or watched(s.tid):
-            return False
-        return self._check_closure(s)
-
     def _check_closure(self, s):
         """Can s be recomputed from what stays? Pin every leaf it needs;
         False if one is gone (nobody holds it any more)."""
@@ -582,7 +572,8 @@ class Store:
         upcoming = {}
         scored = []
         for s in list(self.sole.values()):
-            # (Inlined: _droppable.)
+            # Droppable: made by a recipe, neither locked nor watched, and
+            # recomputable from what stays.
             recipe = s.recipe
             if recipe is None:
                 continue
