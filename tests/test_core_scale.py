@@ -71,7 +71,11 @@ def test_million_op_chain_is_linear():
     sys.setrecursionlimit(100)  # a recursive walk could not get far
     try:
         small = min(_backprop(100_000)[2] for _ in range(3))
-        t_record, wall, big = _backprop(1_000_000)
+        # the faster of two 1M runs: one run on a shared machine once took
+        # 33x the 100k chain's CPU time (page faults count as CPU), the
+        # next 12x
+        t_record, wall, big = min((_backprop(1_000_000) for _ in range(2)),
+                                  key=lambda r: r[2])
     finally:
         sys.setrecursionlimit(old_limit)
         gc.collect()
