@@ -406,16 +406,20 @@ def test_large_kernels_pick_the_faster_executor(monkeypatch, default_faster):
 def test_small_kernels_keep_the_single_threaded_executor(monkeypatch):
     """A pass of small kernels is not timed on the default executor."""
     monkeypatch.setattr(_compiled.CACHE, "keep_faster", True)
-    tried = []
+    tried, switched = [], []
     pick = _compiled._pick_executor
     monkeypatch.setattr(_compiled, "_pick_executor", lambda c, f, s, n: (
         tried.append(s / n), pick(c, f, s, n))[1])
+    use = _compiled._Compiled.use_executor
+    monkeypatch.setattr(_compiled._Compiled, "use_executor", lambda self, e: (
+        switched.append(e), use(self, e))[1])
     with _in_mode("auto"):
         stats = _run(chain)
         executors = [c.executor_type for c in _compiled.CACHE.compiled.values()]
     assert tried and all(
         t < _compiled.TRY_DEFAULT_EXECUTOR_SECONDS_PER_OP for t in tried), tried
     assert not stats.get("default_executor"), stats
+    assert "" not in switched, switched     # never instantiated there
     assert set(executors) <= {"SINGLE_THREADED_EXECUTOR", _compiled._FAILED}
 
 

@@ -958,8 +958,7 @@ def _fused_plan(analysis, noise):
     spec, out_ks, feed_at = found
     ruled = analysis.ruled
     feeds = [ruled[k][0].inputs[i] for k, i in feed_at]
-    return ({k: ruled[k] for k in ruled}, [analysis.out_ids[k] for k in out_ks],
-            (spec, feeds))
+    return ruled, [analysis.out_ids[k] for k in out_ks], (spec, feeds)
 
 
 def _dp_finish(tape_state, losses, flat_raw, analysis, ruled, rows, clip, m,

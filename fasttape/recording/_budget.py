@@ -148,6 +148,16 @@ _EagerTensor = ops.EagerTensor
 _UNPLAIN = (_DT_RESOURCE, _DT_VARIANT)   # no recipe takes or makes these
 
 
+def _plain(tensors):
+    """Eager tensors, none a resource or variant (checked per op: a type
+    attr may make them so)."""
+    for t in tensors:
+        if type(t) is not _EagerTensor or \
+                t._datatype_enum() in _UNPLAIN:  # pylint: disable=protected-access
+            return False
+    return True
+
+
 # Inputs that an op's gradient function reads for their shapes only, never
 # their values (TF's registered gradients and fasttape's fast rules for
 # them): a dropped tensor such a gradient reads there is not recomputed for
@@ -314,10 +324,7 @@ class Store:
 
     def recorded(self, op_id, op_type, inputs, outputs, payload):
         """Called by the recorder after it recorded an op on the tape."""
-        # (Called for every recorded op: written for speed, _slot and
-        # recomputable inlined. A recipe needs eager tensors, none a
-        # resource or variant: checked per op, as a type attr may make them
-        # so.)
+        # (Called for every recorded op: written for speed, _slot inlined.)
         if type(payload) is not EagerOp:
             return
         slots = self.slots
@@ -326,24 +333,8 @@ class Store:
                 self._slot(t).aliased = True
         self.clock += 1
         clock = self.clock
-        ok = _recomputable_cache.get(op_type)
-        if ok is None:
-            ok = recomputable(op_type)
-        if ok and outputs:
-            for t in outputs:
-                if type(t) is not _EagerTensor or \
-                        t._datatype_enum() in _UNPLAIN:  # pylint: disable=protected-access
-                    ok = False
-                    break
-            else:
-                for t in inputs:
-                    if type(t) is not _EagerTensor or \
-                            t._datatype_enum() in _UNPLAIN:  # pylint: disable=protected-access
-                        ok = False
-                        break
-        else:
-            ok = False
-        if ok:
+        if outputs and recomputable(op_type) and _plain(outputs) \
+                and _plain(inputs):
             in_slots = []
             n_in = 0
             for t in inputs:
@@ -385,9 +376,7 @@ class Store:
                     x.readers.extend(out_ids)
         ref = None
         mine = None
-        shape_pos = _SHAPE_ONLY.get(op_type, ())
-        if shape_pos is None:
-            shape_pos = range(payload.num_inputs - 1)
+        shape_pos = shape_only(op_type, payload.num_inputs)
         k = -1
         for t in payload.saved:
             k += 1
