@@ -335,6 +335,18 @@ def test_anomaly_and_explain_name_the_same_user_line():
     assert _frames.kind(__file__) == _frames.USER
 
 
+def test_the_bench_workloads_are_user_code():
+    """The bench's step functions stand for a user's program: their frames
+    are the user's (a tape pushed there is placed at once, as in a user's
+    loop, not after a walk to the stack's top); fasttape's own are not."""
+    from fasttape.bench import privacy, workloads
+    from fasttape.diagnostics import _frames
+    assert _frames.kind(privacy.__file__) == _frames.USER
+    assert _frames.kind(workloads.__file__) == _frames.USER
+    assert _frames.kind(fasttape.tape.__file__) == _frames.FASTTAPE
+    assert _frames.kind(_frames.__file__) == _frames.FASTTAPE
+
+
 def test_the_mode_is_a_property_of_the_vspace():
     """Anomaly mode is the vspace's check_gradients (as the profiler is its
     profile_stats): set while the mode is on, and what the compiled cache

@@ -439,6 +439,22 @@ def test_env_var_sets_default_budget():
     assert out.returncode != 0 and "FASTTAPE_MEMORY_BUDGET" in out.stderr
 
 
+def test_env_var_is_read_at_each_tape(monkeypatch):
+    """FASTTAPE_MEMORY_BUDGET set, changed or unset while the process runs
+    is what the next tape takes (it is read from os.environ's own dict)."""
+    monkeypatch.delenv("FASTTAPE_MEMORY_BUDGET", raising=False)
+    assert fasttape.GradientTape()._memory_budget is None
+    monkeypatch.setenv("FASTTAPE_MEMORY_BUDGET", "2KiB")
+    assert fasttape.GradientTape()._memory_budget == 2048
+    monkeypatch.setenv("FASTTAPE_MEMORY_BUDGET", "  ")
+    assert fasttape.GradientTape()._memory_budget is None
+    monkeypatch.setenv("FASTTAPE_MEMORY_BUDGET", "plenty")
+    with pytest.raises(ValueError, match="FASTTAPE_MEMORY_BUDGET"):
+        fasttape.GradientTape()
+    monkeypatch.delenv("FASTTAPE_MEMORY_BUDGET")
+    assert fasttape.GradientTape()._memory_budget is None
+
+
 # -- leaks ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("persistent", [False, True])

@@ -19,6 +19,9 @@ MAX_FRAMES = 8
 # Packages whose frames are not the user's code (besides the standard library).
 _LIBRARIES = ("tensorflow", "keras", "tf_keras", "tensorflow_probability")
 _FASTTAPE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# The bench's workloads stand for a user's program: their frames are the
+# user's (a tape entered there is found one frame up, as in a user's loop).
+_BENCH = _FASTTAPE + "bench" + os.sep
 _STDLIB = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep
                  for k in ("stdlib", "platstdlib")})
 
@@ -39,7 +42,7 @@ def kind(filename):
     k = _kinds.get(filename)
     if k is None:
         path = os.path.abspath(filename)
-        if path.startswith(_FASTTAPE):
+        if path.startswith(_FASTTAPE) and not path.startswith(_BENCH):
             k = FASTTAPE
         elif filename.startswith("<frozen") or path.startswith(_library_prefixes()):
             k = LIBRARY

@@ -89,8 +89,18 @@ def parse_budget(value):
                      f"string such as '512MB' or '2GiB', got {value!r}")
 
 
+# os.environ's own dict (read at every tape's construction: without the
+# Mapping layer and the key's encoding of os.environ.get)
+_ENVIRON = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey(ENV_VAR) if _ENVIRON is not None else None
+
+
 def default_budget():
     """The budget FASTTAPE_MEMORY_BUDGET sets for every tape (None: unset)."""
+    if _ENVIRON is not None:
+        raw = _ENVIRON.get(_ENV_KEY)
+        if raw is None:
+            return None
     value = os.environ.get(ENV_VAR, "").strip()
     if not value:
         return None

@@ -137,7 +137,8 @@ def recording_tapes():
 # -- the tape stack -------------------------------------------------------------
 
 def _push(stack, item):
-    install()
+    if not _installed:
+        install()
     # As TF: a fresh nesting id at every push (entering, or resuming after
     # stop_recording), so "older" means "pushed earlier".
     item.nesting_id = next(_nesting_ids)
