@@ -15,9 +15,10 @@ def test_a_dp_row_times_every_arm_and_checks_the_gradients():
     assert "dp_mlp" in privacy.format_dp_table([row])
 
 
-def test_fasttapes_steps_alternate_apart_from_the_vectorized_map_ones(monkeypatch):
-    """Run between fasttape's steps, the traced vectorized_map step slowed
-    the step after it: the plain/dp alternation runs first, on its own."""
+def test_the_compared_steps_alternate_in_rotated_order(monkeypatch):
+    """plain, dp and vmap fn alternate, each round in a rotated order (each
+    follows each other as often; the machine's drift falls on all three);
+    the eager vectorized_map step, which traces per call, runs after them."""
     calls = []
 
     def fake_steps(tf_, fasttape_, params, batch, losses):
@@ -31,7 +32,8 @@ def test_fasttapes_steps_alternate_apart_from_the_vectorized_map_ones(monkeypatc
     monkeypatch.setattr(privacy, "_steps", fake_steps)
     monkeypatch.setattr(privacy, "EAGER_VMAP_REPEATS", 2)
     privacy.run_dp_workload(tf, fasttape, privacy.DP_BY_NAME["dp_mlp"],
-                            repeats=3, warmup=0)
-    timed = calls[2:2 + 3 * 2 + 3 + 2]   # after the equality check's two calls
-    assert timed == (["plain", "dp"] * 3 + ["vmap fn", "vmap eager"] * 2
-                     + ["vmap fn"])
+                            repeats=4, warmup=0)
+    timed = calls[2:2 + 4 * 3 + 2]   # after the equality check's two calls
+    assert timed == (["plain", "dp", "vmap fn"] + ["dp", "vmap fn", "plain"]
+                     + ["vmap fn", "plain", "dp"] + ["plain", "dp", "vmap fn"]
+                     + ["vmap eager"] * 2)

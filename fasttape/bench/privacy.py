@@ -7,8 +7,9 @@
   vmap eager  the same vectorized_map step, not wrapped in tf.function
 
 The dp and vmap steps are checked equal without noise before anything is
-timed. fasttape's two steps run in alternation, then the two vectorized_map
-steps in theirs; medians, with ratios to the plain step.
+timed. plain, dp and vmap fn run in one alternation, each round in a rotated
+order; the eager vectorized_map step (a trace per call) after them; medians,
+with ratios to the plain step.
 Each arm's extra peak memory (TF's CPU allocator's peak over one step, less
 what was allocated before it: the forward pass's activations, the backward
 pass, the gradients) is measured once, after the timing.
@@ -179,17 +180,24 @@ def run_dp_workload(tf, fasttape, workload, repeats, warmup):
         for step in steps.values():
             step(NOISE)
     times = {name: [] for name in steps}
-    # fasttape's two steps alternate; then the vectorized_map steps, in an
-    # alternation of their own (run between fasttape's, the traced step
-    # and the eager one's tracing slowed the step after them).
-    for group in (("plain", "dp"), ("vmap fn", "vmap eager")):
-        for i in range(repeats):
-            for name in group:
-                if name == "vmap eager" and i >= EAGER_VMAP_REPEATS:
-                    continue
-                t0 = time.perf_counter()
-                steps[name](NOISE)
-                times[name].append(time.perf_counter() - t0)
+    # The three compared steps alternate, each round in a rotated order: each
+    # follows each of the others as often (a step runs slower after the
+    # traced one), and a machine's drift over the run falls on all three
+    # alike (timed in groups of their own, the dp/vmap fn ratio moved by
+    # the drift between the groups). The eager vectorized_map step, which
+    # traces a function per call and slows whatever follows it, is timed
+    # after them.
+    arms = ("plain", "dp", "vmap fn")
+    for i in range(repeats):
+        k = i % len(arms)
+        for name in arms[k:] + arms[:k]:
+            t0 = time.perf_counter()
+            steps[name](NOISE)
+            times[name].append(time.perf_counter() - t0)
+    for _ in range(min(repeats, EAGER_VMAP_REPEATS)):
+        t0 = time.perf_counter()
+        steps["vmap eager"](NOISE)
+        times["vmap eager"].append(time.perf_counter() - t0)
     row = {"workload": workload.name, "grads_equal": bool(equal)}
     for name, seconds in times.items():
         row[name] = float(np.median(seconds) * 1e3)
