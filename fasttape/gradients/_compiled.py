@@ -122,7 +122,13 @@ MODES = ("auto", "always", "off", "verify")
 _MAX_ENTRIES = 64        # compiled functions kept (least recently used dropped)
 _MAX_COUNTS = 4096       # keys seen but not built, remembered
 
-HORIZON = 200            # gradient calls expected ahead, at the least
+HORIZON = 200            # loop steps expected ahead, at the least
+# A steady key used once every `gap` gradient calls, gap at most this, is
+# one of a few keys in turn in each step of a loop (a GAN's two updates, a
+# plain and a DP-SGD step): HORIZON steps ahead are HORIZON of its uses,
+# as for a loop over one key. (A key seen at larger equal gaps is held to
+# HORIZON calls: a length drawn from many repeats so by chance.)
+MAX_KEYS_IN_TURN = 4
 # Build cost model (seconds), until builds in this process are measured:
 # a fixed part plus a part per backward op (measured on this project's CPU,
 # chains of sin * x: 20 ops 29 ms, 100 ops 218 ms, 400 ops 0.65 s), of which
@@ -240,10 +246,13 @@ class _Cache:
         """The uses of a key expected from now on: at its rate of use since
         it was first seen, over as many gradient calls as it has been seen
         for (a key is likely to last as long again) or, for a steady key
-        (a fixed-shape loop), HORIZON calls if that is longer."""
+        (a fixed-shape loop), HORIZON loop steps if that is longer: HORIZON
+        calls, times its gap for one of at most MAX_KEYS_IN_TURN keys used
+        in turn."""
         age = self.calls - seen.first + 1
         if seen.steady:
-            return seen.uses / age * max(HORIZON, age)
+            steps = seen.gap if seen.gap <= MAX_KEYS_IN_TURN else 1
+            return seen.uses / age * max(HORIZON * steps, age)
         return seen.uses
 
     def instantiations_per_use(self, seen):
