@@ -334,7 +334,8 @@ class Store:
 
     def recorded(self, op_id, op_type, inputs, outputs, payload):
         """Called by the recorder after it recorded an op on the tape."""
-        # (Called for every recorded op: written for speed, _slot inlined.)
+        # (Called for every recorded op: written for speed; a known
+        # tensor's slot is looked up inline, a new one made by _slot.)
         if type(payload) is not EagerOp:
             return
         slots = self.slots
@@ -350,8 +351,7 @@ class Store:
             for t in inputs:
                 x = slots.get(t._id)  # pylint: disable=protected-access
                 if x is None:
-                    x = Slot(t, None)
-                    slots[x.tid] = x
+                    x = self._slot(t)
                 if x.recipe is None and not x.pinned:
                     # A leaf a recipe reads (a variable's value, a constant,
                     # a random op's output) is kept: by the backward pass
@@ -394,8 +394,7 @@ class Store:
                 continue
             s = slots.get(t._id)  # pylint: disable=protected-access
             if s is None:
-                s = Slot(t, None)
-                slots[s.tid] = s
+                s = self._slot(t)
             if s.tensor is None:
                 self._hold(s, t)
             if s.nbytes > self.largest:
