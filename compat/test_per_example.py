@@ -4,6 +4,7 @@ against a loop of B single-example tf.GradientTape's, for every op rule,
 the rows fallback, and Keras 3 models."""
 
 import gc
+import os
 
 import numpy as np
 import pytest
@@ -562,6 +563,104 @@ def test_noise_std_and_seed():
     assert not np.array_equal(step(None)[0], step(None)[0])
 
 
+@pytest.fixture
+def unseeded():
+    """No global seed (an earlier test's keras.utils.set_random_seed would
+    make every call's noise seeded), restored after."""
+    old = context.global_seed()
+    tf.random.set_seed(None)
+    yield
+    tf.random.set_seed(old)
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+def test_unseeded_noise_is_drawn_ahead_and_each_vector_used_once(dtype, unseeded):
+    """Unseeded noise vectors come from a pool drawn ahead (_Pool): each
+    call gets a vector of its own (no two calls' noise is equal), the noise
+    has the stddev asked for, a fill draws one vector first and then twice
+    as many each time up to the pool's bound, and clear_caches() (TF's
+    context._clear_caches too) empties it."""
+    xs, loss, variables = _mlp(dtype)
+    clip, multiplier = 0.5, 1.3
+    pool = _per_example._pool
+
+    def step(multiplier):
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        return tape.dp_gradient(losses, variables, clip, multiplier)
+
+    clean = np.concatenate([np.ravel(g) for g in step(0.0)])
+    fasttape.clear_caches()
+    assert not pool.rows()
+    noises, fills = [], []
+    for _ in range(40):
+        noises.append(np.concatenate([np.ravel(g) for g in step(multiplier)])
+                      - clean)
+        (rows, _), = pool.rows().values()
+        fills.append(rows)
+    assert fills[:8] == [1, 2, 2, 4, 4, 4, 4, 8], fills
+    size = clean.size
+    assert max(fills) <= max(1, _per_example._Pool.POOL_VALUES // size)
+    for i, a in enumerate(noises):
+        for b in noises[i + 1:]:
+            assert not np.allclose(a, b)
+    noise = np.concatenate(noises)
+    expected = clip * multiplier / B
+    assert abs(noise.std() / expected - 1) < 0.06, (noise.std(), expected)
+    assert abs(noise.mean()) < 0.1 * expected
+    context.context()._clear_caches()  # pylint: disable=protected-access
+    assert not pool.rows()
+
+
+def test_unseeded_noise_pool_keeps_a_few_keys_and_holds_large_sizes_not():
+    """The pool keeps at most MAX_KEYS sizes (the last used), and a vector
+    over half its bound is drawn one at a time (nothing held ahead)."""
+    pool = _per_example._Pool()
+    for n in (10, 20, 30, 40, 50):
+        pool.take(n, np.float32, 1.0)
+        pool.take(n, np.float32, 1.0)
+    assert sorted(k[0] for k in pool.rows()) == [20, 30, 40, 50]
+    big = _per_example._Pool.POOL_VALUES // 2 + 1
+    for _ in range(3):
+        t = pool.take(big, np.float32, 1.0)
+        assert t.shape == (big,)
+    assert pool.rows()[(big, np.float32, 1.0, context.context().device_name)] == (1, 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_draws_noise_of_its_own(unseeded):
+    """After os.fork the child does not replay the parent's unseeded noise
+    (its generator and pool are new), as a data-parallel DP job's workers
+    forked from one parent would otherwise add the same noise."""
+    rng = _per_example._unseeded_rng()
+    rng.random(3)
+    _per_example._pool.take(5, np.float32, 1.0)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:    # the child: numpy only
+        try:
+            fresh = (not _per_example._unseeded
+                     and not _per_example._pool.rows())
+            x = _per_example._unseeded_rng().standard_normal(16)
+            os.write(write, bytes([fresh]) + x.tobytes())
+        finally:
+            os._exit(0)
+    os.close(write)
+    data = b""
+    while len(data) < 1 + 16 * 8:
+        chunk = os.read(read, 4096)
+        if not chunk:
+            break
+        data += chunk
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert data[0] == 1
+    child = np.frombuffer(data[1:], np.float64)
+    parent = rng.standard_normal(16)
+    assert child.shape == (16,)
+    assert not np.array_equal(child, parent)
+
+
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
 def test_noise_of_a_large_source_in_blocks(dtype):
     """A source larger than one noise block gets its noise a block of rows
@@ -672,6 +771,11 @@ def test_unconnected_source_is_none():
 
 def _dp_step(dtype=tf.float32, noise=1.0, case="mlp"):
     xs, loss, variables = ALL[case](dtype)
+    for x in xs:
+        # (an eager tensor makes its TensorShape on first use and keeps it:
+        # the inputs' own, made now, not counted as new by leak checks run
+        # over a step that traces a pass and reads them first)
+        x.shape  # pylint: disable=pointless-statement
 
     def step():
         with fasttape.GradientTape() as tape:
@@ -687,6 +791,24 @@ def test_dp_step_leaks_nothing():
     from compat.harness import assert_leaks_nothing, compiled_mode
     with compiled_mode("off"):
         assert_leaks_nothing(_dp_step())
+
+
+def test_unseeded_noise_pool_passes_leak_checks(unseeded):
+    """The pool of unseeded noise holds eager tensors between calls: TF's
+    leak decorators (which empty caches through context._clear_caches, as
+    fasttape's are) see no new tensor and no uncollectable garbage, and no
+    step leaves a reference cycle."""
+    from compat.harness import assert_leaks_nothing
+    xs, loss, variables = _mlp(tf.float32)
+
+    def steps():
+        for _ in range(5):
+            with fasttape.GradientTape() as tape:
+                losses = loss(*xs)
+            tape.dp_gradient(losses, variables, 1.0, 1.0)
+        assert _per_example._pool.rows()
+
+    assert_leaks_nothing(steps)
 
 
 # mlp: the post-pass fused to the backward pass; fallback: traced after
