@@ -994,12 +994,20 @@ def _post_pass(spec, *tensors, payloads=None):
                         g.values)
             result.append(array_ops.reshape(g, shape))
             continue
-        g = array_ops.reshape(g, shape)
+        g = _shaped(g, shape)
         if at is not None:
-            g = _norm_rules._ex("AddV2", g, array_ops.reshape(
+            g = _norm_rules._ex("AddV2", g, _shaped(
                 array_ops.slice(noise, [at[0]], [at[1]]), shape))
         result.append(g)
     return result
+
+
+def _shaped(t, shape):
+    """t reshaped to ``shape``, or t itself where its static shape is that
+    already (a kernel less in each traced post-pass, per source)."""
+    if t.shape.as_list() == list(shape):
+        return t
+    return array_ops.reshape(t, shape)
 
 
 _DECLINED = set()    # fused post-pass specs a rule declined (_NotFusable)
