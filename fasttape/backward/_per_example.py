@@ -707,7 +707,7 @@ class _Pool:
     vectors are independent draws from the unseeded generator, whichever
     call takes them. Emptied by clear_caches() and in a forked child."""
 
-    POOL_VALUES = 1 << 17   # values drawn ahead for one key, at most
+    POOL_VALUES = 1 << 16   # values drawn ahead for one key, at most
     MAX_KEYS = 4
 
     def __init__(self):
