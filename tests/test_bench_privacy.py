@@ -37,3 +37,37 @@ def test_the_compared_steps_alternate_in_rotated_order(monkeypatch):
     assert timed == (["plain", "dp", "vmap fn"] + ["dp", "vmap fn", "plain"]
                      + ["vmap fn", "plain", "dp"] + ["plain", "dp", "vmap fn"]
                      + ["vmap eager"] * 2)
+
+
+def test_the_table_gives_ratios_of_medians_and_of_means(monkeypatch):
+    """A dp step that pays for its next steps' noise on one step in four:
+    the table prints the ratio of medians and the ratio of means, which
+    counts that step."""
+    clock = [0.0]
+    cost = {"plain": [1.0], "dp": [0.8, 0.8, 0.8, 2.0], "vmap fn": [1.0],
+            "vmap eager": [50.0]}
+    count = {}
+
+    class FakeTime:
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+    def fake_steps(tf_, fasttape_, params, batch, losses):
+        def arm(name):
+            def step(noise):
+                i = count[name] = count.get(name, -1) + 1
+                clock[0] += cost[name][i % len(cost[name])] / 1e3
+                return [tf.constant(1.0)]
+            return step
+        return {name: arm(name) for name in cost}
+
+    monkeypatch.setattr(privacy, "_steps", fake_steps)
+    monkeypatch.setattr(privacy, "peak_mb", lambda tf_, step: None)
+    monkeypatch.setattr(privacy, "time", FakeTime)
+    row = privacy.run_dp_workload(tf, fasttape, privacy.DP_BY_NAME["dp_mlp"],
+                                  repeats=8, warmup=0)
+    assert abs(row["dp"] - 0.8) < 1e-9 and abs(row["dp mean"] - 1.1) < 1e-9
+    last = privacy.format_dp_table([row]).splitlines()[1].split()
+    assert last[-2:] == ["1.10", "1.10"]          # means: dp/plain, dp/vmap fn
+    assert "0.80" in last                          # medians: dp/plain, dp/vmap fn

@@ -175,7 +175,9 @@ def main(argv=None):
                    for w in dp_workloads]
         print(format_dp_table(dp_rows))
         print("\nms per DP-SGD step (clip and noise), medians of alternating "
-              "runs, ± half the interquartile range.\nplain = fasttape's "
+              "runs, ± half the interquartile range;\nmeans: the ratios of mean "
+              "step times (dp draws its noise a few steps ahead: some steps pay "
+              "for the next ones').\nplain = fasttape's "
               "non-private step; dp = tape.dp_gradient; vmap fn / vmap eager = "
               "vectorized_map over\nsingle-example tf.GradientTape's, in and "
               "out of tf.function.\n")

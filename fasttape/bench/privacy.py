@@ -7,7 +7,10 @@
   vmap eager  the same vectorized_map step, not wrapped in tf.function
 
 The dp and vmap steps are checked equal without noise before anything is
-timed. plain, dp and vmap fn run in one alternation, each round in a rotated
+timed. Ratios are printed of medians and of means: unseeded noise is drawn
+a few steps ahead (see backward._per_example._Pool), so a few dp steps pay
+for the next ones' noise and the median alone leaves that cost out (the
+means leave out the steps that built a compiled pass). plain, dp and vmap fn run in one alternation, each round in a rotated
 order; the eager vectorized_map step (a trace per call) after them; medians,
 with ratios to the plain step.
 Each arm's extra peak memory (TF's CPU allocator's peak over one step, less
@@ -171,6 +174,14 @@ def _steps(tf, fasttape, params, batch, losses):
     return {"plain": plain, "dp": dp, "vmap fn": vmap_fn, "vmap eager": vmap}
 
 
+def _builds():
+    """How many compiled passes fasttape has built or instantiated again."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    stats = _compiled.CACHE.stats
+    return (stats["built"] + stats["post_built"] + stats["reinstantiated"]
+            + stats["traced_reinstantiated"])
+
+
 def run_dp_workload(tf, fasttape, workload, repeats, warmup):
     """One row: median ms per arm (with spreads) and the ratios."""
     params, batch, losses = workload.make(tf)
@@ -188,19 +199,27 @@ def run_dp_workload(tf, fasttape, workload, repeats, warmup):
     # traces a function per call and slows whatever follows it, is timed
     # after them.
     arms = ("plain", "dp", "vmap fn")
+    building = {name: [] for name in steps}   # per timed step: it built a pass
     for i in range(repeats):
         k = i % len(arms)
         for name in arms[k:] + arms[:k]:
+            builds = _builds()
             t0 = time.perf_counter()
             steps[name](NOISE)
             times[name].append(time.perf_counter() - t0)
+            building[name].append(_builds() != builds)
     for _ in range(min(repeats, EAGER_VMAP_REPEATS)):
         t0 = time.perf_counter()
         steps["vmap eager"](NOISE)
         times["vmap eager"].append(time.perf_counter() - t0)
+        building["vmap eager"].append(False)
     row = {"workload": workload.name, "grads_equal": bool(equal)}
     for name, seconds in times.items():
         row[name] = float(np.median(seconds) * 1e3)
+        # (a step that built a compiled pass, a one-time cost the main
+        # table reports, is left out of the mean)
+        kept = [t for t, built in zip(seconds, building[name]) if not built]
+        row[name + " mean"] = float(np.mean(kept or seconds) * 1e3)
         row[name + " spread"] = iqr_ms(seconds)
     for name, step in steps.items():
         row[name + " MB"] = peak_mb(tf, step)
@@ -211,14 +230,16 @@ def format_dp_table(rows):
     arms = ["plain", "dp", "vmap fn", "vmap eager"]
     header = (f"{'workload':<14}" + "".join(f"{a:>16}" for a in arms)
               + f"{'dp/plain':>10}{'dp/vmap fn':>12}{'vfn/plain':>11}"
-              f"{'veager/plain':>14}")
+              f"{'veager/plain':>14}  means: {'dp/plain':>8}{'dp/vmap fn':>12}")
     lines = [header]
     for r in rows:
         cells = "".join(f"{with_spread(r[a], r[a + ' spread']):>16}" for a in arms)
         lines.append(
             f"{r['workload']:<14}{cells}"
             f"{r['dp'] / r['plain']:>10.2f}{r['dp'] / r['vmap fn']:>12.2f}"
-            f"{r['vmap fn'] / r['plain']:>11.2f}{r['vmap eager'] / r['plain']:>14.1f}")
+            f"{r['vmap fn'] / r['plain']:>11.2f}{r['vmap eager'] / r['plain']:>14.1f}"
+            f"  {'':>6}{r['dp mean'] / r['plain mean']:>8.2f}"
+            f"{r['dp mean'] / r['vmap fn mean']:>12.2f}")
     if any(r.get("plain MB") is not None for r in rows):
         lines += ["", f"{'extra peak MB':<14}" + "".join(f"{a:>16}" for a in arms)
                   + f"{'dp/plain':>10}{'vfn/plain':>11}"]
