@@ -747,9 +747,15 @@ class _Pool:
             self._by_key.clear()
 
     def reset(self):
-        """Empty, with a new lock (a forked child: another thread of the
-        parent may have held the old one)."""
+        """Empty, with a new lock, in a forked child (another thread of the
+        parent may have held the old one). The parent's tensors are kept,
+        not released: as gradients._compiled keeps its passes there, no call
+        into TF's runtime is made from a forked child that may not return."""
+        _kept_in_child.append(self._by_key)
         self.__init__()
+
+
+_kept_in_child = []
 
 
 _pool = _Pool()

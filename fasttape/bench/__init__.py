@@ -225,7 +225,8 @@ def main(argv=None):
     print(format_cache_table(rows))
     print("\nms; 1st = each tape's first step (fasttape's runs first); ft "
           "build = fasttape's first step that\nbuilt a compiled backward pass "
-          "(- = none did); builds and build s (tracing + first calls): whole\n"
+          "(- = none did); builds (passes built, or instantiated again after a "
+          "kernel-cache clear) and build s\n(tracing + first calls): whole "
           "run; keys (distinct new pass keys) and hits (replayed passes / "
           "gradient calls): timed steps.\nmean = mean step time over the "
           "timed steps (builds included), ± half their interquartile range; "

@@ -174,16 +174,9 @@ def _steps(tf, fasttape, params, batch, losses):
     return {"plain": plain, "dp": dp, "vmap fn": vmap_fn, "vmap eager": vmap}
 
 
-def _builds():
-    """How many compiled passes fasttape has built or instantiated again."""
-    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
-    stats = _compiled.CACHE.stats
-    return (stats["built"] + stats["post_built"] + stats["reinstantiated"]
-            + stats["traced_reinstantiated"])
-
-
 def run_dp_workload(tf, fasttape, workload, repeats, warmup):
     """One row: median ms per arm (with spreads) and the ratios."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
     params, batch, losses = workload.make(tf)
     steps = _steps(tf, fasttape, params, batch, losses)
     equal = check_equal(tf, steps["vmap fn"](0.0), steps["dp"](0.0))
@@ -203,11 +196,11 @@ def run_dp_workload(tf, fasttape, workload, repeats, warmup):
     for i in range(repeats):
         k = i % len(arms)
         for name in arms[k:] + arms[:k]:
-            builds = _builds()
+            builds = _compiled.builds()
             t0 = time.perf_counter()
             steps[name](NOISE)
             times[name].append(time.perf_counter() - t0)
-            building[name].append(_builds() != builds)
+            building[name].append(_compiled.builds() != builds)
     for _ in range(min(repeats, EAGER_VMAP_REPEATS)):
         t0 = time.perf_counter()
         steps["vmap eager"](NOISE)

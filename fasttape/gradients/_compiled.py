@@ -163,6 +163,19 @@ _FAILED = "failed"
 # replayed over their sum.
 CALL_STATS = ("replayed", "eager", "eager_after_clear", "built", "slower",
               "failed", "churn_skipped")
+# The stats counters of a call that built a pass or instantiated one again
+# (tried to: "slower" and "failed" ones paid for the build too).
+BUILD_STATS = ("built", "slower", "failed", "post_built", "traced_failed",
+               "reinstantiated", "traced_reinstantiated")
+
+
+def builds():
+    """How many passes this process has built or instantiated again (a step
+    that moved it paid a one-time cost)."""
+    stats = CACHE.stats
+    return sum(stats[k] for k in BUILD_STATS)
+
+
 STEADY_GAPS = 3          # equal gaps between uses that make a key steady
 # Key churn: after this many gradient calls in a row that neither replayed
 # nor built a pass (shapes that change every step), a pass's key is
