@@ -14,6 +14,7 @@ from tensorflow.python.framework import test_util
 
 import fasttape
 from fasttape.backward import _per_example
+from fasttape.gradients import _compiled
 from compat.harness import TOLERANCES
 
 B = 6
@@ -395,7 +396,6 @@ def test_traced_post_pass_equals_eager(case, dtype, microbatches):
     included (a seed draws the same): verify mode builds it at first use
     and checks the two agree; the mode off runs it eagerly."""
     from compat.harness import compiled_mode
-    from fasttape.gradients import _compiled
     xs, loss, variables = ALL[case](dtype)
 
     def step():
@@ -823,7 +823,6 @@ def test_traced_post_pass_passes_leak_checks(mode, case):
     (building included), a replayed step leaves no reference cycle, and
     clear_caches() releases the function."""
     from compat.harness import _cyclic_garbage, compiled_mode
-    from fasttape.gradients import _compiled
     step = _dp_step(case=case)
     with compiled_mode(mode):
         # TF's process-wide state of a first trace (as compat/test_leaks.py
@@ -835,7 +834,8 @@ def test_traced_post_pass_passes_leak_checks(mode, case):
                       test_util.assert_no_garbage_created):
             def body(self):
                 del self
-                for _ in range(3):
+                # built, replayed (and remembered), called as remembered
+                for _ in range(5):
                     step()
             check(body)(tf.test.TestCase())
         before = context.context().list_function_names()
@@ -998,7 +998,6 @@ def test_compiled_post_pass_replays_after_a_reseed(case):
     post-pass (fused or traced) is instantiated again and replayed, not
     left eager from then on."""
     from compat.harness import compiled_mode
-    from fasttape.gradients import _compiled
     step = _dp_step(case=case)
     fasttape.clear_caches()
     with compiled_mode("auto"):
@@ -1015,29 +1014,77 @@ def test_compiled_post_pass_replays_after_a_reseed(case):
 
 # -- the analysis and fused plan kept per structure ---------------------------
 
+def _checked_dp_step(xs, loss, variables, n):
+    """dp_gradient on step n (new variable values and inputs from step 1
+    on), checked against the loop of single-example tapes."""
+    if n:
+        for v in variables:
+            v.assign(v * 0.5 + 0.1)
+        xs = [x * (1.0 + n) for x in xs]
+    ref = _reference(loss, xs, variables)
+    with fasttape.GradientTape() as tape:
+        losses = loss(*xs)
+    got = tape.dp_gradient(losses, variables, 0.7)
+    weights = tf.minimum(1.0, 0.7 / _ref_norms(ref)) / B
+    for g, r in zip(got, ref):
+        _close(g, tf.tensordot(weights, r, 1), tf.float64)
+
+
 def test_cached_analysis_serves_new_values():
     """A second step of the same structure takes the kept analysis and
     fused plan, on its own tensors: its gradients are this step's (checked
     against the loop of single-example tapes), not the first step's."""
     fasttape.clear_caches()
     xs, loss, variables = _mlp(tf.float64)
-    for step in range(3):
-        if step:
-            for v in variables:
-                v.assign(v * 0.5 + 0.1)
-            xs = [x * (1.0 + step) for x in xs]
-        ref = _reference(loss, xs, variables)
-        with fasttape.GradientTape() as tape:
-            losses = loss(*xs)
-        got = tape.dp_gradient(losses, variables, 0.7)
-        norms = _ref_norms(ref)
-        weights = tf.minimum(1.0, 0.7 / norms) / B
-        for g, r in zip(got, ref):
-            _close(g, tf.tensordot(weights, r, 1), tf.float64)
+    for n in range(3):
+        _checked_dp_step(xs, loss, variables, n)
     assert len(_per_example._ANALYSES) == 1
     assert len(_per_example._FUSED_PLANS) == 1
     fasttape.clear_caches()
     assert not _per_example._ANALYSES and not _per_example._FUSED_PLANS
+
+
+def test_remembered_fused_pass_serves_new_values_and_leaves_with_the_cache(
+        monkeypatch):
+    """Once the fused pass was replayed for a kept plan, later steps of the
+    structure call it on their own tensors without a plan of their own:
+    their gradients are theirs (new inputs and variables each step, against
+    the loop of single-example tapes). A pass the cache dropped is not
+    called again: the step goes through the cache (and builds it again)."""
+    fasttape.clear_caches()
+    xs, loss, variables = _mlp(tf.float64)
+
+    def step(n):
+        _checked_dp_step(xs, loss, variables, n)
+
+    stats = _compiled.CACHE.stats
+    for n in range(4):      # eager, built, replayed (and remembered), ...
+        step(n)
+    (record,) = _per_example._FUSED_PLANS.values()
+    remembered = record[-1]
+    assert remembered is not None and remembered.payloads is None
+    replayed, failed = stats["post_replayed"], stats["replay_failed"]
+    through_the_cache = []
+    gradient = _compiled.gradient
+    monkeypatch.setattr(_compiled, "gradient", lambda *a, **k: (
+        through_the_cache.append(1), gradient(*a, **k))[1])
+    for n in range(4, 7):
+        step(n)
+    assert not through_the_cache
+    assert stats["post_replayed"] == replayed + 3
+    assert stats["replay_failed"] == failed
+    assert record[-1] is remembered
+    # the cache drops it (other keys pushed it out): built again
+    for i in range(_compiled._MAX_ENTRIES):
+        _compiled.CACHE.store(("another key", i), _compiled._FAILED)
+    assert remembered.compiled.evicted
+    built = stats["post_built"]
+    for n in range(7, 10):
+        step(n)
+    assert stats["post_built"] == built + 1
+    assert record[-1] is not remembered and not record[-1].compiled.evicted
+    fasttape.clear_caches()
+    assert record[-1].compiled.evicted and not _per_example._FUSED_PLANS
 
 
 def test_cached_analysis_keys_on_reduction_axes():

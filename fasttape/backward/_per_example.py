@@ -79,6 +79,7 @@ class _Analysis:
         self.out_shapes = {}    # k -> its shape, where the recording knows it
         self.key = None         # its structural key (_ANALYSES), if it has one
         self.folded = {}        # k -> the payload a _fold_rows copy was made of
+        self.entries = None     # the path's entries (core.plan), if kept
 
 
 def _meta_shape(meta):
@@ -282,14 +283,17 @@ class _Layout:
         self.logs = logs            # its DEBUG lines
 
 
-def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
+def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True,
+             keep_entries=False):
     """Walk the ops between the sources and `losses` once: refuse a losses
     that mixes examples, and find each source's rule or its fallback.
 
     A path equal in structure to one analysed before (the core's code for
     it, and its backward signature: op types, attrs, shapes, dtypes, and
     the values of the small config inputs the checks read, such as axes
-    and permutations) takes that analysis, on this path's ops."""
+    and permutations) takes that analysis, on this path's ops.
+    ``keep_entries``: the path's entries are left in result.entries (they
+    hold its tensors: the caller drops them when done)."""
     core = tape_state.core
     source_ids = [t._id for t in flat]  # pylint: disable=protected-access
     code, entries = core.plan([losses._id], source_ids)  # pylint: disable=protected-access
@@ -307,10 +311,15 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True):
             _ANALYSES.move_to_end(key)
             for line in layout.logs:
                 logging.debug(line)
-            return _rebind(layout, entries, key)
+            result = _rebind(layout, entries, key)
+            if keep_entries:
+                result.entries = entries
+            return result
     logs = []
     result = _analyse_path(what, entries, flat, flat_raw, batch, use_rules,
                            logs)
+    if keep_entries:
+        result.entries = entries
     if key is not None:
         layout = _layout(result, entries, logs)
         if layout is not None:
@@ -494,10 +503,10 @@ def _note_fallback(what, tape, flat_raw, analysis):
                                  for name, types in rows))
 
 
-def _pass_to(tape_state, losses, out_ids, post=None):
+def _pass_to(tape_state, losses, out_ids, post=None, remember=None):
     """The backward pass of sum(losses) to the tensors ``out_ids``, through
-    the compiled-pass cache like any gradient() (with ``post``, see
-    gradients._compiled.gradient)."""
+    the compiled-pass cache like any gradient() (with ``post`` and
+    ``remember``, see gradients._compiled.gradient)."""
     target_meta = [output_meta(losses)]
     target_ids = [losses._id]  # pylint: disable=protected-access
     # an op whose output is `losses` itself: its gradient is the seed
@@ -511,7 +520,7 @@ def _pass_to(tape_state, losses, out_ids, post=None):
 
     return _compiled.gradient(core, vspace, target_ids, out_ids,
                               that_are_targets, None, True, target_meta,
-                              eager_pass, post=post)
+                              eager_pass, post=post, remember=remember)
 
 
 def _ruled_pass(what, tape_state, losses, flat, analysis):
@@ -663,6 +672,21 @@ def _noise_rng(seed):
         key=((int(seed1) & _U64) << 64) | (int(seed2) & _U64)))
 
 
+# TF wraps a numpy array aligned to this many bytes without a copy (its
+# EIGEN_MAX_ALIGN_BYTES on AVX-512 builds; a multiple of the others).
+_ALIGN = 64
+
+
+def _aligned_empty(n, np_dtype):
+    """np.empty(n, np_dtype), starting at a multiple of _ALIGN bytes: an
+    EagerTensor made of it (or of a row starting there) shares its memory
+    instead of copying it."""
+    size = np.dtype(np_dtype).itemsize
+    buf = np.empty(n + _ALIGN // size, np_dtype)
+    start = (-buf.ctypes.data % _ALIGN) // size
+    return buf[start:start + n]
+
+
 def _standard_normal(rng, n, np_dtype, scale=1.0):
     """n normal values of standard deviation ``scale`` and dtype np_dtype,
     from the numpy Generator rng.
@@ -675,7 +699,8 @@ def _standard_normal(rng, n, np_dtype, scale=1.0):
     ziggurat (numpy has no vectorized float64 cos and sin: Box-Muller is
     slower there)."""
     if np_dtype != np.float32:
-        out = rng.standard_normal(n, dtype=np_dtype)
+        out = rng.standard_normal(n, dtype=np_dtype,
+                                  out=_aligned_empty(n, np_dtype))
         if scale != 1.0:
             out *= scale
         return out
@@ -688,10 +713,22 @@ def _standard_normal(rng, n, np_dtype, scale=1.0):
     radius = radius.astype(np.float32)
     angle = rng.random(half, dtype=np.float32)
     angle *= np.float32(2 * np.pi)
-    out = np.empty(2 * half, np.float32)
+    out = _aligned_empty(2 * half, np.float32)
     np.multiply(radius, np.cos(angle), out=out[:half])
     np.multiply(radius, np.sin(angle, out=angle), out=out[half:])
     return out[:n]
+
+
+def _wrap_device(ctx):
+    """The device argument of an EagerTensor made of a numpy array where
+    TF's convert_to_tensor would pass ctx.device_name: None, the host CPU
+    (no _EagerConst op run to place it: 1 us a tensor, not 5), where that
+    is where TF would put it too (no device scope and no device but CPUs).
+    """
+    device = ctx.device_name
+    if device or any(d.device_type != "CPU" for d in ctx.list_logical_devices()):
+        return device
+    return None
 
 
 class _Pool:
@@ -726,11 +763,17 @@ class _Pool:
                 pass
         rows = min(2 * entry[0] if entry is not None else 1,
                    max(1, self.POOL_VALUES // size))
+        # Rows _ALIGN bytes apart: each tensor shares its row's memory (TF
+        # copies a row that starts elsewhere); the values between them
+        # are drawn and never used.
+        per = _ALIGN // np.dtype(np_dtype).itemsize
+        stride = -(-size // per) * per
         with self._lock:
-            values = _standard_normal(_unseeded_rng(), rows * size, np_dtype,
-                                      scale).reshape(rows, size)
+            values = _standard_normal(_unseeded_rng(), rows * stride, np_dtype,
+                                      scale).reshape(rows, stride)
             # (no copy, as constant() makes: the arrays are the pool's alone)
-            tensors = [ops.EagerTensor(row, ctx.device_name) for row in values]
+            device = _wrap_device(ctx)
+            tensors = [ops.EagerTensor(row[:size], device) for row in values]
             taken = tensors.pop()
             self._by_key.pop(key, None)
             self._by_key[key] = [rows, tensors]
@@ -797,7 +840,7 @@ class _Noise:
             # (no copy, as constant() makes: the array is this call's alone)
             ctx = context.context()
             ctx.ensure_initialized()
-            self._tensor = ops.EagerTensor(self._values, ctx.device_name)
+            self._tensor = ops.EagerTensor(self._values, _wrap_device(ctx))
         return self._tensor
 
     def wait(self):
@@ -1030,8 +1073,8 @@ def _remember_fused(analysis, noise, spec, feed_at, ruled, out_ids):
         out_ks[where[analysis.out_ids[k]]] = k
     if None in out_ks:
         return
-    _FUSED_PLANS[(analysis.key, noise is None)] = (
-        spec, tuple(out_ks), tuple(feed_at))
+    _FUSED_PLANS[(analysis.key, noise is None)] = [
+        spec, tuple(out_ks), tuple(feed_at), None]
     if len(_FUSED_PLANS) > _MAX_ANALYSES:
         _FUSED_PLANS.popitem(last=False)
 
@@ -1047,16 +1090,19 @@ _recording.observe_from_above(clear_caches=_clear_plans)
 
 def _fused_plan(analysis, noise):
     """A remembered fused plan for this analysis, on its ops: (ruled, out_ids,
-    (spec, feeds)), or None."""
+    (spec, feeds, record)), or None. record: its _FUSED_PLANS value, whose
+    last item is the compiled pass replayed for it (a
+    gradients._compiled.Remembered rebased on the analysis' entries), or
+    None before one was."""
     if analysis.key is None:
         return None
     found = _FUSED_PLANS.get((analysis.key, noise is None))
     if found is None:
         return None
-    spec, out_ks, feed_at = found
+    spec, out_ks, feed_at, _ = found
     ruled = analysis.ruled
     feeds = [ruled[k][0].inputs[i] for k, i in feed_at]
-    return ruled, [analysis.out_ids[k] for k in out_ks], (spec, feeds)
+    return ruled, [analysis.out_ids[k] for k in out_ks], (spec, feeds, found)
 
 
 def _dp_finish(tape_state, losses, flat_raw, analysis, ruled, rows, clip, m,
@@ -1066,10 +1112,14 @@ def _dp_finish(tape_state, losses, flat_raw, analysis, ruled, rows, clip, m,
     notes (see _post_plan; ``noise``: a _Noise, or None); returns the spec.
     With ``out_ids``, ``ruled`` holds indices into them and the backward
     pass to them runs fused with the post-pass (may raise _NotFusable).
-    ``planned``: _post_plan's (spec, feeds), from _FUSED_PLANS."""
+    ``planned``: _post_plan's (spec, feeds) and their _FUSED_PLANS record
+    (see _fused_plan): a pass replayed for it before is replayed on this
+    path's tensors without a plan of its own (the analysis' plan has the
+    same structure: the pass' key is the same)."""
     fused = out_ids is not None
+    record = None
     if planned is not None:
-        spec, feeds = planned
+        spec, feeds, record = planned
     else:
         spec, feeds, feed_at = _post_plan(
             ruled, rows, flat_raw, {} if noise is None else noise.at,
@@ -1078,7 +1128,7 @@ def _dp_finish(tape_state, losses, flat_raw, analysis, ruled, rows, clip, m,
             batch=int(losses.shape[0]) if fused else None)
         if fused and analysis.key is not None and None not in feed_at:
             _remember_fused(analysis, noise, spec, feed_at, ruled, out_ids)
-    if fused and spec in _DECLINED:
+    if fused and (record is None or record[3] is None) and spec in _DECLINED:
         raise _NotFusable()
     if not spec[3]:
         return spec
@@ -1086,16 +1136,27 @@ def _dp_finish(tape_state, losses, flat_raw, analysis, ruled, rows, clip, m,
     feeds += [_const(clip, dtype), _const(clip / m, dtype)]
     if spec[2]:
         feeds.append(noise.tensor())
+    grads = None
     if not fused:
         grads = _compiled.traced_call(
             ("dp_gradient", spec), lambda *t: _post_pass(spec, *t), feeds)
-    else:
+    elif record is not None and record[3] is not None:
+        remembered = record[3]
+        entries = analysis.entries
+        grads = _compiled.replay(
+            remembered,
+            [entries[j].payload.saved[i] for j, i in remembered.slots] + feeds,
+            _recording.VSPACE, [output_meta(losses)])
+    if grads is None and fused:
         payloads = {k: item[0] for k, item in ruled.items()}
+        remember = [] if record is not None else None
         try:
             grads = _pass_to(tape_state, losses, out_ids, post=(
                 ("dp_gradient", spec),
                 lambda g, *t: _post_pass(spec, *g, *t, payloads=payloads),
-                feeds))
+                feeds), remember=remember)
+            if remember and remember[0].rebase(analysis.entries):
+                record[3] = remember[0]
         except _NotFusable:
             if len(_DECLINED) > 256:
                 _DECLINED.clear()
@@ -1128,7 +1189,7 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
     try:
         if m == batch:
             analysis = _analyse("dp_gradient", tape_state, losses, flat,
-                                flat_raw, batch)
+                                flat_raw, batch, keep_entries=True)
             planned = _fused_plan(analysis, noise)
             if planned is not None:
                 fused = planned[:2]
@@ -1143,6 +1204,7 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
                                       fused[1], planned and planned[2])
                 except _NotFusable:
                     pass
+            analysis.entries = None     # (their tensors: not held longer)
             if spec is None:
                 ruled = _ruled_pass("dp_gradient", tape_state, losses, flat,
                                     analysis)

@@ -247,6 +247,16 @@ class _Cache:
         self.per_entry = _BUILD_PER_ENTRY
         self.instantiation_share = _INSTANTIATION_SHARE
 
+    def store(self, key, compiled):
+        """Keep ``compiled`` (or _FAILED) under ``key``, the oldest key
+        going past _MAX_ENTRIES."""
+        with self.lock:
+            self.compiled[key] = compiled
+            while len(self.compiled) > _MAX_ENTRIES:
+                _, old = self.compiled.popitem(last=False)
+                if old is not _FAILED:
+                    old.evicted = True
+
     def kernels_cleared(self):
         """TF dropped the instantiated kernels of every traced function."""
         self.epoch += 1
@@ -326,6 +336,9 @@ class _Cache:
         with self.lock:
             if _in_forked_child:
                 _kept_in_child.extend(self.compiled.values())
+            for compiled in self.compiled.values():
+                if compiled is not _FAILED:
+                    compiled.evicted = True
             self.compiled.clear()
             self.seen.clear()
             self.stats.clear()
@@ -480,6 +493,7 @@ class _Compiled:
         self.seen = _Seen(0, self.epoch)   # its uses (see _Cache.uses_ahead)
         self.saving = 0.0          # seconds per call against the eager pass
         self.instantiation_seconds = 0.0
+        self.evicted = False       # no longer in CACHE.compiled
 
     def use_executor(self, executor_type):
         attrs = dict(context.context().function_call_options.as_attrs())
@@ -751,9 +765,80 @@ def _skipped(eager_pass):
     return eager_pass()
 
 
+def _off_now(cache, vspace):
+    """No pass is compiled or replayed now: the cache is off, a forked
+    child, per-op gradient hooks (profiling, checks), recording (higher
+    order), a profiler, or graph mode."""
+    return (cache.mode == "off" or _in_forked_child
+            or vspace.profile_stats is not None
+            or vspace.check_gradients is not None
+            or sys.getprofile() is not None or vspace._is_recording()  # pylint: disable=protected-access
+            or not context.executing_eagerly())
+
+
+class Remembered:
+    """A post pass gradient() replayed, for a caller that knows where its
+    feeds are without the plan (dp_gradient's fused pass, on the ops of a
+    path whose analysis matched: the same structure, so the same key):
+    ``replay`` calls it while the cache keeps it, with the key's device
+    and determinism. ``slots``: where each feed of the pass is among the
+    plan's ``payloads``, (payload index, slot), until rebase()."""
+
+    __slots__ = ("compiled", "key", "device", "determinism", "payloads",
+                 "slots")
+
+    def __init__(self, compiled, key, entries):
+        self.compiled, self.key = compiled, key
+        self.device, self.determinism = key[5], key[6]
+        self.slots = []
+        backward_signature(entries, CONFIG_INPUTS, config_inputs_of,
+                           self.slots)
+        self.payloads = [e.payload for e in entries]
+
+    def rebase(self, entries):
+        """Its slots as (index in ``entries``, slot), where ``entries``
+        hold every payload of its plan; it then holds no payload (nor so
+        any tensor). False if one is not among them."""
+        at = {id(e.payload): j for j, e in enumerate(entries)}
+        slots = [(at.get(id(self.payloads[i])), k) for i, k in self.slots]
+        self.payloads = None
+        if any(j is None for j, _ in slots):
+            return False
+        self.slots = tuple(slots)
+        return True
+
+
+def replay(remembered, feeds, vspace, target_meta):
+    """The remembered pass called on ``feeds`` (the plan's, then the post
+    pass'), as gradient()'s replay calls it, or None where gradient() must
+    decide instead (the pass left the cache or lost its kernels, the
+    targets' metas, the device scope or determinism changed, the cache is
+    off now, or the call failed)."""
+    cache = CACHE
+    compiled = remembered.compiled
+    if (compiled.evicted or compiled.epoch != cache.epoch
+            or tuple(target_meta) != remembered.key[2]
+            or _off_now(cache, vspace)
+            or context.context().device_name != remembered.device
+            or _determinism() != remembered.determinism):
+        return None
+    cache.calls += 1
+    cache.compiled.move_to_end(remembered.key)
+    compiled.seen.use(cache.calls)
+    try:
+        grads = compiled(feeds)
+    except Exception:  # pylint: disable=broad-except
+        cache.stats["replay_failed"] += 1
+        return None
+    cache.stats["replayed"] += 1
+    cache.stats["post_replayed"] += 1
+    cache.misses = 0
+    return grads
+
+
 def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
              output_gradients, retain, target_meta, eager_pass,
-             all_watched=False, post=None):
+             all_watched=False, post=None, remember=None):
     """The pass through the cache: the gradients, computed by a compiled
     function when the key allows, else by ``eager_pass()``.
 
@@ -764,15 +849,14 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     second use, and kept when it agrees, as traced_call() builds and keeps
     (the cost model above weighs the backward ops alone), it is never
     left to key churn's sampling, and after a kernel-cache clear it is
-    instantiated again (its saving is not measured)."""
+    instantiated again (its saving is not measured).
+
+    ``remember`` (a list): a replayed post pass appends its Remembered to
+    it (see replay())."""
     if post is not None:
         eager_pass = _then(eager_pass, post)
     cache = CACHE
-    if (cache.mode == "off" or _in_forked_child
-            or vspace.profile_stats is not None
-            or vspace.check_gradients is not None
-            or sys.getprofile() is not None or vspace._is_recording()  # pylint: disable=protected-access
-            or not context.executing_eagerly()):
+    if _off_now(cache, vspace):
         return _skipped(eager_pass)
     if cache.mode == "auto" and cache.misses >= _CHURN_CALLS and post is None:
         cache.sampled += 1
@@ -864,6 +948,8 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
         cache.stats["replayed"] += 1
         if post is not None:
             cache.stats["post_replayed"] += 1
+            if remember is not None:
+                remember.append(Remembered(compiled, key, entries))
         cache.misses = 0
         return grads
     seen = cache.seen.get(key)
@@ -933,11 +1019,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
         logging.vlog(1, "fasttape: backward pass not compiled: %s", why)
         if verify:
             raise AssertionError(f"fasttape: backward pass not compiled: {why}")
-    with cache.lock:
-        cache.compiled[key] = (_FAILED if compiled is None or slower
-                               else compiled)
-        while len(cache.compiled) > _MAX_ENTRIES:
-            cache.compiled.popitem(last=False)
+    cache.store(key, _FAILED if compiled is None or slower else compiled)
     cache.stats["slower" if slower else "built" if compiled is not None
                 else "failed"] += 1
     if post is not None and compiled is not None and not slower:
@@ -1029,9 +1111,6 @@ def traced_call(key, fn, feeds):
         logging.vlog(1, "fasttape: %s not compiled: %s", key[1][0], why)
         if verify:
             raise AssertionError(f"fasttape: {key[1][0]} not compiled: {why}")
-    with cache.lock:
-        cache.compiled[key] = _FAILED if compiled is None else compiled
-        while len(cache.compiled) > _MAX_ENTRIES:
-            cache.compiled.popitem(last=False)
+    cache.store(key, _FAILED if compiled is None else compiled)
     cache.stats["post_built" if compiled is not None else "traced_failed"] += 1
     return replayed if verify else out

@@ -79,7 +79,8 @@ MAX_BAKED_ELEMENTS = 32
 cdef frozenset _NEVER_COMPILED = frozenset({"EagerPyFunc", "PyFunc", "PyFuncStateless"})
 
 
-def backward_signature(list entries, dict config_inputs, config_inputs_of):
+def backward_signature(list entries, dict config_inputs, config_inputs_of,
+                       list slots=None):
     """For the pruned entries of a backward pass (GradientTapeCore.plan):
     ``(signature, feeds)``, or None where the pass cannot be compiled (a
     payload other than an eagerly run op, an output whose zeros need a
@@ -97,14 +98,18 @@ def backward_signature(list entries, dict config_inputs, config_inputs_of):
     functions read their values (tensor_util.constant_value), so they are
     baked into the compiled pass as constants (``bake_slot`` says which),
     and their values are part of the signature instead of a feed.
+
+    ``slots`` (a list): where each feed is, (entry index, slot), is
+    appended to it.
     """
     cdef list sig = [], feeds = []
     cdef EagerOp p
-    cdef Py_ssize_t k
+    cdef Py_ssize_t k, i = -1
     gc_was_enabled = _gc.isenabled()
     _gc.disable()
     try:
         for entry in entries:
+            i += 1
             payload = entry.payload
             if type(payload) is not EagerOp:
                 return None
@@ -145,6 +150,8 @@ def backward_signature(list entries, dict config_inputs, config_inputs_of):
                     sig.append(x.numpy().tobytes())
                 else:
                     feeds.append(x)
+                    if slots is not None:
+                        slots.append((i, k))
                 k += 1
         return tuple(sig), feeds
     finally:
