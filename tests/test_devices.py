@@ -267,3 +267,38 @@ def test_mirrored_strategy_gradient_wrt_mirrored_variable(strategy, compiled):
         return step
 
     _assert_replicas_match(strategy, make_step, compiled)
+
+
+def test_dp_gradient_alternating_device_scopes():
+    """dp_gradient steps of one structure, alternately under CPU:0 and
+    CPU:1 scopes, in the compiled cache's default mode (a fused pass per
+    scope, built and replayed, the kept plan remembering the last one
+    replayed): each step's clipped sums equal the eager pass's under the
+    same scope (cache off) and are placed like them."""
+    from compat.harness import compiled_mode
+
+    fasttape.clear_caches()
+    rng = np.random.default_rng(0)
+    w = tf.Variable(rng.normal(size=(5, 3)))
+    b = tf.Variable(rng.normal(size=(3,)))
+
+    def step(device, n):
+        x = tf.constant(rng.normal(size=(4, 5)) * (1.0 + n))
+        with tf.device(device):
+            with fasttape.GradientTape() as tape:
+                losses = tf.reduce_sum(tf.tanh(x @ w + b) ** 2, axis=1)
+            return tape.dp_gradient(losses, [w, b], 0.5), x
+
+    for n in range(10):
+        device = _CPUS[n % 2]
+        got, x = step(device, n)
+        with compiled_mode("off"), tf.device(device):
+            with fasttape.GradientTape() as tape:
+                losses = tf.reduce_sum(tf.tanh(x @ w + b) ** 2, axis=1)
+            want = tape.dp_gradient(losses, [w, b], 0.5)
+        for g, e in zip(got, want):
+            assert g.device == e.device, (n, g.device, e.device)
+            np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-12)
+    from fasttape.gradients import _compiled
+    assert _compiled.CACHE.stats["post_replayed"] >= 4, _compiled.CACHE.stats
+    fasttape.clear_caches()
