@@ -121,14 +121,22 @@ def sq_rows(t, memo=None):
 
 def _scaled(g, w, memo=None):
     """g [B, ...] times the per-example weights w [B], shared through
-    ``memo`` between the rules reading the same g (w is one per call)."""
-    if memo is not None:
-        hit = memo.get(("w", id(g)))
-        if hit is not None and hit[0] is g:
-            return hit[1]
-    out = _ex("Mul", g, _bcast(w, len(g.shape)))
-    if memo is not None:
-        memo[("w", id(g))] = (g, out)
+    ``memo`` between the rules reading the same g (w is one per call), as
+    is w broadcast to a rank."""
+    if memo is None:
+        return _ex("Mul", g, _bcast(w, len(g.shape)))
+    hit = memo.get(("w", id(g)))
+    if hit is not None and hit[0] is g:
+        return hit[1]
+    rank = len(g.shape)
+    hit = memo.get(("bcast", id(w), rank))
+    if hit is not None and hit[0] is w:
+        wide = hit[1]
+    else:
+        wide = _bcast(w, rank)
+        memo[("bcast", id(w), rank)] = (w, wide)
+    out = _ex("Mul", g, wide)
+    memo[("w", id(g))] = (g, out)
     return out
 
 
