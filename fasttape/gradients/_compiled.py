@@ -782,7 +782,9 @@ class Remembered:
     path whose analysis matched: the same structure, so the same key):
     ``replay`` calls it while the cache keeps it, with the key's device
     and determinism. ``slots``: where each feed of the pass is among the
-    plan's ``payloads``, (payload index, slot), until rebase()."""
+    plan's ``payloads``, (payload index, slot), until rebase(). ``key`` is
+    gradient()'s: its items 2, 5 and 6 are the targets' metas, the device
+    scope and determinism."""
 
     __slots__ = ("compiled", "key", "device", "determinism", "payloads",
                  "slots")
@@ -822,8 +824,11 @@ def replay(remembered, feeds, vspace, target_meta):
             or context.context().device_name != remembered.device
             or _determinism() != remembered.determinism):
         return None
+    try:
+        cache.compiled.move_to_end(remembered.key)
+    except KeyError:    # (another thread's step pushed it out just now)
+        return None
     cache.calls += 1
-    cache.compiled.move_to_end(remembered.key)
     compiled.seen.use(cache.calls)
     try:
         grads = compiled(feeds)
