@@ -810,16 +810,40 @@ class Remembered:
         return True
 
 
+def _call_cached(cache, compiled, feeds, post):
+    """A cached pass called on ``feeds`` as a replay (``post``: a post
+    pass), instantiated again (and timed) if its kernels were cleared;
+    counted in the stats. None if the call failed: a kernel error (a
+    CheckNumerics gradient on this step's values, an allocation that
+    failed), for the caller's eager pass to meet again."""
+    try:
+        if compiled.epoch != cache.epoch:
+            start = time.perf_counter()
+            grads = compiled(feeds)
+            compiled.instantiation_seconds = time.perf_counter() - start
+            compiled.epoch = cache.epoch
+            cache.stats["reinstantiated"] += 1
+        else:
+            grads = compiled(feeds)
+    except Exception:  # pylint: disable=broad-except
+        cache.stats["replay_failed"] += 1
+        return None
+    cache.stats["replayed"] += 1
+    if post:
+        cache.stats["post_replayed"] += 1
+    cache.misses = 0
+    return grads
+
+
 def replay(remembered, feeds, vspace, target_meta):
     """The remembered pass called on ``feeds`` (the plan's, then the post
-    pass'), as gradient()'s replay calls it, or None where gradient() must
-    decide instead (the pass left the cache or lost its kernels, the
-    targets' metas, the device scope or determinism changed, the cache is
-    off now, or the call failed)."""
+    pass'), as gradient() replays a cached post pass, or None where
+    gradient() must decide instead (the pass left the cache, the targets'
+    metas, the device scope or determinism changed, the cache is off now,
+    or the call failed)."""
     cache = CACHE
     compiled = remembered.compiled
-    if (compiled.evicted or compiled.epoch != cache.epoch
-            or tuple(target_meta) != remembered.key[2]
+    if (compiled.evicted or tuple(target_meta) != remembered.key[2]
             or _off_now(cache, vspace)
             or context.context().device_name != remembered.device
             or _determinism() != remembered.determinism):
@@ -830,15 +854,7 @@ def replay(remembered, feeds, vspace, target_meta):
         return None
     cache.calls += 1
     compiled.seen.use(cache.calls)
-    try:
-        grads = compiled(feeds)
-    except Exception:  # pylint: disable=broad-except
-        cache.stats["replay_failed"] += 1
-        return None
-    cache.stats["replayed"] += 1
-    cache.stats["post_replayed"] += 1
-    cache.misses = 0
-    return grads
+    return _call_cached(cache, compiled, feeds, True)
 
 
 def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
@@ -932,30 +948,16 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             return eager_pass()
         feeds += [g for g in output_gradients or () if g is not None]
         feeds += post_feeds
-        try:
-            if cleared:
-                start = time.perf_counter()
-                grads = compiled(feeds)
-                compiled.instantiation_seconds = time.perf_counter() - start
-                compiled.epoch = cache.epoch
-                cache.stats["reinstantiated"] += 1
-            else:
-                grads = compiled(feeds)
-        except Exception:  # pylint: disable=broad-except
-            # A kernel error (a CheckNumerics gradient on this step's
-            # values, an allocation that failed): the eager pass, whose
-            # payloads are still alive, raises what TF's tape raises (its
-            # op and message), or succeeds where TF's does.
-            cache.stats["replay_failed"] += 1
+        grads = _call_cached(cache, compiled, feeds, post is not None)
+        if grads is None:
+            # The eager pass, whose payloads are still alive, raises what
+            # TF's tape raises (its op and message), or succeeds where
+            # TF's does.
             return eager_pass()
         if not (core.persistent or retain):
             core.release()
-        cache.stats["replayed"] += 1
-        if post is not None:
-            cache.stats["post_replayed"] += 1
-            if remember is not None:
-                remember.append(Remembered(compiled, key, entries))
-        cache.misses = 0
+        if post is not None and remember is not None:
+            remember.append(Remembered(compiled, key, entries))
         return grads
     seen = cache.seen.get(key)
     if seen is None:
