@@ -19,9 +19,23 @@ import tensorflow as tf
 import fasttape
 from fasttape.recording import _budget
 import op_corpus as oc
-from harness import Raised, assert_leaks_nothing, assert_same, compare
+from harness import Raised, assert_leaks_nothing, assert_same, compare, compiled_mode
 
 TINY = 0   # bytes: every tensor that can be dropped is
+
+
+@pytest.fixture(autouse=True)
+def _eager_passes():
+    """The budget's eager mechanics are tested with every pass run eagerly
+    (a step that repeats one earlier in the session would otherwise be
+    replayed compiled, without them); the tests of compiled budgeted passes
+    set their mode themselves."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    previous = _compiled.set_mode("off")
+    try:
+        yield
+    finally:
+        _compiled.set_mode(previous)
 
 
 class Budgeted:
@@ -143,6 +157,39 @@ def test_op_corpus_tiny_budget_drops_and_recomputes():
         recomputed += budgeted.total("recomputed_tensors") > 0
     assert dropped >= len(cases) // 2, (dropped, len(cases))
     assert recomputed >= len(cases) // 2, (recomputed, len(cases))
+
+
+@pytest.fixture
+def verify_mode():
+    """The compiled backward at first use, checked bit for bit against the
+    eager pass (one that disagrees or fails to trace raises) and returned."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    previous = _compiled.set_mode("verify")
+    before = _compiled.CACHE.stats["recompute_built"]
+    try:
+        yield lambda: _compiled.CACHE.stats["recompute_built"] - before
+    finally:
+        _compiled.set_mode(previous)
+        _compiled.CACHE.clear()
+
+
+COMPILED_SLICE = CASES[1::4]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in COMPILED_SLICE])
+def test_op_corpus_tiny_budget_compiled(case, verify_mode):
+    """The other half's quarter, with the budgeted pass compiled: its
+    dropped tensors re-made inside the function, whose gradients are the
+    eager pass's and the unbudgeted tape's, bit for bit."""
+    _parity(case.body)
+
+
+def test_op_corpus_compiled_recomputes(verify_mode):
+    """The compiled parity above is not vacuous: most of its cases trace
+    recomputations into the function."""
+    for case in COMPILED_SLICE[::3]:
+        _parity(case.body)
+    assert verify_mode() >= len(COMPILED_SLICE[::3]) // 2, verify_mode()
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES[::9]
@@ -367,23 +414,98 @@ def test_watched_intermediate_never_dropped():
 
 # -- modes: compiled backward, gradient inside the context, summary, env ---------------
 
-def test_budgeted_pass_never_compiled(monkeypatch):
-    """The compiled backward would replay a pass over dropped tensors: a
-    budgeted tape always runs its pass eagerly."""
-    from fasttape.gradients import _compiled
-    calls = []
-    original = _compiled.gradient
+def _steps(budget, steps, n=20, debug=False):
+    """``steps`` steps of _chain's program under a tape with ``budget``
+    (debug: its store measures what it holds at every step): their
+    gradients and stores."""
+    x = tf.constant(np.random.RandomState(0).randn(4, 4).astype("float32"))
+    grads, stores = [], []
+    for _ in range(steps):
+        with fasttape.GradientTape(memory_budget=budget) as tape:
+            store = tape._tape.budget  # pylint: disable=protected-access
+            store.debug = debug
+            tape.watch(x)
+            y = x
+            for _ in range(n):
+                y = tf.exp(tf.tanh(tf.sin(y) * x))
+            loss = tf.reduce_sum(y)
+        grads.append(tape.gradient(loss, x))
+        stores.append(store)
+    return grads, stores
 
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
 
-    monkeypatch.setattr(_compiled, "gradient", spy)
-    for _ in range(4):
-        _chain(Budgeted(TINY), n=5)
-    assert not calls
-    _chain(fasttape.GradientTape, n=5)
-    assert calls
+def test_budgeted_pass_compiled_with_its_recomputations():
+    """A budgeted pass that repeats is compiled with its recomputations in
+    the function: later steps replay it (no eager recomputation), give the
+    unbudgeted gradients bit for bit, and count what they re-made."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    expected = _chain(fasttape.GradientTape, n=20)
+    with compiled_mode("always"):
+        _compiled.CACHE.clear()
+        grads, stores = _steps(2000, 4)
+    for g in grads:
+        assert_same(expected, g, exact=True)
+    assert [s.compiled_passes for s in stores] == [0, 1, 1, 1]
+    assert all(s.recomputed_ops > 0 for s in stores)
+    assert stores[1].recomputed_ops == stores[2].recomputed_ops
+
+
+def test_eager_pass_through_the_cache_lets_go(monkeypatch):
+    """A budgeted pass the compiled cache runs eagerly (its first steps)
+    lets go of each saved tensor after its last reader, as a pass that
+    never meets the cache does: the cache's lists of the pass's tensors
+    and payloads do not hold them while it runs."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    trace = []
+    original = _budget.Store._measure
+
+    def measure(self):
+        original(self)
+        trace.append(self.held_bytes())
+
+    monkeypatch.setattr(_budget.Store, "_measure", measure)
+    traces = {}
+    for mode in ("off", "auto"):
+        with compiled_mode(mode):
+            _compiled.CACHE.clear()
+            del trace[:]
+            _steps(10 ** 12, 1, n=20, debug=True)
+            traces[mode] = list(trace)
+    _compiled.CACHE.clear()
+    # What the tape alone holds, after each recorded op and each gradient
+    # function: the same either way, and falling to nearly nothing as the
+    # pass runs.
+    assert traces["auto"] == traces["off"]
+    assert max(trace) > 2000 and trace[-1] < 100, trace
+
+
+def test_compiled_budgeted_pass_within_budget():
+    """What a compiled pass holds (its feeds, alive for the whole call, and
+    its recomputed tensors alive at once, at most) passes the budget by no
+    more than the largest saved tensor; a pass that would is not kept, and
+    the step runs eagerly."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    expected = _chain(fasttape.GradientTape, n=20)
+    with compiled_mode("always"):
+        _compiled.CACHE.clear()
+        grads, stores = _steps(2000, 3, debug=True)
+        assert stores[-1].compiled_passes == 1
+        for s in stores:
+            assert s.max_held > 0
+            assert s.max_over <= s.largest, (s.max_over, s.largest)
+        # The same pass where nothing may pass the budget: not kept.
+        _compiled.CACHE.clear()
+        original = _budget.GraphRecompute.refuse
+        try:
+            _budget.GraphRecompute.refuse = (
+                lambda self, peak: "refused" if peak else None)
+            more, stores = _steps(2000, 3)
+        finally:
+            _budget.GraphRecompute.refuse = original
+        assert [s.compiled_passes for s in stores] == [0, 0, 0]
+        assert _compiled.CACHE.stats["over_budget"] >= 1
+    for g in grads + more:
+        assert_same(expected, g, exact=True)
 
 
 def test_gradient_inside_own_context_refused():
@@ -457,16 +579,22 @@ def test_env_var_is_read_at_each_tape(monkeypatch):
 
 # -- leaks ------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("mode", ["off", "always"])
 @pytest.mark.parametrize("persistent", [False, True])
-def test_budgeted_step_leaks_nothing(persistent):
+def test_budgeted_step_leaks_nothing(persistent, mode):
     """A budgeted step that drops and recomputes (slots, recipes, payload
     weak references, the store) leaves no tensor alive and no reference
-    cycle for the garbage collector once the tape is gone."""
+    cycle for the garbage collector once the tape is gone: run eagerly,
+    and replayed compiled (built in the warm-up, before the checks)."""
     w = tf.Variable(np.random.RandomState(0).randn(16, 16).astype("float32"))
     x = tf.constant(np.random.RandomState(1).randn(8, 16).astype("float32"))
 
+    # (A compiled pass whose recomputations would pass the budget by more
+    # than the largest saved tensor is not kept.)
+    budget = TINY if mode == "off" else 2048
+
     def step():
-        with fasttape.GradientTape(memory_budget=TINY, persistent=persistent) as tape:
+        with fasttape.GradientTape(memory_budget=budget, persistent=persistent) as tape:
             y = x
             for _ in range(6):
                 y = tf.tanh(tf.matmul(y, w))
@@ -478,7 +606,14 @@ def test_budgeted_step_leaks_nothing(persistent):
         assert m["dropped_tensors"] > 0 and m["recomputed_tensors"] > 0, m
         return grad
 
-    assert_leaks_nothing(step)
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    with compiled_mode(mode):
+        _compiled.CACHE.clear()
+        step()
+        replays = _compiled.CACHE.stats["replayed"]
+        assert_leaks_nothing(step)
+        assert (_compiled.CACHE.stats["replayed"] > replays) == (mode == "always")
+    _compiled.CACHE.clear()
 
 
 # -- a model that does not fit trains under a budget -------------------------------------

@@ -52,22 +52,24 @@ def compute(tape_state, flat_targets, flat_sources, output_gradients,
     core, vspace = tape_state.core, _recording.VSPACE
     target_meta = [output_meta(t) for t in flat_targets]
 
+    pass_vspace = vspace
+    recompute = None
+    if tape_state.budget is not None:
+        pass_vspace = _budget.backward_vspace(tape_state, vspace)
+        # A compiled pass re-makes the dropped tensors inside its function.
+        recompute = _budget.GraphRecompute(tape_state.budget)
+
     def eager_pass():
         return core.compute_gradient(
-            vspace, target_ids, source_ids, sources_that_are_targets,
+            pass_vspace, target_ids, source_ids, sources_that_are_targets,
             output_gradients, True, retain, target_meta, all_watched)
 
     # (Anomaly mode and the profiler are properties of the vspace, for
     # which the compiled cache runs eager_pass.)
-    if tape_state.budget is not None:
-        # Never compiled: a replayed pass would read dropped tensors (and
-        # skip their recomputation).
-        vspace = _budget.backward_vspace(tape_state, vspace)
-        grads = eager_pass()
-    else:
-        grads = _compiled.gradient(core, vspace, target_ids, source_ids,
-                                   sources_that_are_targets, output_gradients,
-                                   retain, target_meta, eager_pass, all_watched)
+    grads = _compiled.gradient(core, vspace, target_ids, source_ids,
+                               sources_that_are_targets, output_gradients,
+                               retain, target_meta, eager_pass, all_watched,
+                               recompute=recompute)
     if unconnected_gradients == UnconnectedGradients.ZERO:
         grads = [default_gradient.zeros_like(flat_sources_raw[i])
                  if g is None else g for i, g in enumerate(grads)]

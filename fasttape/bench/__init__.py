@@ -161,7 +161,9 @@ def main(argv=None):
               "median ± half the IQR; ratio = median of per-step ratios to the "
               "unbudgeted step;\npeak RSS = the process's peak resident memory "
               "over two steps above its resident memory before them, each in a "
-              "fresh process;\ndropped / re-run = tensors dropped and ops re-run "
+              "fresh process;\nsteady = the same after eight steps (compiled "
+              "passes in use), TF's pooled blocks counted by TF's statistics "
+              "(see fasttape/bench/memory.py);\ndropped / re-run = tensors dropped and ops re-run "
               "in one step.\n")
         if not all(r["grads_equal"] for r in mem_rows):
             print("ERROR: budgeted gradients differ from unbudgeted ones on: "

@@ -8,13 +8,22 @@ holds, side by side.
   peak RSS  the process's peak resident memory during two steps, above its
             resident memory before them (VmHWM reset through
             /proc/self/clear_refs; else ru_maxrss), each budget in a fresh
-            subprocess
+            subprocess: the first steps, whose passes run eagerly
+  steady    the peak over two steps after STEADY steps, when a repeating
+            pass is replayed compiled. Resident memory cannot show it (the
+            earlier steps' peak stays resident: TF's CPU allocator pools
+            its large blocks), so it is the sum of two peaks above their
+            levels before the two steps: that pool's own (TF's memory
+            statistics, reset before them) and resident memory's, with
+            glibc returning the blocks of 64 KiB or more it frees at once.
+            Two peaks summed: never below the peak of the two together
 
 The budgeted gradients are checked equal to the unbudgeted ones, bit for bit,
 before anything is timed.
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -25,6 +34,7 @@ from fasttape.bench.report import with_spread
 from fasttape.bench.timing import iqr_ms
 
 FRACTIONS = (0.5, 0.25)
+STEADY = 8      # steps before the steady peak is measured
 
 
 class MemWorkload:
@@ -145,16 +155,25 @@ def _budgets(fasttape, params, loss):
     return full, [None] + [int(full * f) for f in FRACTIONS]
 
 
-def peak_rss_child(name, budget):
+def peak_rss_child(name, budget, steady=False):
     """(In a fresh process) the peak resident bytes of two steps above the
-    resident bytes before them; printed as JSON."""
+    resident bytes before them (steady: after STEADY steps, and with the
+    peak of TF's pool of large blocks added, see above); printed as
+    JSON."""
     import gc  # pylint: disable=import-outside-toplevel
     import resource  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     import fasttape  # pylint: disable=import-outside-toplevel
     params, loss = MEM_BY_NAME[name].make(tf)
     loss()          # kernels loaded, no tape
+    for _ in range(STEADY if steady else 0):
+        _step(fasttape, params, loss, budget)
     gc.collect()
+    pool = 0
+    if steady:
+        stats = tf.config.experimental
+        stats.reset_memory_stats("CPU:0")
+        pool = -stats.get_memory_info("CPU:0")["current"]
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
             f.write("5")
@@ -166,7 +185,9 @@ def peak_rss_child(name, budget):
         _step(fasttape, params, loss, budget)
     peak = (_status("VmHWM") if how == "VmHWM"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    print(json.dumps({"peak": peak - base, "how": how}))
+    if steady:
+        pool += stats.get_memory_info("CPU:0")["peak"]
+    print(json.dumps({"peak": peak - base + pool, "how": how}))
 
 
 def _status(key):
@@ -177,11 +198,15 @@ def _status(key):
     raise OSError(f"no {key} in /proc/self/status")
 
 
-def _peak_rss(name, budget):
+def _peak_rss(name, budget, steady=False):
     code = ("from fasttape.bench.memory import peak_rss_child; "
-            f"peak_rss_child({name!r}, {budget!r})")
+            f"peak_rss_child({name!r}, {budget!r}, {steady!r})")
+    env = None
+    if steady:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536",
+                   MALLOC_TRIM_THRESHOLD_="0")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                         text=True, check=True).stdout
+                         text=True, check=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])["peak"]
 
 
@@ -217,6 +242,8 @@ def run_mem_workload(tf, fasttape, workload, repeats, warmup, rss=True):
         row["spread"] = iqr_ms(seconds)
         row["ratio"] = float(np.median([s / b for s, b in zip(seconds, base)]))
         row["peak_rss"] = _peak_rss(workload.name, row["budget"]) if rss else None
+        row["steady_rss"] = (_peak_rss(workload.name, row["budget"], True)
+                             if rss else None)
     return rows
 
 
@@ -226,7 +253,7 @@ def _mb(n):
 
 def format_mem_table(rows):
     header = (f"{'workload':<16}{'budget':>16}{'held (max)':>14}{'ms/step':>16}"
-              f"{'ratio':>8}{'peak RSS':>12}{'dropped':>9}{'re-run':>8}")
+              f"{'ratio':>8}{'peak RSS':>12}{'steady':>12}{'dropped':>9}{'re-run':>8}")
     lines = [header]
     for r in rows:
         budget = ("none" if r["budget"] is None
@@ -234,7 +261,8 @@ def format_mem_table(rows):
         lines.append(
             f"{r['workload']:<16}{budget:>16}{_mb(r['held']):>14}"
             f"{with_spread(r['ms'], r['spread']):>16}{r['ratio']:>8.2f}"
-            f"{_mb(r['peak_rss']):>12}{r['dropped']:>9}{r['recomputed_ops']:>8}")
+            f"{_mb(r['peak_rss']):>12}{_mb(r.get('steady_rss')):>12}"
+            f"{r['dropped']:>9}{r['recomputed_ops']:>8}")
     return "\n".join(lines)
 
 

@@ -444,14 +444,24 @@ class _BuildVSpace(TFVSpace):
     its symbolic stand-in, so the registered gradient functions build the
     graph of the pass."""
 
-    def __init__(self, stand_ins):
+    def __init__(self, stand_ins, recompute=None):
         super().__init__()
         self.use_fast_rules = False
         self._stand_ins = stand_ins
+        self._recompute = recompute
 
     def call_backward(self, op_type, payload, unneeded_indices, out_grads):
-        return self._call_backward(op_type, self._stand_ins[id(payload)],
-                                   unneeded_indices, out_grads)
+        stand_in = self._stand_ins[id(payload)]
+        recompute = self._recompute
+        if recompute is not None:
+            resolved = recompute.resolve(stand_in, out_grads)
+            if resolved is not stand_in:
+                grads = self._call_backward(op_type, resolved,
+                                            unneeded_indices, out_grads)
+                recompute.returned(grads)
+                return grads
+        return self._call_backward(op_type, stand_in, unneeded_indices,
+                                   out_grads)
 
     def aggregate(self, grads):
         # TF's eager AddN sums its inputs in order. In a graph, its kernel
@@ -494,6 +504,8 @@ class _Compiled:
         self.saving = 0.0          # seconds per call against the eager pass
         self.instantiation_seconds = 0.0
         self.evicted = False       # no longer in CACHE.compiled
+        self.recompute_peak = 0    # (a memory budget's pass, see GraphRecompute)
+        self.recompute_ops = 0     # recomputed bytes alive at once, ops re-run
 
     def use_executor(self, executor_type):
         attrs = dict(context.context().function_call_options.as_attrs())
@@ -606,32 +618,38 @@ def _spec(t):
 
 
 def _build(core, entries, feeds, target_ids, source_ids, sources_that_are_targets,
-           output_gradients, target_meta, all_watched, post=None):
+           output_gradients, target_meta, all_watched, post=None,
+           recompute=None):
     """Trace the pass (and ``post``, see gradient()) into a graph function;
-    a reason (str) if it is not compiled."""
+    a reason (str) if it is not compiled. ``recompute``: see gradient()."""
     given = [] if output_gradients is None else [
         g for g in output_gradients if g is not None]
     specs = [_spec(t) for t in feeds] + [_spec(g) for g in given]
     if post is not None:
         specs += [_spec(t) for t in post[2]]
+    if recompute is not None:
+        specs += [_spec(t) for t in recompute.feeds]
     kinds_box = []
 
     def backward(*args):
         args = iter(args)
         stand_ins = {}
-        for entry in entries:
+        for i, entry in enumerate(entries):
             p = entry.payload
             configs = config_inputs_of(entry.op_type)
             n_in = p.num_inputs
             saved = tuple([
                 None if x is None
+                else recompute.marker(i, k) if type(x) is not ops.EagerTensor
                 else constant_op.constant(x.numpy()) if bake_slot(configs, k, n_in, x)
                 else next(args) for k, x in enumerate(p.saved)])
             stand_ins[id(p)] = EagerOp(p.attrs, saved, p.num_inputs)
         ogs = None if output_gradients is None else [
             None if g is None else next(args) for g in output_gradients]
+        if recompute is not None:
+            recompute.bind([next(args) for _ in recompute.feeds])
         grads = core.compute_gradient(
-            _BuildVSpace(stand_ins), target_ids, source_ids,
+            _BuildVSpace(stand_ins, recompute), target_ids, source_ids,
             sources_that_are_targets, ogs, True, True, target_meta,
             all_watched)
         if post is not None:
@@ -650,7 +668,10 @@ def _build(core, entries, feeds, target_ids, source_ids, sources_that_are_target
     if folded > _MAX_FOLDED_BYTES:
         return (f"its graph holds {folded} bytes that TF's instantiation "
                 f"would constant-fold (at most {_MAX_FOLDED_BYTES})")
-    return _Compiled(concrete._inference_function, kinds_box[0])  # pylint: disable=protected-access
+    compiled = _Compiled(concrete._inference_function, kinds_box[0])  # pylint: disable=protected-access
+    if recompute is not None:
+        compiled.recompute_peak, compiled.recompute_ops = recompute.finish()
+    return compiled
 
 
 def _foldable_bytes(graph):
@@ -859,7 +880,7 @@ def replay(remembered, feeds, vspace, target_meta):
 
 def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
              output_gradients, retain, target_meta, eager_pass,
-             all_watched=False, post=None, remember=None):
+             all_watched=False, post=None, remember=None, recompute=None):
     """The pass through the cache: the gradients, computed by a compiled
     function when the key allows, else by ``eager_pass()``.
 
@@ -873,7 +894,12 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     instantiated again (its saving is not measured).
 
     ``remember`` (a list): a replayed post pass appends its Remembered to
-    it (see replay())."""
+    it (see replay()).
+
+    ``recompute``: a memory budget's pass (recording._budget.GraphRecompute):
+    a payload's saved items that are no tensors (dropped ones) are
+    described by ``recompute.hook`` in the signature, and recomputed inside
+    the function from ``recompute.feeds`` (fed last; no post with it)."""
     if post is not None:
         eager_pass = _then(eager_pass, post)
     cache = CACHE
@@ -890,13 +916,28 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     code, entries = plan
     if not entries:
         return _skipped(eager_pass)
-    signed = backward_signature(entries, CONFIG_INPUTS, config_inputs_of)
+    signed = backward_signature(entries, CONFIG_INPUTS, config_inputs_of, None,
+                                None if recompute is None else recompute.hook)
     if signed is None:
         return _skipped(eager_pass)
     signature, feeds = signed
+    if recompute is not None:
+        signature = (signature, recompute.signature())
+
+    def unfed():
+        # The pass runs eagerly: its gradient functions read the payloads'
+        # tensors, which it lets go one by one (a memory budget counts on
+        # it), so these lists must not hold them (nor the payloads)
+        # meanwhile.
+        feeds.clear()
+        entries.clear()
+        if recompute is not None:
+            recompute.feeds.clear()
+        return eager_pass()
+
     for meta in target_meta:
         if type(meta) is not tuple:
-            return _skipped(eager_pass)
+            return _skipped(unfed)
     og_sig = None
     if output_gradients is not None:
         og_sig = []
@@ -904,7 +945,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             if g is None:
                 og_sig.append(None)
             elif type(g) is not ops.EagerTensor:
-                return _skipped(eager_pass)
+                return _skipped(unfed)
             else:
                 sig = (g._shape_tuple(), g._datatype_enum())  # pylint: disable=protected-access
                 if sig != target_meta[len(og_sig)]:
@@ -912,7 +953,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
                     # gradients (static shapes) treat it unlike the eager
                     # ones, so such a pass stays eager (and fails, or not,
                     # as TF's eager pass does).
-                    return _skipped(eager_pass)
+                    return _skipped(unfed)
                 og_sig.append(sig)
         og_sig = tuple(og_sig)
     # The device scope places the call (as it places eager gradient ops);
@@ -927,14 +968,14 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             key += (post[0], tuple((f._shape_tuple(), f._datatype_enum())  # pylint: disable=protected-access
                                    for f in post_feeds))
         except AttributeError:      # a feed that is no eager tensor
-            return _skipped(eager_pass)
+            return _skipped(unfed)
     try:
         compiled = cache.compiled.get(key)
     except TypeError:       # an attr value that cannot be a key
-        return _skipped(eager_pass)
+        return _skipped(unfed)
     cache.calls += 1
     if compiled is _FAILED:
-        return _skipped(eager_pass)
+        return _skipped(unfed)
     if compiled is not None:
         cache.compiled.move_to_end(key)
         compiled.seen.use(cache.calls)
@@ -945,15 +986,23 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             # again would cost more than the uses expected before the next
             # clear save.
             cache.stats["eager_after_clear"] += 1
-            return eager_pass()
+            return unfed()
+        if recompute is not None and recompute.refuse(
+                compiled.recompute_peak) is not None:
+            cache.stats["over_budget"] += 1
+            return unfed()
         feeds += [g for g in output_gradients or () if g is not None]
         feeds += post_feeds
+        if recompute is not None:
+            feeds += recompute.feeds
         grads = _call_cached(cache, compiled, feeds, post is not None)
         if grads is None:
             # The eager pass, whose payloads are still alive, raises what
             # TF's tape raises (its op and message), or succeeds where
             # TF's does.
-            return eager_pass()
+            return unfed()
+        if recompute is not None:
+            recompute.replayed(compiled.recompute_ops)
         if not (core.persistent or retain):
             core.release()
         if post is not None and remember is not None:
@@ -973,7 +1022,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
         cache.misses += 1
         cache.stats["eager"] += 1
         start = time.perf_counter()
-        grads = eager_pass()
+        grads = unfed()
         seen.eager_seconds = min(seen.eager_seconds,
                                  time.perf_counter() - start)
         return grads
@@ -987,7 +1036,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     try:
         compiled = _build(core, entries, feeds, target_ids, source_ids,
                           sources_that_are_targets, output_gradients,
-                          target_meta, all_watched, post)
+                          target_meta, all_watched, post, recompute)
         if isinstance(compiled, str):
             why, compiled = compiled, None
     except Exception as e:  # pylint: disable=broad-except
@@ -1001,6 +1050,8 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     if compiled is not None:
         feeds += [g for g in output_gradients or () if g is not None]
         feeds += post_feeds
+        if recompute is not None:
+            feeds += recompute.feeds
         try:
             start = time.perf_counter()
             replayed = compiled.first_call(feeds)
@@ -1010,6 +1061,14 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             compiled.seen = seen
             if not _same(grads, replayed):
                 why, compiled = "it disagrees with the eager pass", None
+            elif recompute is not None and recompute.refuse(
+                    compiled.recompute_peak) is not None:
+                # Agrees, but would hold more than the budget allows: not
+                # kept (not an error, in verify mode either).
+                logging.vlog(1, "fasttape: budgeted pass not compiled: %s",
+                             recompute.refuse(compiled.recompute_peak))
+                cache.stats["over_budget"] += 1
+                compiled = None
             elif not verify and cache.keep_faster and post is None:
                 # Small passes run faster op by op than through a function
                 # call: keep whichever is faster (the first call above paid
@@ -1024,16 +1083,22 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             why, compiled = f"it failed: {e!r}", None
     if why is not None:
         logging.vlog(1, "fasttape: backward pass not compiled: %s", why)
-        if verify:
+        if recompute is not None and recompute.refused:
+            # A budgeted pass that would re-run too much: not an error, in
+            # verify mode either.
+            cache.stats["over_budget"] += 1
+        elif verify:
             raise AssertionError(f"fasttape: backward pass not compiled: {why}")
     cache.store(key, _FAILED if compiled is None or slower else compiled)
     cache.stats["slower" if slower else "built" if compiled is not None
                 else "failed"] += 1
+    if recompute is not None and replayed is not None and recompute.graph_ops:
+        cache.stats["recompute_built"] += 1
     if post is not None and compiled is not None and not slower:
         cache.stats["post_built"] += 1
     # verify (tests): hand back the compiled result, so that parity tests
     # compare it with TF's.
-    return replayed if verify else grads
+    return replayed if verify and replayed is not None else grads
 
 
 def traced_call(key, fn, feeds):

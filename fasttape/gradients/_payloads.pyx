@@ -80,7 +80,7 @@ cdef frozenset _NEVER_COMPILED = frozenset({"EagerPyFunc", "PyFunc", "PyFuncStat
 
 
 def backward_signature(list entries, dict config_inputs, config_inputs_of,
-                       list slots=None):
+                       list slots=None, slot_hook=None):
     """For the pruned entries of a backward pass (GradientTapeCore.plan):
     ``(signature, feeds)``, or None where the pass cannot be compiled (a
     payload other than an eagerly run op, an output whose zeros need a
@@ -101,6 +101,12 @@ def backward_signature(list entries, dict config_inputs, config_inputs_of,
 
     ``slots`` (a list): where each feed is, (entry index, slot), is
     appended to it.
+
+    ``slot_hook(i, k, op_type, num_inputs, x, sig)``: called for a saved
+    item x that is neither None nor an eager tensor (a memory budget's
+    marker of a dropped tensor); it appends what describes x to ``sig`` and
+    returns True, or returns False (the pass is then not compiled). Such an
+    item is no feed.
     """
     cdef list sig = [], feeds = []
     cdef EagerOp p
@@ -140,7 +146,11 @@ def backward_signature(list entries, dict config_inputs, config_inputs_of,
                     k += 1
                     continue
                 if type(x) is not _EagerTensor:
-                    return None
+                    if slot_hook is None or not slot_hook(
+                            i, k, op_type, p.num_inputs, x, sig):
+                        return None
+                    k += 1
+                    continue
                 enum = x._datatype_enum()
                 if enum == _VARIANT:
                     return None

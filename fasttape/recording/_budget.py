@@ -42,12 +42,17 @@ import sys
 import weakref
 
 from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context
 from tensorflow.python.eager import core
 from tensorflow.python.eager import execute
+from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops
+from tensorflow.python.framework import tensor as tensor_lib
+from tensorflow.python.framework import tensor_shape
+from tensorflow.python.framework import tensor_util
 from tensorflow.python.ops import array_ops
 
 from fasttape._core import VSpace
@@ -320,6 +325,7 @@ class Store:
         self.max_held = 0           # (debug) the most held bytes seen
         self.max_over = 0           # (debug) the most held bytes over budget seen
         self.passes = 0             # backward passes run with this store
+        self.compiled_passes = 0    # of them, replayed as one compiled function
         self._locked = ()
         self._saved_by = {}         # payload weakref -> Slots its saved tuple names
         self._when = {}             # payload weakref -> clock when it was recorded
@@ -977,3 +983,346 @@ class BudgetVSpace(VSpace):
         if store.sole_bytes + store.shared_bytes > store.budget or store.debug:
             store._check()  # pylint: disable=protected-access
         return grads
+
+
+# A compiled pass re-runs each recipe at most about this many times (else
+# it is not compiled).
+_MAX_REMADE_PER_RECIPE = 4
+
+
+class _Marker:
+    """In a traced pass's stand-in payload, a dropped tensor: recomputed
+    inside the function (n: its local number) or, where the gradient reads
+    only its shape, zeros (n None; spec: shape, dtype, device)."""
+    __slots__ = ("n", "spec")
+
+    def __init__(self, n, spec=None):
+        self.n = n
+        self.spec = spec
+
+
+class GraphRecompute:
+    """One budgeted backward pass compiled with its recomputations in it
+    (gradients._compiled.gradient's ``recompute``).
+
+    While the pass is signed (``hook``), each dropped tensor a gradient
+    reads is numbered with the closure that re-makes it: the recipes to
+    re-run and the resident tensors they start from (``feeds``). The
+    numbering is the pass's ``signature()``: two passes that drop the same
+    tensors of the same structure share a function. While it is traced,
+    each gradient call that reads a dropped tensor re-runs its recipes as
+    graph ops made after that call's output gradients (control
+    dependencies): the executor cannot recompute ahead of where the eager
+    pass would."""
+
+    def __init__(self, store):
+        self.store = store
+        self.feeds = []         # resident tensors recomputations start from
+        self._local = {}        # slot tid -> local number
+        self._desc = []         # local number -> description
+        self._recipes = {}      # id(recipe) -> local recipe number
+        self._recipe_desc = []
+        self._recipe_objs = []
+        self._at = {}           # (entry index, saved index) -> _Marker
+        self._recipe_bytes = []  # local recipe number -> bytes of its outputs read
+        self.n_tensors = 0      # dropped tensors its gradients read ...
+        self.n_bytes = 0        # ... and their bytes
+        self._fed = None        # (trace) local number -> placeholder
+        self._memo = None       # (trace) recipe number -> [outputs, last step reading them]
+        self._alive = None      # (trace) per step (an op re-run, a call reading
+                                # what was): recomputed bytes alive
+        self._cap = 0           # (trace) what the budget leaves for them
+        self._deps = None       # (trace) what the ops re-run for a call come after
+        self._after = []        # (trace) what the last such call returned
+        self._last_op = None    # (trace) the op re-run last for this call
+        self._held_at_start = store.sole_bytes  # what only the tape holds now
+        self.peak = 0           # (traced) most recomputed bytes alive at once
+        self.refused = False    # (traced) it would re-run too many ops
+        self.graph_ops = 0      # (traced) ops the function re-runs
+        self._held = 0          # what refuse() counted: held now and the peak
+
+    # -- signing ------------------------------------------------------------
+
+    def hook(self, i, k, op_type, num_inputs, x, sig):
+        if type(x) is not Slot or x.shape is None:
+            return False
+        if k in shape_only(op_type, num_inputs):
+            spec = (x.shape, x.dtype, x.recipe.device if x.recipe else None)
+            self._at[(i, k)] = _Marker(None, spec)
+            sig.append(("zeros",) + spec)
+            return True
+        n = self._number(x)
+        if n is None:
+            return False
+        self._at[(i, k)] = _Marker(n)
+        sig.append(("slot", n))
+        return True
+
+    def _number(self, s):
+        """The local number of slot s, numbering first what re-makes it
+        (iterative, inputs before the recipe that reads them)."""
+        got = self._local.get(s.tid)
+        if got is not None:
+            return got
+        store = self.store
+        stack = [s]
+        while stack:
+            top = stack[-1]
+            if top.tid in self._local:
+                stack.pop()
+                continue
+            t = store._get(top)  # pylint: disable=protected-access
+            if t is not None:
+                self._local[top.tid] = len(self._desc)
+                self._desc.append(("fed", t._datatype_enum(), t._shape_tuple()))  # pylint: disable=protected-access
+                self.feeds.append(t)
+                stack.pop()
+                continue
+            recipe = top.recipe
+            if recipe is None:
+                return None
+            todo = [x for x in recipe.inputs if x.tid not in self._local]
+            if todo:
+                stack.extend(todo)
+                continue
+            r = self._recipes.get(id(recipe))
+            if r is None:
+                attrs = recipe.attrs
+                try:
+                    hash(attrs)
+                except TypeError:
+                    return None
+                r = self._recipes[id(recipe)] = len(self._recipe_desc)
+                self._recipe_desc.append((
+                    recipe.op_type, attrs, recipe.device, len(recipe.outputs),
+                    tuple(self._local[x.tid] for x in recipe.inputs)))
+                self._recipe_objs.append(recipe)
+                self._recipe_bytes.append(0)
+            self._local[top.tid] = len(self._desc)
+            self._desc.append(("made", r, recipe.outputs.index(top.tid)))
+            self._recipe_bytes[r] += top.nbytes
+            self.n_tensors += 1
+            self.n_bytes += top.nbytes
+            stack.pop()
+        return self._local[s.tid]
+
+    def signature(self):
+        return (tuple(self._desc), tuple(self._recipe_desc))
+
+    def refuse(self, peak):
+        """Why a compiled pass whose recomputations hold ``peak`` bytes at
+        most may not run now (None: it may): its feeds stay alive for the
+        whole call, so what the tape holds now and that peak together may
+        pass the budget by no more than the largest saved tensor, the bound
+        the eager pass keeps."""
+        store = self.store
+        held = self._held = self._held_at_start + peak
+        over = held - store.budget
+        if over > store.largest:
+            return (f"its recomputations would hold {peak} bytes besides the "
+                    f"{held - peak} the tape holds: {over} over the budget")
+        return None
+
+    def replayed(self, ops_run):
+        """A compiled replay ran, re-running ops_run ops: count them."""
+        store = self.store
+        if store.debug:
+            if self._held > store.max_held:
+                store.max_held = self._held
+            if self._held - store.budget > store.max_over:
+                store.max_over = self._held - store.budget
+        store.recomputed_ops += ops_run
+        store.recomputed += self.n_tensors
+        store.recomputed_bytes += self.n_bytes
+        store.compiled_passes += 1
+
+    # -- tracing ------------------------------------------------------------
+
+    def marker(self, i, k):
+        return self._at[(i, k)]
+
+    def bind(self, placeholders):
+        """(trace) The placeholders of ``feeds``, in order."""
+        self._fed = {}
+        it = iter(placeholders)
+        for n, d in enumerate(self._desc):
+            if d[0] == "fed":
+                self._fed[n] = next(it)
+        self._memo = {}
+        self._alive = []
+        store = self.store
+        # What recomputations may hold at once, re-running rather than
+        # keeping alive beyond it (the largest saved tensor's slack, that
+        # refuse() allows, is left for what a call must read at once).
+        self._cap = store.budget - self._held_at_start
+
+    def resolve(self, stand_in, out_grads):
+        """stand_in with its markers replaced by graph tensors. Every op
+        re-run is made after out_grads, after what the previous gradient
+        call that read recomputed tensors returned (so that call has let
+        go of them), and after the op re-run before it: the function runs
+        its recomputations and the calls that read them in the order they
+        were traced, and _alive counts what is alive at each step."""
+        saved = stand_in.saved
+        if not any(type(x) is _Marker for x in saved):
+            return stand_in
+        self._deps = _tensors(out_grads) + self._after
+        read = []
+        saved = tuple(self._value(x, read) if type(x) is _Marker else x
+                      for x in saved)
+        # The call itself: one more step, at which what it reads is alive.
+        call = len(self._alive)
+        self._alive.append(0)
+        for r in read:
+            self._extend(r, call)
+        return EagerOp(stand_in.attrs, saved, stand_in.num_inputs)
+
+    def returned(self, grads):
+        """(trace) What the call resolve() last served returned."""
+        self._after = _tensors(grads)
+        self._last_op = None
+
+    def finish(self):
+        """(trace) The most bytes of recomputed tensors alive at once, and
+        the ops the function re-runs."""
+        self.peak = max(self._alive, default=0)
+        return self.peak, self.graph_ops
+
+    def _value(self, m, read):
+        if m.n is None:
+            # (After the call's output gradients: zeros made of nothing
+            # would be constant-folded into the function's definition.)
+            shape, dtype, device = m.spec
+            with ops.device(device), ops.control_dependencies(self._deps):
+                return array_ops.zeros(shape, dtype)
+        d = self._desc[m.n]
+        if d[0] == "fed":
+            return self._fed[m.n]
+        self._made(d[1])
+        read.append(d[1])
+        return self._memo[d[1]][0][d[2]]
+
+    def _fits(self, r, step):
+        """May recipe r's outputs, made earlier, still be alive at ``step``
+        (read there)? Yes while every step in between keeps within what
+        the budget leaves (else r is re-run, as the eager pass re-runs what
+        it dropped again)."""
+        m = self._memo.get(r)
+        if m is None:
+            return False
+        nbytes = self._recipe_bytes[r]
+        alive = self._alive
+        cap = self._cap
+        for g in range(m[1] + 1, min(step, len(alive))):
+            if alive[g] + nbytes > cap:
+                return False
+        return True
+
+    def _extend(self, r, step):
+        m = self._memo[r]
+        nbytes = self._recipe_bytes[r]
+        alive = self._alive
+        for g in range(m[1] + 1, step + 1):
+            alive[g] += nbytes
+        if step > m[1]:
+            m[1] = step
+
+    def _made(self, top):
+        """(trace) Recipe top's outputs in the graph: made earlier and still
+        fitting, or re-run now from the feeds (its inputs first: an
+        explicit stack)."""
+        desc = self._desc
+        if self._fits(top, len(self._alive)):
+            return
+        stack = [top]
+        while stack:
+            r = stack[-1]
+            step = len(self._alive)
+            if r != top and self._fits(r, step):
+                stack.pop()
+                continue
+            inputs = self._recipe_desc[r][4]
+            made = [desc[x][1] for x in inputs if desc[x][0] == "made"]
+            todo = [x for x in made if not self._fits(x, step)]
+            if todo:
+                for x in todo:
+                    self._memo.pop(x, None)
+                stack.extend(todo)
+                continue
+            if self.graph_ops >= _MAX_REMADE_PER_RECIPE * len(self._recipe_desc) + 64:
+                # Re-made from too far back, too often (a long chain under
+                # a tiny budget): the eager pass, which keeps what it
+                # re-made under the budget's score, does fewer.
+                self.refused = True
+                raise RuntimeError(
+                    f"a compiled pass would re-run {self.graph_ops}+ ops "
+                    f"for {len(self._recipe_desc)} dropped recipes")
+            self._alive.append(0)
+            for x in made:
+                self._extend(x, step)
+            values = [self._fed[x] if desc[x][0] == "fed"
+                      else self._memo[desc[x][1]][0][desc[x][2]] for x in inputs]
+            deps = self._deps if self._last_op is None else (
+                self._deps + [self._last_op])
+            with ops.control_dependencies(deps):
+                outs = _graph_op(self._recipe_objs[r], values)
+            self._last_op = outs[0].op if outs else None
+            self._memo[r] = [outs, step]
+            self._alive[step] += self._recipe_bytes[r]
+            self.graph_ops += 1
+            stack.pop()
+
+
+def _tensors(values):
+    out = []
+    for g in values:
+        if g is None:
+            continue
+        g = getattr(g, "values", g)     # IndexedSlices
+        if isinstance(g, tensor_lib.Tensor):
+            out.append(g)
+    return out
+
+
+def _graph_op(recipe, inputs):
+    """Re-make a recipe's op in the graph being traced."""
+    op_def = op_def_registry.get(recipe.op_type)
+    kinds = {a.name: a.type for a in op_def.attr}
+    attrs = recipe.attrs
+    protos = {attrs[j]: _attr_value(kinds[attrs[j]], attrs[j + 1])
+              for j in range(0, len(attrs) - 1, 2)}
+    with ops.device(recipe.device):
+        op = ops.get_default_graph()._create_op_internal(  # pylint: disable=protected-access
+            recipe.op_type, inputs, attrs=protos)
+    return op.outputs
+
+
+def _attr_value(kind, value):
+    if kind == "type":
+        return attr_value_pb2.AttrValue(type=dtypes.as_dtype(value).as_datatype_enum)
+    if kind == "bool":
+        return attr_value_pb2.AttrValue(b=bool(value))
+    if kind == "int":
+        return attr_value_pb2.AttrValue(i=int(value))
+    if kind == "float":
+        return attr_value_pb2.AttrValue(f=float(value))
+    if kind == "string":
+        return attr_value_pb2.AttrValue(
+            s=value if isinstance(value, bytes) else str(value).encode())
+    if kind == "shape":
+        return attr_value_pb2.AttrValue(
+            shape=tensor_shape.as_shape(value).as_proto())
+    if kind == "tensor":
+        return attr_value_pb2.AttrValue(tensor=tensor_util.make_tensor_proto(value))
+    if kind.startswith("list("):
+        inner = kind[5:-1]
+        lst = attr_value_pb2.AttrValue.ListValue()
+        for v in value:
+            one = _attr_value(inner, v)
+            field = one.WhichOneof("value")
+            if field in ("shape", "tensor"):
+                getattr(lst, field).add().CopyFrom(getattr(one, field))
+            else:
+                getattr(lst, field).append(getattr(one, field))
+        return attr_value_pb2.AttrValue(list=lst)
+    raise TypeError(f"an attr of kind {kind} cannot be re-made in a graph")
