@@ -1042,6 +1042,15 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     except Exception as e:  # pylint: disable=broad-except
         why, compiled = f"tracing failed: {e!r}", None
     trace_seconds = time.perf_counter() - start
+    refused = (compiled is not None and recompute is not None
+               and recompute.refuse(compiled.recompute_peak))
+    if refused and not verify:
+        # A budgeted pass whose call would hold more than the budget
+        # allows: never called, not even to be checked (verify mode, for
+        # tests, checks it and does not keep it).
+        logging.vlog(1, "fasttape: budgeted pass not compiled: %s", refused)
+        cache.stats["over_budget"] += 1
+        compiled = None
     start = time.perf_counter()
     grads = eager_pass()
     eager_seconds = min(seen.eager_seconds, time.perf_counter() - start)
@@ -1061,14 +1070,9 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             compiled.seen = seen
             if not _same(grads, replayed):
                 why, compiled = "it disagrees with the eager pass", None
-            elif recompute is not None and recompute.refuse(
-                    compiled.recompute_peak) is not None:
-                # Agrees, but would hold more than the budget allows: not
-                # kept (not an error, in verify mode either).
-                logging.vlog(1, "fasttape: budgeted pass not compiled: %s",
-                             recompute.refuse(compiled.recompute_peak))
+            elif refused:
                 cache.stats["over_budget"] += 1
-                compiled = None
+                compiled = None     # (verify mode) checked, not kept
             elif not verify and cache.keep_faster and post is None:
                 # Small passes run faster op by op than through a function
                 # call: keep whichever is faster (the first call above paid
@@ -1083,7 +1087,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
             why, compiled = f"it failed: {e!r}", None
     if why is not None:
         logging.vlog(1, "fasttape: backward pass not compiled: %s", why)
-        if recompute is not None and recompute.refused:
+        if recompute is not None and recompute.too_many:
             # A budgeted pass that would re-run too much: not an error, in
             # verify mode either.
             cache.stats["over_budget"] += 1

@@ -1037,7 +1037,7 @@ class GraphRecompute:
         self._last_op = None    # (trace) the op re-run last for this call
         self._held_at_start = store.sole_bytes  # what only the tape holds now
         self.peak = 0           # (traced) most recomputed bytes alive at once
-        self.refused = False    # (traced) it would re-run too many ops
+        self.too_many = False   # (traced) it would re-run too many ops
         self.graph_ops = 0      # (traced) ops the function re-runs
         self._held = 0          # what refuse() counted: held now and the peak
 
@@ -1253,7 +1253,7 @@ class GraphRecompute:
                 # Re-made from too far back, too often (a long chain under
                 # a tiny budget): the eager pass, which keeps what it
                 # re-made under the budget's score, does fewer.
-                self.refused = True
+                self.too_many = True
                 raise RuntimeError(
                     f"a compiled pass would re-run {self.graph_ops}+ ops "
                     f"for {len(self._recipe_desc)} dropped recipes")
