@@ -479,7 +479,7 @@ def test_eager_pass_through_the_cache_lets_go(monkeypatch):
     assert max(trace) > 2000 and trace[-1] < 100, trace
 
 
-def test_compiled_budgeted_pass_within_budget():
+def test_compiled_budgeted_pass_within_budget(monkeypatch):
     """What a compiled pass holds (its feeds, alive for the whole call, and
     its recomputed tensors alive at once, at most) passes the budget by no
     more than the largest saved tensor; a pass that would is not kept, and
@@ -495,13 +495,9 @@ def test_compiled_budgeted_pass_within_budget():
             assert s.max_over <= s.largest, (s.max_over, s.largest)
         # The same pass where nothing may pass the budget: not kept.
         _compiled.CACHE.clear()
-        original = _budget.GraphRecompute.refuse
-        try:
-            _budget.GraphRecompute.refuse = (
-                lambda self, peak: "refused" if peak else None)
-            more, stores = _steps(2000, 3)
-        finally:
-            _budget.GraphRecompute.refuse = original
+        monkeypatch.setattr(_budget.GraphRecompute, "refuse",
+                            lambda self, peak: "refused" if peak else None)
+        more, stores = _steps(2000, 3)
         assert [s.compiled_passes for s in stores] == [0, 0, 0]
         assert _compiled.CACHE.stats["over_budget"] >= 1
     for g in grads + more:

@@ -831,28 +831,31 @@ class Remembered:
         return True
 
 
-def _call_cached(cache, compiled, feeds, post):
+def _call_cached(cache, compiled, feeds, post, traced=False):
     """A cached pass called on ``feeds`` as a replay (``post``: a post
-    pass), instantiated again (and timed) if its kernels were cleared;
-    counted in the stats. None if the call failed: a kernel error (a
-    CheckNumerics gradient on this step's values, an allocation that
-    failed), for the caller's eager pass to meet again."""
+    pass; ``traced``: traced_call()'s, no gradient call, counted apart),
+    instantiated again (and timed) if its kernels were cleared; counted in
+    the stats. None if the call failed: a kernel error (a CheckNumerics
+    gradient on this step's values, an allocation that failed), for the
+    caller's eager pass to meet again."""
+    prefix = "traced_" if traced else ""
     try:
         if compiled.epoch != cache.epoch:
             start = time.perf_counter()
             grads = compiled(feeds)
             compiled.instantiation_seconds = time.perf_counter() - start
             compiled.epoch = cache.epoch
-            cache.stats["reinstantiated"] += 1
+            cache.stats[prefix + "reinstantiated"] += 1
         else:
             grads = compiled(feeds)
     except Exception:  # pylint: disable=broad-except
-        cache.stats["replay_failed"] += 1
+        cache.stats[prefix + "replay_failed"] += 1
         return None
-    cache.stats["replayed"] += 1
     if post:
         cache.stats["post_replayed"] += 1
-    cache.misses = 0
+    if not traced:
+        cache.stats["replayed"] += 1
+        cache.misses = 0
     return grads
 
 
@@ -1134,16 +1137,8 @@ def traced_call(key, fn, feeds):
         return fn(*feeds)
     if compiled is not None:
         cache.compiled.move_to_end(key)
-        if compiled.epoch != cache.epoch:       # instantiated again
-            compiled.epoch = cache.epoch
-            cache.stats["traced_reinstantiated"] += 1
-        try:
-            out = compiled(feeds)
-        except Exception:  # pylint: disable=broad-except
-            cache.stats["traced_replay_failed"] += 1
-            return fn(*feeds)
-        cache.stats["post_replayed"] += 1
-        return out
+        out = _call_cached(cache, compiled, feeds, True, traced=True)
+        return fn(*feeds) if out is None else out
     seen = cache.seen.get(key)
     if seen is None:
         if len(cache.seen) >= _MAX_COUNTS:
