@@ -12,8 +12,8 @@ registered gradient functions; from then on the whole backward pass is one
 function call instead of hundreds of eager dispatches.
 
 When a pass is built (``auto``). Building costs far more than running the
-pass eagerly (tracing plus TF's instantiation: about 2 ms per backward op
-here, 20-25x TF's whole backward of a 400-op chain), and
+pass eagerly (tracing plus TF's instantiation: about 0.4 to 1 ms per
+backward op here, 10-20x TF's whole backward of a 400-op chain), and
 ``TFE_ContextClearCaches`` (``tf.random.set_seed``,
 ``keras.utils.set_random_seed``, ``clear_kernel_cache``) drops the
 instantiated kernels of every traced function, so a cached pass pays
@@ -131,12 +131,14 @@ HORIZON = 200            # loop steps expected ahead, at the least
 MAX_KEYS_IN_TURN = 4
 # Build cost model (seconds), until builds in this process are measured:
 # a fixed part plus a part per backward op (measured on this project's CPU,
-# chains of sin * x: 20 ops 29 ms, 100 ops 218 ms, 400 ops 0.65 s), of which
-# instantiation (the first call) is 10-25%. A compiled pass took about 35%
+# the first build of a fresh process: 0.4 to 1.1 ms an op, the bench's rnn
+# 322 ops in 0.15 s, a chain of 400 sin * x in 0.42 s), of which
+# instantiation (the first call) is 10-25%. (At 2 ms an op, a fixed-shape
+# RNN whose eager pass takes 3.6 ms was never built in a fresh process.) A compiled pass took about 35%
 # of the eager pass's time on the bench's workloads (learning it from the
 # passes built would let one small pass's ratio decide for every other).
 _BUILD_FIXED = 0.005
-_BUILD_PER_ENTRY = 0.002
+_BUILD_PER_ENTRY = 0.001
 _INSTANTIATION_SHARE = 0.15
 _COMPILED_SHARE = 0.35
 _PRIOR_ENTRIES = 100     # weight of the defaults, in backward ops built
