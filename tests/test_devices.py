@@ -269,6 +269,35 @@ def test_mirrored_strategy_gradient_wrt_mirrored_variable(strategy, compiled):
     _assert_replicas_match(strategy, make_step, compiled)
 
 
+def test_mirrored_strategy_watches_what_tf_watches(strategy):
+    """In a replica: a MirroredVariable, its own replica's component and a
+    plain variable, each read by a fast-path op (``x * v``): the tape
+    watches what TF's does (the component as the MirroredVariable, whose
+    handle it is there), and the gradients agree."""
+    with strategy.scope():
+        v = tf.Variable([1.0, 2.0])
+    plain = tf.Variable([3.0, 4.0], name="plain")
+    got = {}
+    for name, Tape in IMPLS.items():
+        def step(x, Tape=Tape):
+            ctx = tf.distribute.get_replica_context()
+            component = v._get_replica(ctx.replica_id_in_sync_group)  # pylint: disable=protected-access
+            with Tape() as t:
+                y = (tf.reduce_sum(tf.sin(x * v) * x)
+                     + tf.reduce_sum(x * component) + tf.reduce_sum(x * plain))
+            watched = [f"{type(w).__name__}:{w.name}" for w in t.watched_variables()]
+            return watched, t.gradient(y, [v, plain])
+        watched, grads = strategy.run(step, args=(tf.constant([1.0, 2.0]),))
+        got[name] = (
+            [strategy.experimental_local_results(w) for w in watched],
+            [[g.numpy() for g in strategy.experimental_local_results(grad)]
+             for grad in grads])
+    assert got["fasttape"][0] == got["tf"][0]
+    assert [names[0] for names in got["tf"][0]] == [
+        "MirroredVariable:Variable:0", "ResourceVariable:plain:0"]
+    np.testing.assert_allclose(got["fasttape"][1], got["tf"][1], rtol=1e-6)
+
+
 def test_dp_gradient_alternating_device_scopes():
     """dp_gradient steps of one structure, alternately under CPU:0 and
     CPU:1 scopes, in the compiled cache's default mode (a fused pass per

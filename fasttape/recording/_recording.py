@@ -327,26 +327,11 @@ def _record_built_op(op, outputs, shown_to_callbacks):
                               tuple(outputs), op.name, op.graph)
 
 
-def _watch_accessed(variables):
-    tapes = _current().tapes
-    if not tapes or _is_stopped():
-        return
-    for v in variables:
-        for var in tf_tape._variables_override(v):  # pylint: disable=protected-access
-            for tp in tapes:
-                if tp.watch_accessed_variables:
-                    tp.watch_variable(var)
-
-
-def _wrapped_variable_accessed(variable):
-    _originals["variable_accessed"](variable)
-    _watch_accessed((variable,))
-
-
-def _wrapped_variables_accessed(variables):
-    variables = list(variables)
-    _originals["variables_accessed"](variables)
-    _watch_accessed([v for v in variables if v.trainable])
+# tape.variable_accessed / variables_accessed, wrapped (compiled: a trainable
+# variable's every read goes through them).
+_wrapped_variable_accessed, _wrapped_variables_accessed = (
+    _callback.wrap_variables_accessed(tf_tape.variable_accessed,
+                                      tf_tape.variables_accessed))
 
 
 def _wrapped_apply_op_helper(op_type_name, name=None, **keywords):
@@ -574,6 +559,8 @@ def install():
     for module, name, wrapper in _HOOKS:
         _originals[name] = getattr(module, name)
         setattr(module, name, wrapper)
+    _callback.wrap_variables_accessed(_originals["variable_accessed"],
+                                      _originals["variables_accessed"])
     autograph_config.CONVERSION_RULES = (
         (_AUTOGRAPH_RULE,) + tuple(autograph_config.CONVERSION_RULES))
     _register_jvp_function(True)
