@@ -757,6 +757,10 @@ cdef class _Layout:
     cdef bint all_single            # no list inputs
     cdef Py_ssize_t n_typed         # input arguments with a type attr
     cdef tuple out_lists            # per output argument: a list?
+    # Attrs of calls that pass none (all inferred from the inputs' dtypes:
+    # Sin, AddV2, Tanh...), by those dtypes folded into one integer: one
+    # tuple shared by all such ops of a dtype, not one per recorded op.
+    cdef dict inferred_only
 
     def __init__(self, op_def):
         kinds, type_attrs, list_attrs = [], [], []
@@ -779,6 +783,7 @@ cdef class _Layout:
         self.n_typed = sum(1 for t in type_attrs if t is not None)
         self.out_lists = tuple([bool(a.number_attr or a.type_list_attr)
                                 for a in op_def.output_arg])
+        self.inferred_only = {}
 
 
 cdef dict _layouts = {}     # op type -> _Layout, or False (not in TF's registry)
@@ -870,7 +875,16 @@ def fast_path_execute(*args):
         args = tuple(new_args)
     if st.in_callback:
         return _RAW_FAST_PATH(args)
-    if not _may_record(st, ids):
+    # The tapes that track an input (asked once: _record_eager narrows
+    # them to trainable inputs only where some input is not trainable).
+    cdef list tapes = None
+    cdef bint may
+    if st.accumulators:
+        may = _may_record(st, ids)
+    else:
+        tapes = _tapes_recording(st, ids, NULL)
+        may = tapes is not None
+    if not may:
         # (An input TF converts is a new tensor no tape watches.)
         if _lineage_hook is not None and st.tapes:
             # explain_none: the lineage notes every op this thread runs
@@ -908,7 +922,8 @@ def fast_path_execute(*args):
                     _attrs(lay, args, enums), None, None, True, True,
                     [i for i in ids])
         else:
-            _record_eager(st, lay, op_name, args, inputs, ids, enums, outputs)
+            _record_eager(st, lay, op_name, args, inputs, ids, enums, outputs,
+                          tapes)
         if _lineage_hook is not None and st.tapes:
             _lineage_hook(st.tapes, op_name, inputs, outputs)
     finally:
@@ -918,12 +933,15 @@ def fast_path_execute(*args):
 
 cdef int _record_eager(ThreadState st, _Layout lay, op_name, tuple args,
                        list inputs, vector[int64_t]& ids, vector[int]& enums,
-                       list outputs) except -1:
+                       list outputs, list tapes) except -1:
     """_record for the fast path's common case, with no accumulator active:
     an eagerly run op, its ids held in C++, its dtypes read once (the
-    trainable test and the attrs), each tape asked once."""
+    trainable test and the attrs). ``tapes``: those that track one of its
+    inputs, of any dtype (_tapes_recording(st, ids, NULL)), asked again
+    only if some input's dtype is not trainable."""
     cdef vector[char] trainable
     cdef char flag
+    cdef bint all_trainable = True
     cdef Py_ssize_t i, n_in = len(inputs), n_out = len(outputs)
     for i in range(n_in):
         if enums[i] == _VARIANT:
@@ -931,9 +949,12 @@ cdef int _record_eager(ThreadState st, _Layout lay, op_name, tuple args,
         else:
             flag = _trainable_enum(enums[i])
         trainable.push_back(flag)   # (through a variable: see _core.should_record)
-    cdef list tapes = _tapes_recording(st, ids, &trainable)
-    if tapes is None:
-        return 0
+        if not flag:
+            all_trainable = False
+    if not all_trainable:
+        tapes = _tapes_recording(st, ids, &trainable)
+        if tapes is None:
+            return 0
     in_mask, out_mask, mortal = _masks(op_name, n_in, n_out)
     payload = _eager_payload(_attrs(lay, args, enums), inputs, in_mask,
                              outputs, out_mask)
@@ -1049,28 +1070,54 @@ cdef tuple _attrs(_Layout lay, tuple args, vector[int]& enums):
     return attrs
 
 
+cdef tuple _inferred_attrs_built(_Layout lay, tuple args, vector[int]& enums,
+                                 Py_ssize_t given):
+    """_inferred_attrs of an op with no list inputs: the ``given`` attrs
+    passed, then each typed input's type attr and dtype."""
+    cdef Py_ssize_t n_in = lay.n_in, i, k
+    cdef Py_ssize_t start = _INPUT_START + n_in
+    cdef tuple out = PyTuple_New(given + 2 * lay.n_typed)
+    for i in range(given):
+        v = args[start + i]
+        Py_INCREF(v)
+        PyTuple_SET_ITEM(out, i, v)
+    k = given
+    for i in range(n_in):
+        name = lay.type_attrs[i]
+        if name is not None:
+            Py_INCREF(name)
+            PyTuple_SET_ITEM(out, k, name)
+            v = enums[i]
+            Py_INCREF(v)
+            PyTuple_SET_ITEM(out, k + 1, v)
+            k += 2
+    return out
+
+
 cdef tuple _inferred_attrs(_Layout lay, tuple args, vector[int]& enums):
     cdef Py_ssize_t n_in = lay.n_in, i, n, k = 0
     cdef Py_ssize_t start = _INPUT_START + n_in, given
     cdef tuple out
+    cdef int64_t folded
     if lay.all_single:
         given = len(args) - start
-        out = PyTuple_New(given + 2 * lay.n_typed)
-        for i in range(given):
-            v = args[start + i]
-            Py_INCREF(v)
-            PyTuple_SET_ITEM(out, i, v)
-        k = given
-        for i in range(n_in):
-            name = lay.type_attrs[i]
-            if name is not None:
-                Py_INCREF(name)
-                PyTuple_SET_ITEM(out, k, name)
-                v = enums[i]
-                Py_INCREF(v)
-                PyTuple_SET_ITEM(out, k + 1, v)
-                k += 2
-        return out
+        if given == 0 and lay.n_typed <= 7:
+            # Shared (see _Layout.inferred_only): a tuple kept per recorded
+            # op counts towards the garbage collector's next collection
+            # even untracked, and collections, each scanning the tensors
+            # the tape keeps alive, were most of recording's cost.
+            folded = lay.n_typed
+            for i in range(n_in):
+                if lay.type_attrs[i] is not None:
+                    folded = (folded << 8) | (enums[i] & 0xff)
+            out = lay.inferred_only.get(folded)
+            if out is not None:
+                return out
+            out = _inferred_attrs_built(lay, args, enums, 0)
+            if len(lay.inferred_only) < 64:
+                lay.inferred_only[folded] = out
+            return out
+        return _inferred_attrs_built(lay, args, enums, given)
     attrs = list(args[_INPUT_START + n_in:])
     for i in range(n_in):
         kind = lay.kinds[i]
