@@ -134,9 +134,10 @@ MAX_KEYS_IN_TURN = 4
 # the first build of a fresh process: 0.4 to 1.1 ms an op, the bench's rnn
 # 322 ops in 0.15 s, a chain of 400 sin * x in 0.42 s), of which
 # instantiation (the first call) is 10-25%. (At 2 ms an op, a fixed-shape
-# RNN whose eager pass takes 3.6 ms was never built in a fresh process.) A compiled pass took about 35%
-# of the eager pass's time on the bench's workloads (learning it from the
-# passes built would let one small pass's ratio decide for every other).
+# RNN whose eager pass takes 3.6 ms was never built in a fresh process.) A
+# compiled pass took about 35% of the eager pass's time on the bench's
+# workloads (learning it from the passes built would let one small pass's
+# ratio decide for every other).
 _BUILD_FIXED = 0.005
 _BUILD_PER_ENTRY = 0.001
 _INSTANTIATION_SHARE = 0.15
@@ -974,6 +975,17 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
                                    for f in post_feeds))
         except AttributeError:      # a feed that is no eager tensor
             return _skipped(unfed)
+
+    def fed():
+        # What a call takes: the saved tensors, the output gradients given,
+        # the post pass's feeds, the resident tensors a memory budget's
+        # recomputations start from.
+        feeds.extend(g for g in output_gradients or () if g is not None)
+        feeds.extend(post_feeds)
+        if recompute is not None:
+            feeds.extend(recompute.feeds)
+        return feeds
+
     try:
         compiled = cache.compiled.get(key)
     except TypeError:       # an attr value that cannot be a key
@@ -996,11 +1008,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
                 compiled.recompute_peak) is not None:
             cache.stats["over_budget"] += 1
             return unfed()
-        feeds += [g for g in output_gradients or () if g is not None]
-        feeds += post_feeds
-        if recompute is not None:
-            feeds += recompute.feeds
-        grads = _call_cached(cache, compiled, feeds, post is not None)
+        grads = _call_cached(cache, compiled, fed(), post is not None)
         if grads is None:
             # The eager pass, whose payloads are still alive, raises what
             # TF's tape raises (its op and message), or succeeds where
@@ -1062,10 +1070,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     replayed = None
     slower = False
     if compiled is not None:
-        feeds += [g for g in output_gradients or () if g is not None]
-        feeds += post_feeds
-        if recompute is not None:
-            feeds += recompute.feeds
+        fed()
         try:
             start = time.perf_counter()
             replayed = compiled.first_call(feeds)

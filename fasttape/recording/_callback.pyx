@@ -621,63 +621,66 @@ cdef inline object _components(variable):
     return (variable,) if override is _default_get_variables else override(variable)
 
 
-cdef int _watch_components(ThreadState st, components) except -1:
-    """This thread's fasttape tapes that watch accessed variables watch
-    ``components``, of a trainable variable just read."""
+cdef int _accessed(ThreadState st, components, bint tell_tf) except -1:
+    """``components``, of a trainable variable just read: TF's tapes and
+    variable watchers are told of each (``tell_tf``: what TF's
+    tape.variable_accessed does for each), and this thread's fasttape tapes
+    that watch accessed variables watch each."""
     for var in components:
+        if tell_tf:
+            _tape_variable_accessed(var)
+            _watcher_variable_accessed(var)
         for tp in st.tapes:
             if (<TapeState>tp).watch_accessed_variables:
                 (<TapeState>tp)._watch_variable(var)
     return 0
 
 
-cdef object _tf_variable_accessed = None
-cdef object _tf_variables_accessed = None
+# TF's tape.variable_accessed and tape.variables_accessed as install() found
+# them (set there). Where they are TF's own, the wrappers below do their
+# work themselves, so that tape._variables_override, which asks the
+# distribution strategy (0.8 us a read in TF 2.21), is asked once a read.
+cdef object _tf_variable_accessed = tf_tape.variable_accessed
+cdef object _tf_variables_accessed = tf_tape.variables_accessed
+cdef object _TF_VARIABLE_ACCESSED = tf_tape.variable_accessed
+cdef object _TF_VARIABLES_ACCESSED = tf_tape.variables_accessed
 
 
-def wrap_variables_accessed(variable_accessed_, variables_accessed_):
-    """tape.variable_accessed and tape.variables_accessed (TF's, given)
-    wrapped: TF's tell TF's tapes and watchers, and then this thread's
-    fasttape tapes that watch accessed variables watch what was read (not
-    while recording is stopped)."""
+def set_variables_accessed(variable_accessed_, variables_accessed_):
+    """What install() found as tape.variable_accessed and
+    tape.variables_accessed (wrapped by the two below)."""
     global _tf_variable_accessed, _tf_variables_accessed
     _tf_variable_accessed = variable_accessed_
     _tf_variables_accessed = variables_accessed_
-    return variable_accessed, variables_accessed
-
-
-cdef object _TF_VARIABLE_ACCESSED = tf_tape.variable_accessed
 
 
 def variable_accessed(variable):
-    """tape.variable_accessed (given a trainable variable), wrapped. Where
-    the function wrapped is TF's own, what it does is done here, so that
-    its components are asked for once (tape._variables_override asks the
-    distribution strategy: 0.8 us a read in TF 2.21)."""
+    """tape.variable_accessed (given a trainable variable), wrapped: then
+    this thread's fasttape tapes watch it too (not while recording is
+    stopped)."""
     cdef ThreadState st = _current()
     if not st.tapes or _is_stopped():
         _tf_variable_accessed(variable)
-        return
-    if _tf_variable_accessed is _TF_VARIABLE_ACCESSED:
-        components = _components(variable)
-        for var in components:
-            _tape_variable_accessed(var)
-            _watcher_variable_accessed(var)
+    elif _tf_variable_accessed is _TF_VARIABLE_ACCESSED:
+        _accessed(st, _components(variable), True)
     else:
         _tf_variable_accessed(variable)
-        components = _components(variable)
-    _watch_components(st, components)
+        _accessed(st, _components(variable), False)
 
 
 def variables_accessed(variables):
     """tape.variables_accessed (its trainable variables), wrapped."""
     cdef ThreadState st = _current()
+    if not st.tapes or _is_stopped():
+        _tf_variables_accessed(variables)
+        return
     variables = list(variables)
-    _tf_variables_accessed(variables)
-    if st.tapes and not _is_stopped():
-        for v in variables:
-            if v.trainable:
-                _watch_components(st, _components(v))
+    cdef bint own = _tf_variables_accessed is _TF_VARIABLES_ACCESSED
+    if not own:
+        _tf_variables_accessed(variables)
+    for v in variables:
+        if v.trainable:
+            _accessed(st, _components(v), own)
 
 
 cdef object _read(v):
@@ -695,9 +698,7 @@ cdef object _read(v):
     if hasattr(graph, "watch_variable"):
         graph.watch_variable(v)
     if v._trainable:
-        _tape_variable_accessed(v)
-        _watcher_variable_accessed(v)
-        _watch_components(_current(), (v,))
+        _accessed(_current(), (v,), True)
     handle = v.handle
     dtype = v._dtype
     value = _RAW_FAST_PATH((context._context, "ReadVariableOp", None, handle,

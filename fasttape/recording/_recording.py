@@ -329,9 +329,8 @@ def _record_built_op(op, outputs, shown_to_callbacks):
 
 # tape.variable_accessed / variables_accessed, wrapped (compiled: a trainable
 # variable's every read goes through them).
-_wrapped_variable_accessed, _wrapped_variables_accessed = (
-    _callback.wrap_variables_accessed(tf_tape.variable_accessed,
-                                      tf_tape.variables_accessed))
+_wrapped_variable_accessed = _callback.variable_accessed
+_wrapped_variables_accessed = _callback.variables_accessed
 
 
 def _wrapped_apply_op_helper(op_type_name, name=None, **keywords):
@@ -559,8 +558,8 @@ def install():
     for module, name, wrapper in _HOOKS:
         _originals[name] = getattr(module, name)
         setattr(module, name, wrapper)
-    _callback.wrap_variables_accessed(_originals["variable_accessed"],
-                                      _originals["variables_accessed"])
+    _callback.set_variables_accessed(_originals["variable_accessed"],
+                                     _originals["variables_accessed"])
     autograph_config.CONVERSION_RULES = (
         (_AUTOGRAPH_RULE,) + tuple(autograph_config.CONVERSION_RULES))
     _register_jvp_function(True)
