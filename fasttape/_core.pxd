@@ -55,8 +55,9 @@ cdef class GradientTapeCore:
     # core method); the queue is drained into delete_trace where the core
     # is between operations and no backward pass runs.
     cdef PyObject* death_watch    # owned _DeathWatch, or NULL (raw: kept through tp_clear)
-    cdef unordered_map[intptr_t, int64_t] ref_ids         # owned weakref (address) -> tensor id
-    cdef vector[PyObject*] dead_refs                      # fired, not yet drained
+    cdef vector[PyObject*] refs         # owned weakrefs, each carrying its tensor id (_ref_tid)
+    cdef Py_ssize_t spent_refs          # entries of refs whose tensor died and was drained
+    cdef vector[PyObject*] dead_refs    # fired, not yet drained (borrowed: refs owns them)
     cdef int busy                                         # >0: in a pass or a drain
 
     cpdef watch(self, int64_t tensor_id)
@@ -76,9 +77,11 @@ cdef class GradientTapeCore:
     cdef int64_t _append(self, op_type, const vector[int64_t]& input_ids,
                          const vector[int64_t]& output_ids,
                          tuple output_meta, payload, outputs) except -2
-    cdef int _watch_deaths(self, OpEntry entry, outputs) except -1
+    cdef object _death_watched(self, outputs, Py_ssize_t n)
+    cdef int _watch_death(self, obj, int64_t tid) except -1
     cdef int _drain_deaths(self) except -1
     cdef void _drop_death_refs(self)
+    cdef void _compact_refs(self)
     cdef void _prune(self, vector[int64_t]& targets, vector[int64_t]& sources,
                      vector[int64_t]& op_list,
                      unordered_set[int64_t]& needed, bint all_watched) except *

@@ -28,6 +28,7 @@ from cython.operator cimport dereference as deref, preincrement as inc
 from libc.stdint cimport int64_t, intptr_t
 from libcpp cimport bool as cbool
 from libcpp.vector cimport vector
+from libcpp.utility cimport pair
 from libcpp.unordered_map cimport unordered_map
 from libcpp.unordered_set cimport unordered_set
 from libcpp.algorithm cimport sort
@@ -43,6 +44,23 @@ cdef extern from "Python.h":
     void PyErr_Clear()
     # A new reference, or NULL with an exception set.
     PyObject* _new_weakref "PyWeakref_NewRef"(PyObject* ob, PyObject* callback)
+    # The referent, borrowed; Py_None once it died.
+    PyObject* _weakref_object "PyWeakref_GET_OBJECT"(PyObject* ref)
+    ctypedef struct PyWeakReference:
+        Py_hash_t hash
+
+# A tape's death weakrefs carry their tensor's id in the weakref's hash
+# cache (CPython's PyWeakReference.hash, -1 until hash() is first asked;
+# tensor ids are >= 0). No map from weakref to id is then kept: at a
+# hundred thousand recorded ops, that map's inserts cost more than the
+# weakrefs did. The weakrefs are the tape's own (reached by nobody but
+# weakref.getweakrefs), and an EagerTensor's hash() raises, so no hash a
+# user could rely on is replaced.
+cdef inline void _set_ref_tid(PyObject* ref, int64_t tid):
+    (<PyWeakReference*>ref).hash = <Py_hash_t>tid
+
+cdef inline int64_t _ref_tid(PyObject* ref):
+    return <int64_t>(<PyWeakReference*>ref).hash
 
 # Early aggregation thresholds of tape.h: more than this many pending
 # gradients for one tensor, holding more than this many bytes, are summed at
@@ -314,12 +332,25 @@ cdef class GradientTapeCore:
         cdef int64_t op_id = self.next_op_id
         self.next_op_id += 1
         cdef int64_t tid
+        cdef Py_ssize_t k, n = entry.output_ids.size()
+        cdef pair[unordered_map[int64_t, int64_t].iterator, cbool] placed
+        cdef bint produced
         if outputs is not None:
-            self._watch_deaths(entry, outputs)
+            outputs = self._death_watched(outputs, n)
         for tid in entry.input_ids:
             inc(self.tensor_usage[tid])
-        for tid in entry.output_ids:
-            self.tensor_tape[tid] = op_id
+        for k in range(n):
+            tid = entry.output_ids[k]
+            placed = self.tensor_tape.insert((tid, op_id))
+            produced = False
+            if not placed.second:
+                # Recorded again (as custom_gradient does): the last
+                # producer wins, and an output that already has its
+                # weakref gets no second (it must not die twice).
+                produced = deref(placed.first).second != -1
+                deref(placed.first).second = op_id
+            if outputs is not None and not produced:
+                self._watch_death(outputs[k], tid)
             self.tensor_usage[tid] = 1
         self.op_tape.append(entry)
         self.live_ops += 1
@@ -327,11 +358,9 @@ cdef class GradientTapeCore:
 
     # -- trace deletion on tensor death --------------------------------------
 
-    cdef int _watch_deaths(self, OpEntry entry, outputs) except -1:
-        """A weakref (callback: the tape's _DeathWatch) on each output not
-        yet watched. Called before the outputs' producers are set: an id
-        this tape already records as an op output has its weakref (an id
-        recorded again, as custom_gradient does, must not die twice)."""
+    cdef object _death_watched(self, outputs, Py_ssize_t n):
+        """The output objects to hold a death weakref on, as a sequence of
+        ``n`` (None if the framework gave another count: no weakrefs)."""
         cdef _DeathWatch dw
         if self.death_watch == NULL:
             dw = _DeathWatch.__new__(_DeathWatch)
@@ -340,28 +369,23 @@ cdef class GradientTapeCore:
             self.death_watch = <PyObject*>dw
         if type(outputs) is not tuple and type(outputs) is not list:
             outputs = tuple(outputs)
-        cdef Py_ssize_t k, n = entry.output_ids.size()
-        if len(outputs) != n:
+        return outputs if len(outputs) == n else None
+
+    cdef int _watch_death(self, obj, int64_t tid) except -1:
+        """A weakref (callback: the tape's _DeathWatch) on a recorded
+        output, unless it is None or takes none (then tracked until the
+        tape ends)."""
+        if obj is None:
             return 0
-        cdef int64_t tid
-        cdef PyObject* p
-        cdef unordered_map[int64_t, int64_t].iterator it
-        for k in range(n):
-            obj = outputs[k]
-            if obj is None:
-                continue
-            tid = entry.output_ids[k]
-            it = self.tensor_tape.find(tid)
-            if it != self.tensor_tape.end() and deref(it).second != -1:
-                continue
-            p = _new_weakref(<PyObject*>obj, self.death_watch)
-            if p == NULL:
-                PyErr_Clear()   # takes no weakref: tracked until the tape ends
-                continue
-            # (The weakref stays tracked by the garbage collector although
-            # it can be in no cycle: the collector moves the weakrefs of a
-            # dying cycle's objects through its own lists.)
-            self.ref_ids[<intptr_t>p] = tid
+        cdef PyObject* p = _new_weakref(<PyObject*>obj, self.death_watch)
+        if p == NULL:
+            PyErr_Clear()
+            return 0
+        # (The weakref stays tracked by the garbage collector although it
+        # can be in no cycle: the collector moves the weakrefs of a dying
+        # cycle's objects through its own lists.)
+        _set_ref_tid(p, tid)
+        self.refs.push_back(p)
         return 0
 
     cdef int _drain_deaths(self) except -1:
@@ -372,8 +396,6 @@ cdef class GradientTapeCore:
         can free saved tensors and queue more deaths: drained until empty."""
         cdef vector[PyObject*] batch
         cdef PyObject* p
-        cdef unordered_map[intptr_t, int64_t].iterator it
-        cdef int64_t tid
         if self.op_tape is None:
             # Cleared by the garbage collector (the tape is in a dead
             # cycle): nothing left to forget.
@@ -385,24 +407,44 @@ cdef class GradientTapeCore:
                 batch.clear()
                 batch.swap(self.dead_refs)
                 for p in batch:
-                    it = self.ref_ids.find(<intptr_t>p)
-                    if it == self.ref_ids.end():
-                        continue
-                    tid = deref(it).second
-                    self.ref_ids.erase(it)
-                    Py_XDECREF(p)
-                    self._delete_trace(tid)
+                    # Each weakref fires once (its tensor dies once), and
+                    # only while refs owns it: dropped weakrefs never fire.
+                    self.spent_refs += 1
+                    self._delete_trace(_ref_tid(p))
         finally:
             self.busy -= 1
+        if self.spent_refs > 64 and 2 * self.spent_refs > <Py_ssize_t>self.refs.size():
+            self._compact_refs()
         return 0
+
+    cdef void _compact_refs(self):
+        """Free the weakrefs of dead tensors (at most half of refs, so a
+        tape whose outputs keep dying holds no more than twice the weakrefs
+        of its live outputs, and each is visited a bounded number of
+        times). Only between drains: dead_refs is empty."""
+        cdef vector[PyObject*] dead
+        cdef size_t i, n = 0
+        cdef PyObject* p
+        for i in range(self.refs.size()):
+            p = self.refs[i]
+            if _weakref_object(p) == <PyObject*>None:
+                dead.push_back(p)
+            else:
+                self.refs[n] = p
+                n += 1
+        self.refs.resize(n)
+        self.spent_refs = 0
+        for p in dead:
+            Py_XDECREF(p)   # dead referents: no callback runs
 
     cdef void _drop_death_refs(self):
         """Forget every weakref (their tensors' deaths no longer matter)."""
-        cdef unordered_map[intptr_t, int64_t] refs
-        refs.swap(self.ref_ids)
+        cdef vector[PyObject*] refs
+        refs.swap(self.refs)
+        self.spent_refs = 0
         self.dead_refs.clear()
-        for kv in refs:
-            Py_XDECREF(<PyObject*>kv.first)
+        for p in refs:
+            Py_XDECREF(p)
 
     def collect_deaths(self):
         """Apply the pending tensor deaths now (they are otherwise applied
@@ -414,7 +456,7 @@ cdef class GradientTapeCore:
     @property
     def num_watched_outputs(self):
         """Recorded outputs the tape holds a death weakref on."""
-        return self.ref_ids.size()
+        return <Py_ssize_t>self.refs.size() - self.spent_refs
 
     def watched_ids(self):
         """Ids the tape tracks without a recorded producer (watched
@@ -476,10 +518,11 @@ cdef class GradientTapeCore:
         their shapes and dtypes)."""
         self.collect_deaths()
         cdef dict out = {}
-        for kv in self.ref_ids:
-            obj = (<object>(<PyObject*>kv.first))()
-            if obj is not None:
-                out[kv.second] = obj
+        cdef PyObject* obj
+        for p in self.refs:
+            obj = _weakref_object(p)
+            if obj != <PyObject*>None:
+                out[_ref_tid(p)] = <object>obj
         return out
 
     cpdef delete_trace(self, int64_t tensor_id):

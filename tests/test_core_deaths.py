@@ -238,3 +238,30 @@ def test_watched_roots_walks_back_to_the_watched_ids(vs):
     assert tp.watched_roots(u.id, 2, {}) is None
     assert tp.watched_roots(u.id, 10, {z.id: frozenset([99])}) == frozenset([99, w.id])
     assert tp.watched_roots(u.id, 10, {z.id: None}) is None
+
+
+def _weakrefs_to(cls):
+    return sum(1 for o in gc.get_objects()
+               if type(o) is weakref.ReferenceType and isinstance(o(), cls)
+               or type(o) is weakref.ReferenceType and o() is None)
+
+
+def test_the_weakrefs_of_dead_outputs_are_freed_as_the_tape_goes_on(vs):
+    """A tape whose outputs keep dying holds at most about twice the
+    weakrefs of its live outputs (dead ones are freed in batches), not one
+    per op ever recorded."""
+    x = T(0.6)
+    tp = GradientTapeCore(True)
+    tp.watch(x.id)
+    gc.collect()
+    before = _weakrefs_to(T)
+    for _ in range(5000):
+        rec(tp, "sin", nv.sin, x)       # each result dies at once
+    held = _weakrefs_to(T) - before
+    assert tp.num_ops == 0 and tp.num_watched_outputs == 0
+    assert 0 <= held <= 200, held
+    alive = [rec(tp, "sin", nv.sin, x) for _ in range(300)]
+    assert tp.num_watched_outputs == 300
+    assert set(tp.live_outputs()) == {a.id for a in alive}
+    del alive
+    assert tp.num_ops == 0 and tp.num_watched_outputs == 0
