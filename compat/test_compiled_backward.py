@@ -666,6 +666,19 @@ def test_a_fixed_shape_loop_is_built_at_its_fourth_step(weighing_costs):
         assert stats.get("replayed") == 1, stats
 
 
+def test_a_fixed_shape_loop_over_the_size_cap_is_never_built(weighing_costs,
+                                                             monkeypatch):
+    """A pass of more backward ops than _MAX_BUILT_ENTRIES runs eagerly at
+    every step (tracing one holds about 40 KB an op), unkeyed; one at the
+    cap is built as any other."""
+    monkeypatch.setattr(_compiled, "_MAX_BUILT_ENTRIES", 60)
+    stats = _rnn_steps([31] * 6)    # 31 matmul + 31 tanh + the sum's ops
+    assert stats == {"too_large": 6}, stats
+    monkeypatch.setattr(_compiled, "_MAX_BUILT_ENTRIES", 10_000)
+    stats = _rnn_steps([31] * 6)
+    assert stats.get("built", 0) + stats.get("slower", 0) == 1, stats
+
+
 def test_churning_keys_are_computed_on_one_call_in_four(weighing_costs):
     """After _CHURN_CALLS calls in a row that neither replayed nor built,
     three calls in four skip the key (and run eagerly at once)."""

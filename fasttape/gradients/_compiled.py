@@ -52,6 +52,9 @@ eager mode, and on more than one device.
 
 Never worse than TF's eager tape. A build is something the user never
 asked for, so nothing about it may fail where the eager pass would not:
+- A pass of more than ``_MAX_BUILT_ENTRIES`` backward ops is never built
+  in ``auto`` mode: tracing holds about 40 KB per op while it runs, which
+  over hundreds of thousands of ops is more memory than the machine has.
 - A pass whose graph holds constant-foldable tensors of more than
   ``_MAX_FOLDED_BYTES`` in all (a zeros gradient of a large unused output, a
   ones seed of a large target) is not compiled. TF's function instantiation
@@ -149,6 +152,14 @@ _PRIOR_ENTRIES = 100     # weight of the defaults, in backward ops built
 # long sequences) save less than _COMPILED_SHARE says.
 _SAVING_PER_ENTRY = 30e-6
 
+# Backward ops of the largest pass built in ``auto`` mode. Tracing one
+# costs about 1 ms and 40 KB an op while it is built (a chain of 10,000 ops:
+# 8 s and 400 MB; 200,000: minutes and over 15 GB), which the cost model's
+# time alone would accept for a long loop; a pass over more runs eagerly,
+# as TF's tape runs it, and is not even keyed (its signature would cost a
+# millisecond every thousand ops, for nothing).
+_MAX_BUILT_ENTRIES = 10_000
+
 # Constant-foldable bytes a traced pass may hold (see "Never worse than
 # TF's eager tape"): TF's instantiation evaluates them all, twice over.
 _MAX_FOLDED_BYTES = 1 << 20
@@ -165,7 +176,7 @@ _FAILED = "failed"
 # (not "skipped": mode off, profiling, higher order...): a hit rate is
 # replayed over their sum.
 CALL_STATS = ("replayed", "eager", "eager_after_clear", "built", "slower",
-              "failed", "churn_skipped")
+              "failed", "churn_skipped", "too_large")
 # The stats counters of a call that built a pass or instantiated one again
 # (tried to: "slower" and "failed" ones paid for the build too).
 BUILD_STATS = ("built", "slower", "failed", "post_built", "traced_failed",
@@ -922,6 +933,10 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     code, entries = plan
     if not entries:
         return _skipped(eager_pass)
+    if cache.mode == "auto" and len(entries) > _MAX_BUILT_ENTRIES:
+        cache.stats["too_large"] += 1
+        entries.clear()     # (the eager pass lets the payloads go one by one)
+        return eager_pass()
     signed = backward_signature(entries, CONFIG_INPUTS, config_inputs_of, None,
                                 None if recompute is None else recompute.hook)
     if signed is None:
