@@ -579,6 +579,8 @@ def test_compiled_cache_is_bounded_and_holds_no_eager_tensor():
                 stack.extend(obj.values())
             elif isinstance(obj, _compiled._Compiled):  # pylint: disable=protected-access
                 stack.extend(vars(obj).values())
+            elif isinstance(obj, _compiled._Key):  # pylint: disable=protected-access
+                stack.append(obj.items)
         context.context()._clear_caches()  # pylint: disable=protected-access
         assert not _compiled.CACHE.compiled
 

@@ -266,6 +266,8 @@ class _Cache:
         going past _MAX_ENTRIES."""
         with self.lock:
             self.compiled[key] = compiled
+            if compiled is not _FAILED:
+                compiled.key = key
             while len(self.compiled) > _MAX_ENTRIES:
                 _, old = self.compiled.popitem(last=False)
                 if old is not _FAILED:
@@ -518,6 +520,7 @@ class _Compiled:
         self.saving = 0.0          # seconds per call against the eager pass
         self.instantiation_seconds = 0.0
         self.evicted = False       # no longer in CACHE.compiled
+        self.key = None            # its key in CACHE.compiled
         self.recompute_peak = 0    # (a memory budget's pass, see GraphRecompute)
         self.recompute_ops = 0     # recomputed bytes alive at once, ops re-run
 
@@ -811,6 +814,31 @@ def _off_now(cache, vspace):
             or not context.executing_eagerly())
 
 
+class _Key:
+    """A pass's cache key with its hash computed once. The key of a
+    300-op pass is a tuple of thousands of items, which Python hashes anew
+    at every dict lookup (40 us for the bench's rnn, twice per replay: the
+    lookup and the move to the end of the LRU order). A replay compares it
+    with the stored key once, by value; the move finds the stored key
+    itself (``_Compiled.key``), by identity."""
+
+    __slots__ = ("items", "_hash")
+
+    def __init__(self, items):
+        self.items = items
+        self._hash = hash(items)    # (TypeError: an attr that cannot be a key)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other or (type(other) is _Key and self._hash == other._hash
+                                 and self.items == other.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
 class Remembered:
     """A post pass gradient() replayed, for a caller that knows where its
     feeds are without the plan (dp_gradient's fused pass, on the ops of a
@@ -1002,14 +1030,15 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
         return feeds
 
     try:
-        compiled = cache.compiled.get(key)
+        key = _Key(key)
     except TypeError:       # an attr value that cannot be a key
         return _skipped(unfed)
+    compiled = cache.compiled.get(key)
     cache.calls += 1
     if compiled is _FAILED:
         return _skipped(unfed)
     if compiled is not None:
-        cache.compiled.move_to_end(key)
+        cache.compiled.move_to_end(compiled.key)
         compiled.seen.use(cache.calls)
         cleared = compiled.epoch != cache.epoch
         if (cleared and cache.mode == "auto" and post is None
@@ -1034,7 +1063,7 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
         if not (core.persistent or retain):
             core.release()
         if post is not None and remember is not None:
-            remember.append(Remembered(compiled, key, entries))
+            remember.append(Remembered(compiled, compiled.key, entries))
         return grads
     seen = cache.seen.get(key)
     if seen is None:
