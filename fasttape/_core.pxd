@@ -55,6 +55,7 @@ cdef class GradientTapeCore:
     # core method); the queue is drained into delete_trace where the core
     # is between operations and no backward pass runs.
     cdef PyObject* death_watch    # owned _DeathWatch, or NULL (raw: kept through tp_clear)
+    cdef PyObject* death_callback # owned: the weakrefs' callback, bound to death_watch
     cdef vector[PyObject*] refs         # owned weakrefs, each carrying its tensor id (_ref_tid)
     cdef Py_ssize_t spent_refs          # entries of refs whose tensor died and was drained
     cdef vector[PyObject*] dead_refs    # fired, not yet drained (borrowed: refs owns them)

@@ -48,6 +48,14 @@ cdef extern from "Python.h":
     PyObject* _weakref_object "PyWeakref_GET_OBJECT"(PyObject* ref)
     ctypedef struct PyWeakReference:
         Py_hash_t hash
+    ctypedef PyObject* (*PyCFunction)(PyObject*, PyObject*)
+    ctypedef struct PyMethodDef:
+        const char* ml_name
+        PyCFunction ml_meth
+        int ml_flags
+        const char* ml_doc
+    int METH_O
+    PyObject* PyCFunction_NewEx(PyMethodDef* ml, PyObject* self, PyObject* module) except NULL
 
 # A tape's death weakrefs carry their tensor's id in the weakref's hash
 # cache (CPython's PyWeakReference.hash, -1 until hash() is first asked;
@@ -61,6 +69,12 @@ cdef inline void _set_ref_tid(PyObject* ref, int64_t tid):
 
 cdef inline int64_t _ref_tid(PyObject* ref):
     return <int64_t>(<PyWeakReference*>ref).hash
+
+# The id a weakref is given once its death is applied: the tape may free it.
+# (Only then: CPython clears an object's weakrefs before it calls their
+# callbacks, and other callbacks, which may free the tape's dead weakrefs,
+# can run in between; a weakref whose callback is still to come is kept.)
+cdef int64_t _SPENT = -2
 
 # Early aggregation thresholds of tape.h: more than this many pending
 # gradients for one tensor, holding more than this many bytes, are summed at
@@ -180,21 +194,37 @@ cdef inline int64_t _number(unordered_map[int64_t, int64_t]& number,
 
 @cython.final
 cdef class _DeathWatch:
-    """The callback of the weakrefs a tape holds on its recorded outputs:
-    queues the dead one on the tape (see GradientTapeCore._drain_deaths).
-    Holds no Python reference, so it can be in no reference cycle."""
+    """What the weakrefs a tape holds on its recorded outputs call back
+    with (through _death_callback): the tape, by a raw pointer. Holds no
+    Python reference, so it can be in no reference cycle."""
 
-    def __call__(self, wr):
-        if self.core == NULL:
-            return
-        cdef GradientTapeCore core = <GradientTapeCore>self.core
-        core.dead_refs.push_back(<PyObject*>wr)
-        if core.busy == 0:
-            # The tape is between operations: forget now, as TF does in the
-            # tensor's dealloc. Otherwise the operation under way drains
-            # the queue when it ends (a backward pass: at the next record,
-            # gradient or inspection).
-            core._drain_deaths()
+
+cdef object _output_died(object watch, object wr):
+    """The weakref callback: queues the dead one on the tape (see
+    GradientTapeCore._drain_deaths)."""
+    cdef PyObject* raw = (<_DeathWatch>watch).core
+    if raw == NULL:
+        return None
+    cdef GradientTapeCore core = <GradientTapeCore>raw
+    core.dead_refs.push_back(<PyObject*>wr)
+    if core.busy == 0:
+        # The tape is between operations: forget now, as TF does in the
+        # tensor's dealloc. Otherwise the operation under way drains the
+        # queue when it ends (a backward pass: at the next record, gradient
+        # or inspection).
+        core._drain_deaths()
+    return None
+
+
+# The callback is a builtin function of one argument bound to the tape's
+# _DeathWatch: CPython calls it with no argument tuple and no argument
+# parsing (an object's __call__ gets both), once per recorded output that
+# dies: as often as an op is recorded, when outputs die unread.
+cdef PyMethodDef _output_died_def
+_output_died_def.ml_name = "fasttape_output_died"
+_output_died_def.ml_meth = <PyCFunction>_output_died
+_output_died_def.ml_flags = METH_O
+_output_died_def.ml_doc = NULL
 
 
 cdef class GradientTapeCore:
@@ -212,6 +242,7 @@ cdef class GradientTapeCore:
         self.live_ops = 0
         self.consumed = False
         self.death_watch = NULL
+        self.death_callback = NULL
         self.busy = 0
 
     def __dealloc__(self):
@@ -220,6 +251,8 @@ cdef class GradientTapeCore:
         if self.death_watch != NULL:
             (<_DeathWatch>self.death_watch).core = NULL
         self._drop_death_refs()
+        Py_XDECREF(self.death_callback)
+        self.death_callback = NULL
         Py_XDECREF(self.death_watch)
         self.death_watch = NULL
 
@@ -365,6 +398,8 @@ cdef class GradientTapeCore:
         if self.death_watch == NULL:
             dw = _DeathWatch.__new__(_DeathWatch)
             dw.core = <PyObject*>self
+            self.death_callback = PyCFunction_NewEx(
+                &_output_died_def, <PyObject*>dw, NULL)
             Py_INCREF(dw)
             self.death_watch = <PyObject*>dw
         if type(outputs) is not tuple and type(outputs) is not list:
@@ -377,7 +412,7 @@ cdef class GradientTapeCore:
         tape ends)."""
         if obj is None:
             return 0
-        cdef PyObject* p = _new_weakref(<PyObject*>obj, self.death_watch)
+        cdef PyObject* p = _new_weakref(<PyObject*>obj, self.death_callback)
         if p == NULL:
             PyErr_Clear()
             return 0
@@ -396,6 +431,7 @@ cdef class GradientTapeCore:
         can free saved tensors and queue more deaths: drained until empty."""
         cdef vector[PyObject*] batch
         cdef PyObject* p
+        cdef int64_t tid
         if self.op_tape is None:
             # Cleared by the garbage collector (the tape is in a dead
             # cycle): nothing left to forget.
@@ -409,8 +445,10 @@ cdef class GradientTapeCore:
                 for p in batch:
                     # Each weakref fires once (its tensor dies once), and
                     # only while refs owns it: dropped weakrefs never fire.
+                    tid = _ref_tid(p)
+                    _set_ref_tid(p, _SPENT)
                     self.spent_refs += 1
-                    self._delete_trace(_ref_tid(p))
+                    self._delete_trace(tid)
         finally:
             self.busy -= 1
         if self.spent_refs > 64 and 2 * self.spent_refs > <Py_ssize_t>self.refs.size():
@@ -418,16 +456,16 @@ cdef class GradientTapeCore:
         return 0
 
     cdef void _compact_refs(self):
-        """Free the weakrefs of dead tensors (at most half of refs, so a
-        tape whose outputs keep dying holds no more than twice the weakrefs
-        of its live outputs, and each is visited a bounded number of
-        times). Only between drains: dead_refs is empty."""
+        """Free the weakrefs whose death was applied (once they are half of
+        refs, so a tape whose outputs keep dying holds no more than about
+        twice the weakrefs of its live outputs, and each is visited a
+        bounded number of times). Only between drains."""
         cdef vector[PyObject*] dead
         cdef size_t i, n = 0
         cdef PyObject* p
         for i in range(self.refs.size()):
             p = self.refs[i]
-            if _weakref_object(p) == <PyObject*>None:
+            if _ref_tid(p) == _SPENT:
                 dead.push_back(p)
             else:
                 self.refs[n] = p
@@ -435,7 +473,7 @@ cdef class GradientTapeCore:
         self.refs.resize(n)
         self.spent_refs = 0
         for p in dead:
-            Py_XDECREF(p)   # dead referents: no callback runs
+            Py_XDECREF(p)   # dead referents, callbacks run: none runs again
 
     cdef void _drop_death_refs(self):
         """Forget every weakref (their tensors' deaths no longer matter)."""
@@ -519,10 +557,18 @@ cdef class GradientTapeCore:
         self.collect_deaths()
         cdef dict out = {}
         cdef PyObject* obj
-        for p in self.refs:
-            obj = _weakref_object(p)
-            if obj != <PyObject*>None:
-                out[_ref_tid(p)] = <object>obj
+        cdef size_t i
+        # Busy: a death (the garbage collector, run by an allocation below)
+        # is queued, so refs does not change under the loop.
+        self.busy += 1
+        try:
+            for i in range(self.refs.size()):
+                obj = _weakref_object(self.refs[i])
+                if obj != <PyObject*>None:
+                    out[_ref_tid(self.refs[i])] = <object>obj
+        finally:
+            self.busy -= 1
+        self.collect_deaths()
         return out
 
     cpdef delete_trace(self, int64_t tensor_id):

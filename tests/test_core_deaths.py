@@ -265,3 +265,32 @@ def test_the_weakrefs_of_dead_outputs_are_freed_as_the_tape_goes_on(vs):
     assert set(tp.live_outputs()) == {a.id for a in alive}
     del alive
     assert tp.num_ops == 0 and tp.num_watched_outputs == 0
+
+
+def test_a_weakref_whose_callback_is_still_to_come_is_kept(vs):
+    """CPython clears a dying object's weakrefs, then calls their callbacks
+    one by one. Here tape A's callback runs first and frees what tape B
+    recorded, so B frees its dead weakrefs in between, while B's callback
+    for the first object is still to come: B must keep that weakref, and
+    count it once when its callback comes."""
+    x = T(0.5)
+    tape_a, tape_b = GradientTapeCore(True), GradientTapeCore(True)
+    tape_b.watch(x.id)
+    bs = [rec(tape_b, "sin", nv.sin, x) for _ in range(100)]
+    a = T(float(sum(b.value for b in bs)))
+    # B records a first (its weakref on a is called back last), saving
+    # nothing; A records it saving the bs, which it alone then holds.
+    tape_b.record_operation("add_n", [b.id for b in bs], [a.id], (a.meta,),
+                            Payload("add_n", (), (), None), None, (a,))
+    for b in bs:
+        tape_a.watch(b.id)
+    tape_a.record_operation("add_n", [b.id for b in bs], [a.id], (a.meta,),
+                            Payload("add_n", tuple(bs), (), None), None, (a,))
+    del bs, b
+    assert tape_b.num_ops == 101 and tape_b.num_watched_outputs == 101
+    del a
+    assert tape_a.num_ops == 0 and tape_a.num_watched_outputs == 0
+    assert tape_b.num_ops == 0 and tape_b.num_watched_outputs == 0
+    assert tape_b.live_outputs() == {}
+    y = rec(tape_b, "sin", nv.sin, x)
+    assert tape_b.num_watched_outputs == 1 and set(tape_b.live_outputs()) == {y.id}
