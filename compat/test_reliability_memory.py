@@ -22,6 +22,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.framework import test_util
 
 import fasttape
+from fasttape.recording import _recording
 
 TAPES = {"tf": tf.GradientTape, "fasttape": fasttape.GradientTape}
 ACCUMULATORS = {"tf": tf.autodiff.ForwardAccumulator,
@@ -285,3 +286,55 @@ def test_op_output_tangents_die_with_their_outputs(impl):
         del y
     gc.collect()
     assert sum(r() is not None for r in refs) == 0
+
+
+# -- how a tape hears of deaths --------------------------------------------------
+
+def test_a_tape_hears_deaths_from_eager_tensors_dealloc_as_tf_does():
+    """fasttape's tapes hear of an EagerTensor's death where TF's tape does,
+    in its dealloc (no weakref per recorded output)."""
+    _recording.install()
+    assert "EagerTensor.tp_dealloc" in _recording.installed_hooks()
+    x = tf.constant(1.0)
+    with fasttape.GradientTape(persistent=True) as t:
+        t.watch(x)
+        y = tf.sin(x)
+        z = tf.sin(y)
+    core = t._tape.core  # pylint: disable=protected-access
+    assert core.num_ops == 2 and core.num_watched_outputs == 0
+    del z
+    assert core.num_ops == 1
+    del y
+    assert core.num_ops == 0
+
+
+def test_without_the_dealloc_hook_a_weakref_per_output_does_the_same():
+    from fasttape.recording import _callback  # pylint: disable=import-outside-toplevel
+    _recording.install()
+    _callback.uninstall_death_hook()
+    try:
+        assert "EagerTensor.tp_dealloc" not in _recording.installed_hooks()
+        x = tf.constant(1.0)
+        with fasttape.GradientTape() as t:
+            t.watch(x)
+            for i in range(2000):
+                y = x * float(i)
+            assert t._tape.core.num_ops == 1  # pylint: disable=protected-access
+            assert t._tape.core.num_watched_outputs == 1  # pylint: disable=protected-access
+        assert float(t.gradient(y, x)) == 1999.0
+    finally:
+        assert _callback.install_death_hook()
+
+
+def test_a_death_while_an_exception_is_raised_keeps_the_exception():
+    """A recorded tensor that dies while an exception is being raised (a
+    temporary the interpreter frees on its error path, here a list that
+    cannot be a dict key): the tape hears of it, and the exception reaches
+    the caller unchanged."""
+    x = tf.constant(1.0)
+    with fasttape.GradientTape(persistent=True) as t:
+        t.watch(x)
+        with pytest.raises(TypeError, match="unhashable") as info:
+            {[tf.sin(tf.sin(x))]: 1}   # pylint: disable=expression-not-assigned
+    assert type(info.value) is TypeError and info.value.__context__ is None
+    assert t._tape.core.num_ops == 0  # pylint: disable=protected-access

@@ -59,6 +59,7 @@ cdef class GradientTapeCore:
     cdef vector[PyObject*] refs         # owned weakrefs, each carrying its tensor id (_ref_tid)
     cdef Py_ssize_t spent_refs          # entries of refs whose tensor died and was drained
     cdef vector[PyObject*] dead_refs    # fired, not yet drained (borrowed: refs owns them)
+    cdef vector[int64_t] dead_ids       # deaths told by delete_trace while busy, not yet drained
     cdef int busy                                         # >0: in a pass or a drain
 
     cpdef watch(self, int64_t tensor_id)
@@ -81,6 +82,7 @@ cdef class GradientTapeCore:
     cdef object _death_watched(self, outputs, Py_ssize_t n)
     cdef int _watch_death(self, obj, int64_t tid) except -1
     cdef int _drain_deaths(self) except -1
+    cdef bint _deaths_pending(self)
     cdef void _drop_death_refs(self)
     cdef void _compact_refs(self)
     cdef void _prune(self, vector[int64_t]& targets, vector[int64_t]& sources,

@@ -335,7 +335,7 @@ cdef class GradientTapeCore:
                                  payload, outputs)
         finally:
             self.busy -= 1
-        if not self.dead_refs.empty() and self.busy == 0:
+        if self.busy == 0 and self._deaths_pending():
             self._drain_deaths()
         return op_id
 
@@ -430,6 +430,7 @@ cdef class GradientTapeCore:
         queue is drained here, never during a backward pass. Freeing an op
         can free saved tensors and queue more deaths: drained until empty."""
         cdef vector[PyObject*] batch
+        cdef vector[int64_t] ids
         cdef PyObject* p
         cdef int64_t tid
         if self.op_tape is None:
@@ -439,7 +440,7 @@ cdef class GradientTapeCore:
             return 0
         self.busy += 1
         try:
-            while not self.dead_refs.empty():
+            while self._deaths_pending():
                 batch.clear()
                 batch.swap(self.dead_refs)
                 for p in batch:
@@ -448,6 +449,10 @@ cdef class GradientTapeCore:
                     tid = _ref_tid(p)
                     _set_ref_tid(p, _SPENT)
                     self.spent_refs += 1
+                    self._delete_trace(tid)
+                ids.clear()
+                ids.swap(self.dead_ids)
+                for tid in ids:
                     self._delete_trace(tid)
         finally:
             self.busy -= 1
@@ -481,6 +486,7 @@ cdef class GradientTapeCore:
         refs.swap(self.refs)
         self.spent_refs = 0
         self.dead_refs.clear()
+        self.dead_ids.clear()
         for p in refs:
             Py_XDECREF(p)
 
@@ -488,7 +494,7 @@ cdef class GradientTapeCore:
         """Apply the pending tensor deaths now (they are otherwise applied
         at the next record, gradient or inspection); a no-op during a
         backward pass."""
-        if not self.dead_refs.empty() and self.busy == 0:
+        if self.busy == 0 and self._deaths_pending():
             self._drain_deaths()
 
     @property
@@ -572,16 +578,26 @@ cdef class GradientTapeCore:
         return out
 
     cpdef delete_trace(self, int64_t tensor_id):
-        """The framework dropped its last reference to a tensor: forget the
-        ops that no live tensor depends on any more (tape.h's DeleteTrace,
-        without recursion)."""
+        """The framework's tensor died (its last reference dropped): forget
+        the ops that no live tensor depends on any more (tape.h's
+        DeleteTrace, without recursion). For a framework that hears of
+        deaths itself (TF's EagerTensor dealloc) instead of giving the
+        outputs to record_operation. Called while the core is mid-operation
+        (a death inside a backward pass, or inside another death), it is
+        queued, and applied when the operation ends, as a weakref's is."""
+        if self.busy:
+            self.dead_ids.push_back(tensor_id)
+            return
         self.busy += 1
         try:
             self._delete_trace(tensor_id)
         finally:
             self.busy -= 1
-        if not self.dead_refs.empty() and self.busy == 0:
+        if self._deaths_pending():
             self._drain_deaths()
+
+    cdef bint _deaths_pending(self):
+        return not self.dead_refs.empty() or not self.dead_ids.empty()
 
     cdef int _delete_trace(self, int64_t tensor_id) except -1:
         if self.op_tape is None:
@@ -804,7 +820,7 @@ cdef class GradientTapeCore:
             self.busy -= 1
             if not keep:
                 self._release_all()
-            elif not self.dead_refs.empty() and self.busy == 0:
+            elif self.busy == 0 and self._deaths_pending():
                 self._drain_deaths()
 
     def release(self):

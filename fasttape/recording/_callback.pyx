@@ -25,7 +25,7 @@ from tensorflow.python.ops import resource_variable_ops
 
 cimport cython
 from cpython.object cimport PyObject
-from cpython.ref cimport Py_INCREF
+from cpython.ref cimport Py_INCREF, Py_DECREF
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 from libc.stdint cimport int64_t
 from libcpp.vector cimport vector
@@ -33,7 +33,14 @@ from libcpp.vector cimport vector
 from fasttape._core cimport GradientTapeCore, ForwardAccumulatorCore
 from fasttape.gradients._payloads cimport EagerOp, GraphOp, PyBackward
 
+ctypedef void (*_dealloc_fn)(PyObject*) noexcept
+
 cdef extern from "Python.h":
+    ctypedef struct _PyType "PyTypeObject":
+        _dealloc_fn tp_dealloc
+    void PyErr_Fetch(PyObject**, PyObject**, PyObject**)
+    void PyErr_Restore(PyObject*, PyObject*, PyObject*)
+    void PyErr_WriteUnraisable(object)
     PyObject* PyThreadState_GetDict()
     PyObject* PyDict_GetItem(object, object)   # borrowed, or NULL
     void PyObject_GC_UnTrack(void*)
@@ -75,6 +82,10 @@ cdef class TapeState:
     # TF's unique-id counter when the tape was made: tensors with a greater
     # _id were made after it (tape.summary() tells them apart).
     cdef readonly long long first_uid
+    # Hears of EagerTensor deaths (see _tensor_died), of ids from first_uid
+    # to the last recorded output that can die first.
+    cdef bint hearing
+    cdef long long last_mortal_uid
     cdef object __weakref__
 
     def __init__(self, bint persistent, bint watch_accessed_variables):
@@ -86,6 +97,10 @@ cdef class TapeState:
         self.nesting_id = 0
         self.explain_info = None
         self.budget = None
+
+    def __dealloc__(self):
+        if self.hearing:
+            _stop_hearing(self)
 
     def watch_variable(self, variable):
         self._watch_variable(variable)
@@ -100,6 +115,123 @@ cdef class TapeState:
     def watched_variables(self):
         # TF's tape keeps its variables in a set ordered by handle id.
         return tuple([self.variables[k] for k in sorted(self.variables)])
+
+
+# -- tensor deaths ---------------------------------------------------------------
+#
+# TF's tape forgets an op once its outputs all die unread: EagerTensor's
+# dealloc calls TFE_Py_TapeSetDeleteTrace(id). fasttape's tapes hear of the
+# same deaths from the same place: install_death_hook() puts _eager_dealloc
+# in EagerTensor's tp_dealloc slot; it calls TF's, then tells each tape that
+# recorded outputs able to die first (core.delete_trace, which queues while
+# the tape is mid-operation). No weakref per recorded output is then made:
+# its allocation, its callback and the garbage collector's passes over it
+# cost about a tenth of a microsecond an op, more at scale, which TF's tape
+# does not pay.
+
+cdef _dealloc_fn _tf_dealloc = NULL     # EagerTensor's own, while hooked
+cdef Py_ssize_t _id_offset = -1         # of EagerTensor's int64 id field
+cdef vector[PyObject*] _hearing         # TapeStates (borrowed: each leaves in its dealloc)
+
+
+cdef void _start_hearing(TapeState ts):
+    ts.hearing = True
+    _hearing.push_back(<PyObject*>ts)
+
+
+cdef void _stop_hearing(TapeState ts):
+    cdef size_t i
+    for i in range(_hearing.size()):
+        if _hearing[i] == <PyObject*>ts:
+            _hearing.erase(_hearing.begin() + i)
+            break
+    ts.hearing = False
+
+
+cdef void _eager_dealloc(PyObject* tensor) noexcept:
+    cdef int64_t tid = (<int64_t*>((<char*>tensor) + _id_offset))[0]
+    _tf_dealloc(tensor)
+    if not _hearing.empty():
+        _tensor_died(tid)
+
+
+cdef void _tensor_died(int64_t tid) noexcept:
+    """Tell the tapes hearing deaths that tensor ``tid`` died. Runs inside a
+    dealloc: on any thread, inside the garbage collector, maybe with an
+    exception being raised (kept aside, as CPython keeps it for weakref
+    callbacks); what fails is reported as unraisable."""
+    cdef PyObject *etype, *evalue, *etb
+    cdef PyObject* held[8]
+    cdef vector[PyObject*] more
+    cdef PyObject** tapes = held
+    cdef size_t i, n = 0
+    cdef TapeState ts
+    # The tapes to tell, held: telling one can free another (its last
+    # reference was a saved tensor's), which then leaves _hearing.
+    for i in range(_hearing.size()):
+        ts = <TapeState>_hearing[i]
+        if ts.first_uid <= tid <= ts.last_mortal_uid:
+            n += 1
+    if n == 0:
+        return
+    if n > 8:
+        more.resize(n)
+        tapes = more.data()
+    n = 0
+    for i in range(_hearing.size()):
+        ts = <TapeState>_hearing[i]
+        if ts.first_uid <= tid <= ts.last_mortal_uid:
+            Py_INCREF(ts)
+            tapes[n] = <PyObject*>ts
+            n += 1
+    PyErr_Fetch(&etype, &evalue, &etb)
+    for i in range(n):
+        ts = <TapeState>tapes[i]
+        if ts.core is not None:     # (None: cleared by the collector)
+            try:
+                ts.core.delete_trace(tid)
+            except BaseException:
+                PyErr_WriteUnraisable(ts)
+        Py_DECREF(ts)
+    ts = None
+    PyErr_Restore(etype, evalue, etb)
+
+
+def install_death_hook():
+    """Put _eager_dealloc in EagerTensor's tp_dealloc slot (idempotent).
+    The id's place in the object is found by reading tensors of known ids;
+    if it is not found in exactly one place, nothing is installed and the
+    tapes keep a weakref on each output instead (False)."""
+    global _tf_dealloc, _id_offset
+    if _tf_dealloc != NULL:
+        return True
+    import numpy as np
+    probes = [ops.convert_to_tensor(np.float32(i)) for i in range(4)]
+    cdef Py_ssize_t off, found = -1, size = (<object>_EagerTensor).__basicsize__
+    for off in range(16, size - 7, 8):
+        if all((<int64_t*>((<char*><PyObject*>t) + off))[0] == t._id
+               for t in probes):
+            if found != -1:
+                return False
+            found = off
+    if found == -1:
+        return False
+    _id_offset = found
+    _tf_dealloc = (<_PyType*><PyObject*>_EagerTensor).tp_dealloc
+    (<_PyType*><PyObject*>_EagerTensor).tp_dealloc = _eager_dealloc
+    return True
+
+
+def uninstall_death_hook():
+    global _tf_dealloc
+    if _tf_dealloc != NULL:
+        (<_PyType*><PyObject*>_EagerTensor).tp_dealloc = _tf_dealloc
+        _tf_dealloc = NULL
+
+
+def death_hook_installed():
+    return _tf_dealloc != NULL and (
+        (<_PyType*><PyObject*>_EagerTensor).tp_dealloc == _eager_dealloc)
 
 
 # -- per-thread state -----------------------------------------------------------
@@ -1023,9 +1155,23 @@ cdef int _record_on_tapes(list tapes, op_type, vector[int64_t]& ids,
     cdef vector[int64_t] out_ids
     for t in outputs:
         out_ids.push_back((<object>t)._id)
-    objs = outputs if mortal else None
-    cdef int64_t op_id
+    objs = None
+    cdef int64_t op_id, last
+    cdef size_t k
     cdef list copies = None
+    if mortal:
+        if _tf_dealloc == NULL:
+            objs = outputs      # (no death hook: a weakref on each)
+        else:
+            last = 0
+            for k in range(out_ids.size()):
+                if out_ids[k] > last:
+                    last = out_ids[k]
+            for tp in tapes:
+                if not (<TapeState>tp).hearing:
+                    _start_hearing(<TapeState>tp)
+                if last > (<TapeState>tp).last_mortal_uid:
+                    (<TapeState>tp).last_mortal_uid = last
     for tp in tapes:
         if (<TapeState>tp).budget is None:
             op_id = (<TapeState>tp).core.record_ids(op_type, ids, out_ids, meta,

@@ -563,6 +563,7 @@ def install():
     autograph_config.CONVERSION_RULES = (
         (_AUTOGRAPH_RULE,) + tuple(autograph_config.CONVERSION_RULES))
     _register_jvp_function(True)
+    _callback.install_death_hook()
     _installed = True
 
 
@@ -578,6 +579,7 @@ def uninstall():
         r for r in autograph_config.CONVERSION_RULES if r is not _AUTOGRAPH_RULE)
     _installed = False
     _register_jvp_function(False)
+    _callback.uninstall_death_hook()
     _tf_pushed().clear()
     _uninstall_fast_path_wrapper()
     _disarm_execute()
@@ -599,6 +601,8 @@ def installed_hooks():
         names.append("CONVERSION_RULES")
     if _jvp_function_registered:
         names.append("JVPFunction")
+    if _callback.death_hook_installed():
+        names.append("EagerTensor.tp_dealloc")
     if pywrap_tfe.TFE_Py_FastPathExecute is _fast_path_execute:
         names.append("TFE_Py_FastPathExecute")
     if execute.execute is _recording_execute:
