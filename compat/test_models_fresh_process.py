@@ -265,3 +265,34 @@ def test_tape_in_user_tf_function_is_not_autograph_converted(tmp_path):
     if result["tf"]:
         pytest.fail(f"AutoGraph warned with TF's tape too: {result['tf']}")
     assert result["fasttape"] == result["tf"], result
+
+
+def test_a_first_tape_inside_tf_function_installs_the_death_hook(tmp_path):
+    """fasttape's hooks go in at the first tape, which may be inside a
+    trace: the death hook still reads eager tensors to find the id's place,
+    and then eager tapes forget what dies, as TF's do."""
+    out = _run_script(tmp_path, "first_tape_traced", """
+        import tensorflow as tf
+        import fasttape
+        from fasttape.recording import _recording
+
+        @tf.function
+        def traced(x):
+            with fasttape.GradientTape() as t:
+                t.watch(x)
+                y = tf.sin(x)
+            return t.gradient(y, x)
+
+        g = float(traced(tf.constant(0.5)))
+        x = tf.constant(1.0)
+        with fasttape.GradientTape() as t:
+            t.watch(x)
+            for i in range(500):
+                y = x * float(i)
+            held = t._tape.core.num_ops
+        print(json.dumps({"g": g, "held": held,
+                          "hooked": "EagerTensor.tp_dealloc"
+                                    in _recording.installed_hooks()}))
+    """)
+    assert out["hooked"] and out["held"] == 1, out
+    np.testing.assert_allclose(out["g"], np.cos(0.5), rtol=1e-6)

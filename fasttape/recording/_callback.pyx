@@ -206,7 +206,10 @@ def install_death_hook():
     if _tf_dealloc != NULL:
         return True
     import numpy as np
-    probes = [ops.convert_to_tensor(np.float32(i)) for i in range(4)]
+    with ops.init_scope():      # (eager tensors, even if a trace installs)
+        probes = [ops.convert_to_tensor(np.float32(i)) for i in range(4)]
+    if any(type(t) is not _EagerTensor for t in probes):
+        return False
     cdef Py_ssize_t off, found = -1, size = (<object>_EagerTensor).__basicsize__
     for off in range(16, size - 7, 8):
         if all((<int64_t*>((<char*><PyObject*>t) + off))[0] == t._id
