@@ -338,3 +338,23 @@ def test_a_death_while_an_exception_is_raised_keeps_the_exception():
             {[tf.sin(tf.sin(x))]: 1}   # pylint: disable=expression-not-assigned
     assert type(info.value) is TypeError and info.value.__context__ is None
     assert t._tape.core.num_ops == 0  # pylint: disable=protected-access
+
+
+def test_many_tapes_hear_one_death():
+    """Twelve nested tapes record the same ops (more than the dealloc hook
+    holds without allocating): each forgets them when their outputs die."""
+    x = tf.constant(1.0)
+    tapes = [fasttape.GradientTape(persistent=True) for _ in range(12)]
+    for t in tapes:
+        t.__enter__()
+        t.watch(x)
+    y = tf.sin(x)
+    z = tf.sin(y)
+    for t in reversed(tapes):
+        t.__exit__(None, None, None)
+    cores = [t._tape.core for t in tapes]  # pylint: disable=protected-access
+    assert [c.num_ops for c in cores] == [2] * 12
+    g = tapes[5].gradient(z, x)
+    np.testing.assert_allclose(float(g), np.cos(np.sin(1.0)) * np.cos(1.0), rtol=1e-6)
+    del y, z, g
+    assert [c.num_ops for c in cores] == [0] * 12
