@@ -49,17 +49,17 @@ cdef class GradientTapeCore:
     cdef bint pruned_valid, pruned_all_watched
     cdef vector[int64_t] pruned_targets, pruned_sources, pruned_ops
     cdef unordered_set[int64_t] pruned_needed
-    # Trace deletion (tape.h's DeleteTrace on tensor death): per recorded
-    # output object, a weakref whose callback only queues it (callbacks fire
-    # on any thread, inside the garbage collector, or in the middle of a
-    # core method); the queue is drained into delete_trace where the core
-    # is between operations and no backward pass runs.
+    # Trace deletion (tape.h's DeleteTrace on tensor death): the framework
+    # calls delete_trace, or, given the output objects, the tape holds a
+    # weakref on each whose callback does. A death heard while the core is
+    # mid-operation (deaths come on any thread, inside the garbage
+    # collector, or in the middle of a core method) is queued, and applied
+    # when the core is between operations and no backward pass runs.
     cdef PyObject* death_watch    # owned _DeathWatch, or NULL (raw: kept through tp_clear)
     cdef PyObject* death_callback # owned: the weakrefs' callback, bound to death_watch
     cdef vector[PyObject*] refs         # owned weakrefs, each carrying its tensor id (_ref_tid)
     cdef Py_ssize_t spent_refs          # entries of refs whose tensor died and was drained
-    cdef vector[PyObject*] dead_refs    # fired, not yet drained (borrowed: refs owns them)
-    cdef vector[int64_t] dead_ids       # deaths told by delete_trace while busy, not yet drained
+    cdef vector[int64_t] dead_ids       # deaths heard while busy (delete_trace, weakrefs), not yet drained
     cdef int busy                                         # >0: in a pass or a drain
 
     cpdef watch(self, int64_t tensor_id)

@@ -200,19 +200,21 @@ cdef class _DeathWatch:
 
 
 cdef object _output_died(object watch, object wr):
-    """The weakref callback: queues the dead one on the tape (see
-    GradientTapeCore._drain_deaths)."""
+    """The weakref callback: the tape hears of its tensor's death as from
+    a framework (delete_trace, which queues it while the tape is
+    mid-operation). The weakref is spent: the tape may free it."""
     cdef PyObject* raw = (<_DeathWatch>watch).core
     if raw == NULL:
         return None
     cdef GradientTapeCore core = <GradientTapeCore>raw
-    core.dead_refs.push_back(<PyObject*>wr)
-    if core.busy == 0:
-        # The tape is between operations: forget now, as TF does in the
-        # tensor's dealloc. Otherwise the operation under way drains the
-        # queue when it ends (a backward pass: at the next record, gradient
-        # or inspection).
-        core._drain_deaths()
+    cdef PyObject* p = <PyObject*>wr
+    cdef int64_t tid = _ref_tid(p)
+    _set_ref_tid(p, _SPENT)
+    core.spent_refs += 1
+    core.delete_trace(tid)
+    if (core.busy == 0 and core.spent_refs > 64
+            and 2 * core.spent_refs > <Py_ssize_t>core.refs.size()):
+        core._compact_refs()
     return None
 
 
@@ -424,14 +426,12 @@ cdef class GradientTapeCore:
         return 0
 
     cdef int _drain_deaths(self) except -1:
-        """delete_trace for every watched output that died since the last
-        drain. Weakref callbacks only queue (they run on any thread, inside
-        the garbage collector, or while this core is mid-operation); the
-        queue is drained here, never during a backward pass. Freeing an op
-        can free saved tensors and queue more deaths: drained until empty."""
-        cdef vector[PyObject*] batch
+        """Apply the deaths heard while the core was busy (delete_trace and
+        the weakref callbacks queue them: they come on any thread, inside
+        the garbage collector, or while this core is mid-operation); never
+        during a backward pass. Freeing an op can free saved tensors and
+        queue more deaths: drained until empty."""
         cdef vector[int64_t] ids
-        cdef PyObject* p
         cdef int64_t tid
         if self.op_tape is None:
             # Cleared by the garbage collector (the tape is in a dead
@@ -440,24 +440,13 @@ cdef class GradientTapeCore:
             return 0
         self.busy += 1
         try:
-            while self._deaths_pending():
-                batch.clear()
-                batch.swap(self.dead_refs)
-                for p in batch:
-                    # Each weakref fires once (its tensor dies once), and
-                    # only while refs owns it: dropped weakrefs never fire.
-                    tid = _ref_tid(p)
-                    _set_ref_tid(p, _SPENT)
-                    self.spent_refs += 1
-                    self._delete_trace(tid)
+            while not self.dead_ids.empty():
                 ids.clear()
                 ids.swap(self.dead_ids)
                 for tid in ids:
                     self._delete_trace(tid)
         finally:
             self.busy -= 1
-        if self.spent_refs > 64 and 2 * self.spent_refs > <Py_ssize_t>self.refs.size():
-            self._compact_refs()
         return 0
 
     cdef void _compact_refs(self):
@@ -485,7 +474,6 @@ cdef class GradientTapeCore:
         cdef vector[PyObject*] refs
         refs.swap(self.refs)
         self.spent_refs = 0
-        self.dead_refs.clear()
         self.dead_ids.clear()
         for p in refs:
             Py_XDECREF(p)
@@ -597,7 +585,7 @@ cdef class GradientTapeCore:
             self._drain_deaths()
 
     cdef bint _deaths_pending(self):
-        return not self.dead_refs.empty() or not self.dead_ids.empty()
+        return not self.dead_ids.empty()
 
     cdef int _delete_trace(self, int64_t tensor_id) except -1:
         if self.op_tape is None:

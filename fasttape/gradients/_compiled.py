@@ -1187,7 +1187,7 @@ def traced_call(key, fn, feeds):
     if compiled is _FAILED:
         return fn(*feeds)
     if compiled is not None:
-        cache.compiled.move_to_end(key)
+        cache.compiled.move_to_end(compiled.key)
         out = _call_cached(cache, compiled, feeds, True, traced=True)
         return fn(*feeds) if out is None else out
     seen = cache.seen.get(key)

@@ -163,30 +163,25 @@ cdef void _tensor_died(int64_t tid) noexcept:
     cdef PyObject *etype, *evalue, *etb
     cdef PyObject* held[8]
     cdef vector[PyObject*] more
-    cdef PyObject** tapes = held
     cdef size_t i, n = 0
     cdef TapeState ts
     # The tapes to tell, held: telling one can free another (its last
-    # reference was a saved tensor's), which then leaves _hearing.
-    for i in range(_hearing.size()):
-        ts = <TapeState>_hearing[i]
-        if ts.first_uid <= tid <= ts.last_mortal_uid:
-            n += 1
-    if n == 0:
-        return
-    if n > 8:
-        more.resize(n)
-        tapes = more.data()
-    n = 0
+    # reference was a saved tensor's), which then leaves _hearing. The
+    # first eight on the stack, any more in a vector.
     for i in range(_hearing.size()):
         ts = <TapeState>_hearing[i]
         if ts.first_uid <= tid <= ts.last_mortal_uid:
             Py_INCREF(ts)
-            tapes[n] = <PyObject*>ts
+            if n < 8:
+                held[n] = <PyObject*>ts
+            else:
+                more.push_back(<PyObject*>ts)
             n += 1
+    if n == 0:
+        return
     PyErr_Fetch(&etype, &evalue, &etb)
     for i in range(n):
-        ts = <TapeState>tapes[i]
+        ts = <TapeState>(held[i] if i < 8 else more[i - 8])
         if ts.core is not None:     # (None: cleared by the collector)
             try:
                 ts.core.delete_trace(tid)
