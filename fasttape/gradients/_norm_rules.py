@@ -36,10 +36,10 @@ from tensorflow.python.ops import special_math_ops
 
 from tensorflow.python.eager import context
 from tensorflow.python.framework import constant_op
-from tensorflow.python.framework import op_def_library
 from tensorflow.python.framework import op_def_registry
 
 from fasttape.gradients import _fast_grads
+from fasttape.gradients._graph_ops import graph_op
 from fasttape.gradients._payloads import EagerOp
 
 
@@ -52,30 +52,8 @@ def _ex(op_type, *args):
     path takes them; in a graph, through TF's op builder."""
     if context.executing_eagerly():
         return _fast_grads._ex(op_type, *args)  # pylint: disable=protected-access
-    op_def = op_def_registry.get(op_type)
-    input_args = op_def.input_arg
-    n = len(input_args)
-    kwargs = {a.name: x for a, x in zip(input_args, args[:n])}
-    attrs = args[n:]
-    for i in range(0, len(attrs) - 1, 2):
-        kwargs[attrs[i]] = attrs[i + 1]
-    # the defaults of the attrs not given (TF's op builder wants them all,
-    # as its generated wrappers pass them), but not those the inputs fix
-    inferred = {x for a in input_args
-                for x in (a.type_attr, a.number_attr, a.type_list_attr) if x}
-    for a in op_def.attr:
-        if (a.name not in kwargs and a.name not in inferred
-                and a.HasField("default_value")):
-            value = a.default_value
-            which = value.WhichOneof("value")
-            if which == "list":
-                kwargs[a.name] = [
-                    *value.list.s, *value.list.i, *value.list.f, *value.list.b,
-                    *value.list.type]
-            elif which is not None:
-                kwargs[a.name] = getattr(value, which)
-    outputs = op_def_library._apply_op_helper(op_type, **kwargs)[3]  # pylint: disable=protected-access
-    return outputs[0]
+    n = len(op_def_registry.get(op_type).input_arg)
+    return graph_op(op_type, args[:n], args[n:])[0]
 
 
 def _const(value, dtype):

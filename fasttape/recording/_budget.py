@@ -42,20 +42,17 @@ import sys
 import weakref
 
 from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
-from tensorflow.core.framework import attr_value_pb2
 from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context
 from tensorflow.python.eager import core
 from tensorflow.python.eager import execute
-from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor as tensor_lib
-from tensorflow.python.framework import tensor_shape
-from tensorflow.python.framework import tensor_util
 from tensorflow.python.ops import array_ops
 
 from fasttape._core import VSpace
+from fasttape.gradients._graph_ops import graph_op
 from fasttape.gradients._payloads import EagerOp
 from fasttape.gradients._tf_vspace import element_size as _element_size
 
@@ -696,6 +693,9 @@ class Store:
                 self._hold(s, t)   # the program still holds the original
         return t
 
+    def _has(self, s):
+        return self._get(s) is not None
+
     def materialize(self, s):
         """The tensor of slot s, recomputed if it was dropped (re-running its
         recipe, and first those of its dropped inputs: an explicit stack, no
@@ -705,23 +705,14 @@ class Store:
         if t is not None:
             s.last = self.clock
             return t
-        stack = [s]
         ctx = context.context()
-        while stack:
-            top = stack[-1]
-            if self._get(top) is not None:
-                stack.pop()
-                continue
+        for top, stack in _inputs_first(s, self._has, _recipe_inputs):
             recipe = top.recipe
             if recipe is None:
                 raise RuntimeError(
                     f"fasttape memory budget: tensor {top.tid} was dropped and "
                     f"cannot be recomputed (a leaf that nobody holds); this is "
                     f"a bug in fasttape, please report it")
-            missing = [x for x in recipe.inputs if self._get(x) is None]
-            if missing:
-                stack.extend(missing)
-                continue
             inputs = [x.tensor for x in recipe.inputs]
             outputs = _run(recipe, inputs, ctx, self._devices)
             del inputs
@@ -734,7 +725,6 @@ class Store:
                     self.recomputed += 1
                     self.recomputed_bytes += x.nbytes
             del outputs, t
-            stack.pop()
             if self.sole_bytes + self.shared_bytes > self.budget or self.debug:
                 # What the rest of the stack reads stays; the rest may go again.
                 locked = set(self._locked)
@@ -802,36 +792,45 @@ def _death_callback(store_ref):
     return died
 
 
+def _inputs_first(root, done, inputs_of):
+    """The walk every recomputation takes: the nodes under ``root`` (itself
+    included) that are not ``done(node)``, each yielded after the nodes of
+    ``inputs_of(node)`` it depends on. An explicit stack, no recursion (a
+    chain may be far deeper than Python's recursion limit). Each node is
+    yielded with the stack of the nodes still waiting for it (it is popped
+    first); the consumer makes it done before it asks for the next."""
+    stack = [root]
+    while stack:
+        top = stack[-1]
+        if done(top):
+            stack.pop()
+            continue
+        todo = [x for x in inputs_of(top) if not done(x)]
+        if todo:
+            stack.extend(todo)
+            continue
+        stack.pop()
+        yield top, stack
+
+
+def _recipe_inputs(s):
+    return () if s.recipe is None else s.recipe.inputs
+
+
+def _dropped_inputs(s):
+    """The inputs of s's recipe that must be recomputed with it."""
+    return [i for i in s.recipe.inputs if i.tensor is None and i.recipe is not None]
+
+
 def _chain_cost(s, memo):
     """What recomputing the dropped tensor s costs: its recipe and those of
     its dropped ancestors (shared ancestors counted once per path; an
-    estimate). Iterative, memoized per drop."""
+    estimate). Memoized per drop (tensor id -> cost)."""
     got = memo.get(s.tid)
     if got is not None:
         return got
-    stack = [s]
-    while stack:
-        x = stack[-1]
-        if x.tid in memo:
-            stack.pop()
-            continue
-        cost = x.recipe.cost
-        todo = None
-        for i in x.recipe.inputs:
-            if i.tensor is None and i.recipe is not None:
-                c = memo.get(i.tid)
-                if c is None:
-                    if todo is None:
-                        todo = [i]
-                    else:
-                        todo.append(i)
-                else:
-                    cost += c
-        if todo is not None:
-            stack.extend(todo)
-            continue
-        memo[x.tid] = cost
-        stack.pop()
+    for x, _ in _inputs_first(s, lambda x: x.tid in memo, _dropped_inputs):
+        memo[x.tid] = x.recipe.cost + sum(memo[i.tid] for i in _dropped_inputs(x))
     return memo[s.tid]
 
 
@@ -1065,26 +1064,22 @@ class GraphRecompute:
         if got is not None:
             return got
         store = self.store
-        stack = [s]
-        while stack:
-            top = stack[-1]
-            if top.tid in self._local:
-                stack.pop()
-                continue
+
+        def inputs(x):      # none for a tensor held now: it is fed
+            if x.recipe is None or store._get(x) is not None:  # pylint: disable=protected-access
+                return ()
+            return x.recipe.inputs
+
+        for top, _ in _inputs_first(s, self._numbered, inputs):
             t = store._get(top)  # pylint: disable=protected-access
             if t is not None:
                 self._local[top.tid] = len(self._desc)
                 self._desc.append(("fed", t._datatype_enum(), t._shape_tuple()))  # pylint: disable=protected-access
                 self.feeds.append(t)
-                stack.pop()
                 continue
             recipe = top.recipe
             if recipe is None:
                 return None
-            todo = [x for x in recipe.inputs if x.tid not in self._local]
-            if todo:
-                stack.extend(todo)
-                continue
             r = self._recipes.get(id(recipe))
             if r is None:
                 attrs = recipe.attrs
@@ -1103,8 +1098,10 @@ class GraphRecompute:
             self._recipe_bytes[r] += top.nbytes
             self.n_tensors += 1
             self.n_bytes += top.nbytes
-            stack.pop()
         return self._local[s.tid]
+
+    def _numbered(self, s):
+        return s.tid in self._local
 
     def signature(self):
         return (tuple(self._desc), tuple(self._recipe_desc))
@@ -1232,23 +1229,14 @@ class GraphRecompute:
         fitting, or re-run now from the feeds (its inputs first: an
         explicit stack)."""
         desc = self._desc
-        if self._fits(top, len(self._alive)):
-            return
-        stack = [top]
-        while stack:
-            r = stack[-1]
-            step = len(self._alive)
-            if r != top and self._fits(r, step):
-                stack.pop()
-                continue
-            inputs = self._recipe_desc[r][4]
-            made = [desc[x][1] for x in inputs if desc[x][0] == "made"]
-            todo = [x for x in made if not self._fits(x, step)]
-            if todo:
-                for x in todo:
-                    self._memo.pop(x, None)
-                stack.extend(todo)
-                continue
+
+        def fits(r):
+            return self._fits(r, len(self._alive))
+
+        def made_inputs(r):
+            return [desc[x][1] for x in self._recipe_desc[r][4] if desc[x][0] == "made"]
+
+        for r, _ in _inputs_first(top, fits, made_inputs):
             if self.graph_ops >= _MAX_REMADE_PER_RECIPE * len(self._recipe_desc) + 64:
                 # Re-made from too far back, too often (a long chain under
                 # a tiny budget): the eager pass, which keeps what it
@@ -1257,11 +1245,13 @@ class GraphRecompute:
                 raise RuntimeError(
                     f"a compiled pass would re-run {self.graph_ops}+ ops "
                     f"for {len(self._recipe_desc)} dropped recipes")
+            step = len(self._alive)
             self._alive.append(0)
-            for x in made:
+            for x in made_inputs(r):
                 self._extend(x, step)
             values = [self._fed[x] if desc[x][0] == "fed"
-                      else self._memo[desc[x][1]][0][desc[x][2]] for x in inputs]
+                      else self._memo[desc[x][1]][0][desc[x][2]]
+                      for x in self._recipe_desc[r][4]]
             deps = self._deps if self._last_op is None else (
                 self._deps + [self._last_op])
             with ops.control_dependencies(deps):
@@ -1270,7 +1260,6 @@ class GraphRecompute:
             self._memo[r] = [outs, step]
             self._alive[step] += self._recipe_bytes[r]
             self.graph_ops += 1
-            stack.pop()
 
 
 def _tensors(values):
@@ -1286,43 +1275,5 @@ def _tensors(values):
 
 def _graph_op(recipe, inputs):
     """Re-make a recipe's op in the graph being traced."""
-    op_def = op_def_registry.get(recipe.op_type)
-    kinds = {a.name: a.type for a in op_def.attr}
-    attrs = recipe.attrs
-    protos = {attrs[j]: _attr_value(kinds[attrs[j]], attrs[j + 1])
-              for j in range(0, len(attrs) - 1, 2)}
     with ops.device(recipe.device):
-        op = ops.get_default_graph()._create_op_internal(  # pylint: disable=protected-access
-            recipe.op_type, inputs, attrs=protos)
-    return op.outputs
-
-
-def _attr_value(kind, value):
-    if kind == "type":
-        return attr_value_pb2.AttrValue(type=dtypes.as_dtype(value).as_datatype_enum)
-    if kind == "bool":
-        return attr_value_pb2.AttrValue(b=bool(value))
-    if kind == "int":
-        return attr_value_pb2.AttrValue(i=int(value))
-    if kind == "float":
-        return attr_value_pb2.AttrValue(f=float(value))
-    if kind == "string":
-        return attr_value_pb2.AttrValue(
-            s=value if isinstance(value, bytes) else str(value).encode())
-    if kind == "shape":
-        return attr_value_pb2.AttrValue(
-            shape=tensor_shape.as_shape(value).as_proto())
-    if kind == "tensor":
-        return attr_value_pb2.AttrValue(tensor=tensor_util.make_tensor_proto(value))
-    if kind.startswith("list("):
-        inner = kind[5:-1]
-        lst = attr_value_pb2.AttrValue.ListValue()
-        for v in value:
-            one = _attr_value(inner, v)
-            field = one.WhichOneof("value")
-            if field in ("shape", "tensor"):
-                getattr(lst, field).add().CopyFrom(getattr(one, field))
-            else:
-                getattr(lst, field).append(getattr(one, field))
-        return attr_value_pb2.AttrValue(list=lst)
-    raise TypeError(f"an attr of kind {kind} cannot be re-made in a graph")
+        return graph_op(recipe.op_type, inputs, recipe.attrs)
