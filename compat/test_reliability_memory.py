@@ -358,3 +358,33 @@ def test_many_tapes_hear_one_death():
     np.testing.assert_allclose(float(g), np.cos(np.sin(1.0)) * np.cos(1.0), rtol=1e-6)
     del y, z, g
     assert [c.num_ops for c in cores] == [0] * 12
+
+
+def test_tapes_that_hold_no_op_stop_hearing_deaths():
+    """Tapes kept after their gradient (released) or whose ops all died
+    leave the list of tapes told of each death, so keeping many costs a
+    death nothing; a tape that records again hears again."""
+    from fasttape.recording import _callback  # pylint: disable=import-outside-toplevel
+    x = tf.constant(1.0)
+    before = _callback.tapes_hearing()
+    kept = []
+    for _ in range(40):
+        with fasttape.GradientTape() as t:
+            t.watch(x)
+            y = tf.sin(x)
+        t.gradient(y, x)
+        del y
+        kept.append(t)
+    with fasttape.GradientTape(persistent=True) as p:
+        p.watch(x)
+        y = tf.sin(tf.sin(x))
+        del y           # both ops forgotten
+        assert _callback.tapes_hearing() == before
+        z = tf.sin(x)   # records again: hears again
+        assert _callback.tapes_hearing() == before + 1
+        w = tf.sin(z)
+        del w
+    assert p._tape.core.num_ops == 1  # pylint: disable=protected-access
+    del z
+    assert p._tape.core.num_ops == 0  # pylint: disable=protected-access
+    assert _callback.tapes_hearing() == before

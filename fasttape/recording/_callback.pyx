@@ -187,6 +187,13 @@ cdef void _tensor_died(int64_t tid) noexcept:
                 ts.core.delete_trace(tid)
             except BaseException:
                 PyErr_WriteUnraisable(ts)
+            if (ts.hearing and ts.core.live_ops == 0 and not ts.core.busy
+                    and ts.core.dead_ids.empty()):
+                # It holds no op now (all forgotten, or released by a
+                # gradient): deaths need not reach it until it records
+                # again, so tapes kept after their step cost a death
+                # nothing.
+                _stop_hearing(ts)
         Py_DECREF(ts)
     ts = None
     PyErr_Restore(etype, evalue, etb)
@@ -225,6 +232,11 @@ def uninstall_death_hook():
     if _tf_dealloc != NULL:
         (<_PyType*><PyObject*>_EagerTensor).tp_dealloc = _tf_dealloc
         _tf_dealloc = NULL
+
+
+def tapes_hearing():
+    """How many tapes hear of EagerTensor deaths now (tests)."""
+    return _hearing.size()
 
 
 def death_hook_installed():
