@@ -21,6 +21,22 @@ def fresh_tf_jvp_traces(monkeypatch):
     fresh_tf_jvp_trace_state(monkeypatch, {})
 
 
+def pytest_sessionfinish(session):
+    """An xdist worker hands its names (see below) to the controller."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        import harness  # pylint: disable=import-outside-toplevel
+        output["tf_nondeterministic"] = list(harness.TF_NONDETERMINISTIC)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # pylint: disable=unused-argument
+    """(xdist's controller) A worker's names, gathered for the summary."""
+    import harness  # pylint: disable=import-outside-toplevel
+    harness.TF_NONDETERMINISTIC.extend(
+        getattr(node, "workeroutput", {}).get("tf_nondeterministic", ()))
+
+
 def pytest_terminal_summary(terminalreporter):
     """Name the bit-exact comparisons that fell back to tolerances because
     TF's own tape gave different last bits run to run."""
