@@ -83,6 +83,8 @@ def test_bench_prints_its_table_writes_json_and_plot_and_no_tf_noise(tmp_path):
                                  "ratio", "ft/fn"], head
     chain = rows[0]
     assert chain["tf_function_ms"] > 0
+    # Its later timed steps replay a compiled pass, whose calls are timed.
+    assert 0 < chain["compiled_pass_ms"] < chain["fasttape_ms"]
     assert chain["ratio_to_tf_function"] == pytest.approx(
         chain["fasttape_ms"] / chain["tf_function_ms"])
     assert all("xla_ms" in r for r in rows)
@@ -122,6 +124,21 @@ def test_plot_splits_each_step_into_floor_recording_backward(tmp_path):
     rows = [row] + [_row(f"w{i}", 1.0, 3.0 + i, 2.0, 0.5, 0.5) for i in range(6)]
     bench.plot(rows, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_floor_plus_the_compiled_pass_bounds_the_ratio():
+    """The line that says how far fasttape's own work could take a ratio:
+    the forward floor plus the compiled pass's calls, over TF's step; none
+    for a workload whose timed steps did not all replay compiled passes."""
+    rows = [dict(_row("mlp", 2.0, 10.0, 5.0, 1.0, 0.5), compiled_pass_ms=1.5,
+                 backward="compiled"),
+            dict(_row("eager", 2.0, 10.0, 5.0, 1.0, 0.5), compiled_pass_ms=None,
+                 backward="eager"),
+            dict(_row("varlen", 2.0, 10.0, 5.0, 1.0, 0.5), compiled_pass_ms=1.0,
+                 backward="mixed")]
+    assert bench.format_pass_bound(rows) == (
+        "mlp: fasttape / tf 0.50; forward floor + compiled pass 0.35 "
+        "(the pass: 1.500 ms)")
 
 
 def test_progress_bar_on_a_terminal(monkeypatch):

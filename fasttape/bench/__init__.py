@@ -22,7 +22,8 @@ import sys
 
 from fasttape.bench.plot import PLOT_PARTS, _check_plotting, plot, step_parts  # noqa: F401
 from fasttape.bench.report import (  # noqa: F401
-    format_cache_table, format_graph_split, format_per_op, format_table)
+    format_cache_table, format_graph_split, format_pass_bound, format_per_op,
+    format_table)
 from fasttape.bench.timing import (  # noqa: F401
     _counts, _native_stderr_to_file, check_equal, estimate_seconds, held_bytes,
     iqr_ms, run_workload)
@@ -223,6 +224,11 @@ def main(argv=None):
     if graph_split:
         print("Against graph mode (each part over the tf.function step):")
         print(graph_split)
+    bound = format_pass_bound(rows)
+    if bound:
+        print("With none of fasttape's own work (its step's calls of compiled "
+              "backward passes alone, over TF's step):")
+        print(bound)
     print()
     print(format_cache_table(rows))
     print("\nms; 1st = each tape's first step (fasttape's runs first); ft "

@@ -82,6 +82,23 @@ def format_graph_split(rows):
     return "\n".join(lines)
 
 
+def format_pass_bound(rows):
+    """For each workload whose timed steps all replayed compiled passes:
+    fasttape's step over TF's, and what the forward floor plus the
+    compiled passes' calls alone (TF's executor running their kernels) come
+    to over TF's step: no work of fasttape's own could take its ratio below
+    that."""
+    lines = []
+    for r in rows:
+        call = r.get("compiled_pass_ms")
+        if call is None or r["backward"] != "compiled":
+            continue
+        lines.append(f"{r['workload']}: fasttape / tf {r['ratio']:.2f}; forward "
+                     f"floor + compiled pass {(r['floor_ms'] + call) / r['tf_ms']:.2f}"
+                     f" (the pass: {call:.3f} ms)")
+    return "\n".join(lines)
+
+
 def format_cache_table(rows):
     """First steps (one each), builds of compiled passes and the cache's
     churn (counts); for variable-shape workloads, mean step times against

@@ -165,6 +165,36 @@ def traced_steps(tf, workload, record, reference):
     return steps
 
 
+class _PassClock:
+    """The time fasttape's steps spend calling their compiled backward
+    passes (TF's executor running the pass's kernels, and the call itself):
+    what would be left of fasttape's backward with none of its own Python.
+    Installed around the timed steps only."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._class = self._call = None
+
+    def __enter__(self):
+        from fasttape.gradients import _compiled
+        self._class = _compiled._Compiled  # pylint: disable=protected-access
+        self._call = call = self._class.__call__
+        clock = self
+
+        def timed(compiled, feeds):
+            t0 = time.perf_counter()
+            try:
+                return call(compiled, feeds)
+            finally:
+                clock.seconds += time.perf_counter() - t0
+
+        self._class.__call__ = timed
+        return self
+
+    def __exit__(self, *exc):
+        self._class.__call__ = self._call
+
+
 def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
                  tick=lambda: None):
     """One workload's row. ``tick()`` is called once after the checks and
@@ -215,19 +245,23 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
                              "ft", "off")}
     replayed_before = stats["replayed"]
     timed_before = dict(stats)
-    for _ in range(repeats):
-        times["floor"].append(_time(forward)[0])
-        times["rec_tf"].append(_time(record, rec_tf_impl)[0])
-        times["rec_ft"].append(_time(record, rec_ft_impl)[0])
-        times["tf"].append(_time(_step, record, tf_impl)[0])
-        if profiler is not None:
-            profiler.enable()
-        times["ft"].append(builds.step(record, ft_impl)[0])
-        if profiler is not None:
-            profiler.disable()
-        if workload.variable:
-            times["off"].append(_time(_step_compiled_off, record, off_impl)[0])
-        tick()
+    passes = []     # per fasttape step: seconds in its compiled passes' calls
+    with _PassClock() as clock:
+        for _ in range(repeats):
+            times["floor"].append(_time(forward)[0])
+            times["rec_tf"].append(_time(record, rec_tf_impl)[0])
+            times["rec_ft"].append(_time(record, rec_ft_impl)[0])
+            times["tf"].append(_time(_step, record, tf_impl)[0])
+            if profiler is not None:
+                profiler.enable()
+            before = clock.seconds
+            times["ft"].append(builds.step(record, ft_impl)[0])
+            passes.append(clock.seconds - before)
+            if profiler is not None:
+                profiler.disable()
+            if workload.variable:
+                times["off"].append(_time(_step_compiled_off, record, off_impl)[0])
+            tick()
     replayed = stats["replayed"] - replayed_before
     timed = {k: stats[k] - timed_before.get(k, 0) for k in stats}
     # The traced steps in an alternation of their own, after that one: run
@@ -267,6 +301,12 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
         "xla_ms": med.get("xla"),
         "ratio_to_tf_function": med["ft"] / med["fn"] if "fn" in med else None,
         "ratio_to_xla": med["ft"] / med["xla"] if "xla" in med else None,
+        # fasttape's steps' calls of compiled backward passes (TF's
+        # executor), median per step (None: no step called one); with the
+        # floor, what fasttape's step would take with none of its own work
+        # (its recording and the Python around each pass gone).
+        "compiled_pass_ms": (statistics.median(passes) * 1e3
+                             if any(passes) else None),
         "record_overhead_tf_ms": med["rec_tf"] - med["floor"],
         "record_overhead_fasttape_ms": med["rec_ft"] - med["floor"],
         # Interquartile range (q1, q3) of each arm's timed steps, in ms
