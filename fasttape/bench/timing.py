@@ -1,10 +1,12 @@
 """The bench's measurement: steps run in alternation (floor, recording,
-TF's step, fasttape's step), gradients checked equal, medians and spreads,
-bytes held for the backward pass, and a rough duration up front."""
+TF's step, fasttape's step, each round in a shuffled order), gradients
+checked equal, medians and spreads, bytes held for the backward pass, and a
+rough duration up front."""
 
 import contextlib
 import gc
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -247,11 +249,8 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
     timed_before = dict(stats)
     passes = []     # per fasttape step: seconds in its compiled passes' calls
     with _PassClock() as clock:
-        for _ in range(repeats):
-            times["floor"].append(_time(forward)[0])
-            times["rec_tf"].append(_time(record, rec_tf_impl)[0])
-            times["rec_ft"].append(_time(record, rec_ft_impl)[0])
-            times["tf"].append(_time(_step, record, tf_impl)[0])
+
+        def fasttape_step():
             if profiler is not None:
                 profiler.enable()
             before = clock.seconds
@@ -259,8 +258,25 @@ def run_workload(tf, fasttape, workload, repeats, warmup, profiler=None,
             passes.append(clock.seconds - before)
             if profiler is not None:
                 profiler.disable()
-            if workload.variable:
-                times["off"].append(_time(_step_compiled_off, record, off_impl)[0])
+
+        arms = [lambda: times["floor"].append(_time(forward)[0]),
+                lambda: times["rec_tf"].append(_time(record, rec_tf_impl)[0]),
+                lambda: times["rec_ft"].append(_time(record, rec_ft_impl)[0]),
+                lambda: times["tf"].append(_time(_step, record, tf_impl)[0]),
+                fasttape_step]
+        if workload.variable:
+            arms.append(lambda: times["off"].append(
+                _time(_step_compiled_off, record, off_impl)[0]))
+        # Each round in an order of its own (seeded): a step runs faster
+        # or slower after some steps than after others (after a fasttape
+        # step with a compiled pass, TF's forward ran up to 80 us slower
+        # or 50 us faster, depending on the process), so no arm always
+        # follows the same one.
+        order = random.Random(0)
+        for _ in range(repeats):
+            order.shuffle(arms)
+            for arm in arms:
+                arm()
             tick()
     replayed = stats["replayed"] - replayed_before
     timed = {k: stats[k] - timed_before.get(k, 0) for k in stats}
