@@ -1,7 +1,8 @@
 """``python -m fasttape bench``: fasttape against tf.GradientTape, side by side.
 
-Each workload is run in one process, in alternation: the forward pass with no
-tape (the floor), tf.GradientTape, fasttape.GradientTape. Gradients of the
+Each workload is run in one process, in alternation (each round in a shuffled
+order): the forward pass with no tape (the floor), tf.GradientTape,
+fasttape.GradientTape. Gradients of the
 two tapes are checked equal before anything is timed. Medians are printed, each
 with its spread (± half the interquartile range), and the ratio fasttape/tf (below 1 means fasttape is faster).
 
@@ -207,7 +208,8 @@ def main(argv=None):
         progress.close()
         tf_logger.removeFilter(retracing)
     print(format_table(rows))
-    print("\nms per step, medians of alternating runs in one process, each "
+    print("\nms per step, medians of alternating runs in one process (each round "
+          "in a shuffled order), each "
           "± half its interquartile range.\nratio = fasttape / tf (< 1: "
           "fasttape faster; its ± from the per-step ratios).\ntf.fn, xla = "
           "TF's step traced by tf.function, without and with jit_compile=True "
