@@ -315,9 +315,12 @@ class GradientTape:
         if plain_targets is not None and plain_sources is not None:
             # The common case (eager tensors and variables, alone or in a
             # list or tuple) without nest and composite-tensor machinery.
-            flat_targets = [_gradient.handle_or_self(t) for t in plain_targets]
+            # (TF's _handle_or_self, for these two types: a variable's handle)
+            flat_targets = [t if type(t) is ops.EagerTensor else t.handle
+                            for t in plain_targets]
             flat_sources_raw = plain_sources
-            flat_sources = [_gradient.handle_or_self(t) for t in flat_sources_raw]
+            flat_sources = [t if type(t) is ops.EagerTensor else t.handle
+                            for t in flat_sources_raw]
             trainable = is_trainable    # compiled; tensors only
         else:
             plain_sources = None
@@ -337,8 +340,9 @@ class GradientTape:
             if getattr(t, "is_packed", False):
                 raise ValueError("GradientTape.gradient is not supported on "
                                  "packed EagerTensors yet.")
-        _gradient.check_tensors(flat_targets, "target")
-        _gradient.check_tensors(flat_sources, "sources")
+        if plain_sources is None:   # (eager tensors all, on the common path)
+            _gradient.check_tensors(flat_targets, "target")
+            _gradient.check_tensors(flat_sources, "sources")
         if output_gradients is not None:
             output_gradients = nest.flatten(
                 variable_utils.convert_variables_to_tensors(output_gradients))

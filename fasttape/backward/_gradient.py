@@ -25,6 +25,8 @@ CONSUMED = ("A non-persistent GradientTape can only be used to compute one "
 
 
 def unconnected(value):
+    if type(value) is UnconnectedGradients:
+        return value
     try:
         return UnconnectedGradients(value)
     except ValueError:
