@@ -315,12 +315,9 @@ class GradientTape:
         if plain_targets is not None and plain_sources is not None:
             # The common case (eager tensors and variables, alone or in a
             # list or tuple) without nest and composite-tensor machinery.
-            # (TF's _handle_or_self, for these two types: a variable's handle)
-            flat_targets = [t if type(t) is ops.EagerTensor else t.handle
-                            for t in plain_targets]
+            flat_targets = _handles(plain_targets)
             flat_sources_raw = plain_sources
-            flat_sources = [t if type(t) is ops.EagerTensor else t.handle
-                            for t in flat_sources_raw]
+            flat_sources = _handles(flat_sources_raw)
             trainable = is_trainable    # compiled; tensors only
         else:
             plain_sources = None
@@ -571,6 +568,12 @@ class GradientTape:
 
 
 _ResourceVariable = resource_variable_ops.ResourceVariable
+
+
+def _handles(plain):
+    """TF's _handle_or_self over what _plain_flat gives: a variable's
+    handle, a tensor itself (without asking is_resource_variable of each)."""
+    return [t if type(t) is ops.EagerTensor else t.handle for t in plain]
 
 
 def _plain_flat(structure):
