@@ -1183,6 +1183,12 @@ cdef int _record_on_tapes(list tapes, op_type, vector[int64_t]& ids,
                 if last > (<TapeState>tp).last_mortal_uid:
                     (<TapeState>tp).last_mortal_uid = last
     for tp in tapes:
+        if (<TapeState>tp).core.consumed:
+            # Its gradient was computed, on another thread, while this op
+            # ran (the tapes were chosen before: a thread sharing its
+            # recording state, see tests/test_traps.py): it records
+            # nothing more, as TF's tape, gone from the tape set by then.
+            continue
         if (<TapeState>tp).budget is None:
             op_id = (<TapeState>tp).core.record_ids(op_type, ids, out_ids, meta,
                                                     payload, objs)
