@@ -722,10 +722,16 @@ cdef class GradientTapeCore:
         self.pruned_valid = False
         # The weakrefs first: the tensors freed below need no delete_trace.
         self._drop_death_refs()
-        self.op_tape = [None] * self.next_op_id
-        self.live_ops = 0
+        # The maps before the entries: the saved tensors freed with the
+        # entries then find nothing to forget when their deaths are heard
+        # (a framework's dealloc hook calling delete_trace), and a hook
+        # that stops telling a core holding no op can stop at the first.
         self.tensor_tape.clear()
         self.tensor_usage.clear()
+        self.live_ops = 0
+        entries = self.op_tape
+        self.op_tape = [None] * self.next_op_id
+        entries = None
 
     # -- backprop ----------------------------------------------------------
     #
@@ -870,7 +876,7 @@ cdef class GradientTapeCore:
         self.pruned_targets = targets
         self.pruned_sources = sources
         self.pruned_ops = op_list
-        self.pruned_needed = needed
+        self.pruned_needed.swap(needed)     # (not read below: no copy)
         self.pruned_valid = True
         cdef unordered_map[int64_t, int64_t] number, position
         cdef unordered_map[int64_t, int64_t].iterator it
@@ -967,6 +973,11 @@ cdef class GradientTapeCore:
         cdef unordered_set[int64_t] seen
         cdef unordered_map[int64_t, int64_t].iterator it
         cdef OpEntry entry
+        # An op's inputs come from ops recorded before it (smaller ids), but
+        # for ops recorded out of order (record_operation called after a
+        # reader of its outputs was recorded): then 1b walks the readers.
+        cdef bint in_order = True
+        seen.reserve(2 * self.live_ops + 8)
         while not tensor_stack.empty():
             tid = tensor_stack.back()
             tensor_stack.pop_back()
@@ -982,21 +993,17 @@ cdef class GradientTapeCore:
             reachable[op_id] = 1
             reach_list.push_back(op_id)
             for tid in entry.input_ids:
-                if seen.count(tid) == 0:
-                    seen.insert(tid)
-                    if self.tensor_tape.count(tid):
+                it = self.tensor_tape.find(tid)
+                if it != self.tensor_tape.end():
+                    if deref(it).second >= op_id:
+                        in_order = False
+                    if seen.insert(tid).second:
                         tensor_stack.push_back(tid)
         sort(reach_list.begin(), reach_list.end())
 
         # 1b. Prune to ops that read a tracked source, transitively: a forward
         # walk over the reachable ops from the tracked sources.
-        cdef unordered_map[int64_t, vector[int64_t]] readers
-        for op_id in reach_list:
-            entry = self.op_tape[op_id]
-            for tid in entry.input_ids:
-                readers[tid].push_back(op_id)
-        cdef vector[char] useful = vector[char](n_ops, 0)
-        cdef unordered_map[int64_t, vector[int64_t]].iterator rit
+        needed.reserve(seen.size() + sources.size() + 8)
         # Every source, tracked or not: as in tape.h, the gradient of an op's
         # input is wanted if the input is tracked or is a source, so a source
         # that was never watched but is read by a recorded op still has its
@@ -1013,6 +1020,25 @@ cdef class GradientTapeCore:
                     needed.insert(deref(it).first)
                     tensor_stack.push_back(deref(it).first)
                 inc(it)
+        if in_order:
+            # Every reachable op after the producers of its inputs: one
+            # sweep in op-id order finds the same ops as the walk below.
+            for op_id in reach_list:
+                entry = self.op_tape[op_id]
+                for tid in entry.input_ids:
+                    if needed.count(tid):
+                        op_list.push_back(op_id)
+                        for tid in entry.output_ids:
+                            needed.insert(tid)
+                        break
+            return
+        cdef vector[char] useful = vector[char](n_ops, 0)
+        cdef unordered_map[int64_t, vector[int64_t]] readers
+        for op_id in reach_list:
+            entry = self.op_tape[op_id]
+            for tid in entry.input_ids:
+                readers[tid].push_back(op_id)
+        cdef unordered_map[int64_t, vector[int64_t]].iterator rit
         while not tensor_stack.empty():
             tid = tensor_stack.back()
             tensor_stack.pop_back()

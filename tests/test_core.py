@@ -878,3 +878,19 @@ def test_hessian_vector_product_against_differences_of_gradients(vs, rng):
     eps = 1e-6
     numeric = (grad_at(x0 + eps * v) - grad_at(x0 - eps * v)) / (2 * eps)
     close(hv, numeric, rtol=1e-6, atol=1e-7)
+
+
+def test_op_recorded_after_a_reader_of_its_output(vs):
+    # record_operation may record an op after an op that read its output:
+    # op ids are then no order of the computation, and pruning must still
+    # find the reader (tape.h walks the readers; fasttape's sweep in op-id
+    # order falls back to that walk).
+    x, s = T(3.0), T(5.0)
+    t = T(5.0)      # stands for s's copy, recorded only later
+    with tape(persistent=True, watch=[x, s]) as tp:
+        b = nv.mul(x, t)
+        nv._record("identity", [s], [t])
+    (gs,) = gradient(tp, vs, b, [s])
+    close(gs, 3.0)
+    ops, needed = tp.path([b.id], [s.id])
+    assert len(ops) == 2 and t.id in needed
