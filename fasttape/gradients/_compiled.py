@@ -118,7 +118,8 @@ from tensorflow.python.ops import gen_math_ops
 from tensorflow.python.ops import math_ops
 from tensorflow.python.platform import tf_logging as logging
 
-from fasttape.gradients._payloads import EagerOp, backward_signature, bake_slot
+from fasttape.gradients._payloads import (EagerOp, backward_signature,
+                                          bake_slot, words_hash)
 from fasttape.gradients._tf_vspace import TFVSpace
 
 MODES = ("auto", "always", "off", "verify")
@@ -815,18 +816,21 @@ def _off_now(cache, vspace):
 
 
 class _Key:
-    """A pass's cache key with its hash computed once. The key of a
-    300-op pass is a tuple of thousands of items, which Python hashes anew
-    at every dict lookup (40 us for the bench's rnn, twice per replay: the
-    lookup and the move to the end of the LRU order). A replay compares it
-    with the stored key once, by value; the move finds the stored key
-    itself (``_Compiled.key``), by identity."""
+    """A pass's cache key with its hash computed once: ``items`` are the
+    plan's code (bytes of int64 words) and what follows it. The key of a
+    300-op pass holds thousands of words, which Python would hash anew at
+    every dict lookup (twice per replay: the lookup and the move to the
+    end of the LRU order), and the code through SipHash: its words are
+    hashed by words_hash, the signature's as they were written. A replay
+    compares it with the stored key once, by value; the move finds the
+    stored key itself (``_Compiled.key``), by identity."""
 
     __slots__ = ("items", "_hash")
 
     def __init__(self, items):
         self.items = items
-        self._hash = hash(items)    # (TypeError: an attr that cannot be a key)
+        # (TypeError: an attr that cannot be a key)
+        self._hash = hash((words_hash(items[0]),) + items[1:])
 
     def __hash__(self):
         return self._hash
