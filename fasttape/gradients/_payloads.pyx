@@ -78,7 +78,7 @@ cdef object _DType = dtypes.DType
 # id -> type enum of each interned DType (the module keeps them alive, so
 # their ids are stable); another DType's enum is read from it.
 cdef dict _DTYPE_ENUMS = {id(d): d.as_datatype_enum
-                          for d in dtypes._INTERN_TABLE.values()}  # pylint: disable=protected-access
+                          for d in getattr(dtypes, "_INTERN_TABLE", {}).values()}  # pylint: disable=protected-access
 
 # A signature's words (int64): each item opens with a tag, and what varies
 # in length gives its length, so one sequence of words reads back one way
