@@ -202,3 +202,22 @@ def test_recording_keeps_as_many_collector_allocations_an_op_as_tf():
     ours = _collector_allocations_per_op(fasttape.GradientTape, 1500)
     theirs = _collector_allocations_per_op(tf.GradientTape, 1500)
     assert ours - theirs <= 0.05, (ours, theirs)
+
+
+@pytest.mark.parametrize("n", [3, 14, 15, 20])
+def test_saved_masks_by_arity_small_and_large(n):
+    # The saved-tensor masks are cached per op type and arity, under a small
+    # key below 15 inputs and 16 outputs, a large one above: an op of each
+    # arity saves what its gradient reads, and gives TF's gradients.
+    xs = [tf.constant([float(i + 1), 2.0]) for i in range(n)]
+
+    def grads(Tape):
+        with Tape() as t:
+            for x in xs:
+                t.watch(x)
+            y = tf.reduce_sum(tf.math.accumulate_n(xs) * tf.concat(xs, 0)[:2])
+            y = y + tf.reduce_sum(tf.stack(xs) ** 2)
+        return t.gradient(y, xs)
+
+    for g, h in zip(grads(tf.GradientTape), grads(fasttape.GradientTape)):
+        np.testing.assert_allclose(g.numpy(), h.numpy(), rtol=1e-6)

@@ -355,7 +355,7 @@ cdef list _ids(tensors):
     return [t._id for t in tensors]
 
 
-cdef dict _saved_masks = {}   # op type -> {(n_in << 32) | n_out: masks}; the one
+cdef dict _saved_masks = {}   # op type -> {arity key: masks} (see _masks); the one
                               # saved-tensor mask cache (both recording paths)
 
 
@@ -369,7 +369,8 @@ cdef tuple _masks(op_type, Py_ssize_t n_in, Py_ssize_t n_out):
     by_arity = _saved_masks.get(op_type)
     if by_arity is None:
         by_arity = _saved_masks[op_type] = {}
-    key = (n_in << 32) | n_out
+    # (Below 256: one of Python's cached small ints, no allocation.)
+    key = n_in * 16 + n_out if n_in < 15 and n_out < 16 else (n_in << 32) | n_out
     masks = by_arity.get(key)
     if masks is None:
         saved_in, saved_out = saved_indices(op_type)
@@ -985,6 +986,7 @@ def fast_path_execute(*args):
     cdef bint converted = False         # some input TF's C++ will convert
     cdef list new_args = None
     cdef int kind
+    ids.reserve(n_in)       # (one allocation for the usual op, not one per doubling)
     for i in range(n_in):
         a = args[_INPUT_START + i]
         kind = lay.kinds[i]
@@ -1056,6 +1058,7 @@ def fast_path_execute(*args):
     # One DataType enum per input: the inferred attrs and the trainable
     # test both read it.
     cdef vector[int] enums
+    enums.reserve(len(inputs))
     for t in inputs:
         enums.push_back((<object>t)._datatype_enum())
     st.in_callback = True
@@ -1086,6 +1089,7 @@ cdef int _record_eager(ThreadState st, _Layout lay, op_name, tuple args,
     cdef char flag
     cdef bint all_trainable = True
     cdef Py_ssize_t i, n_in = len(inputs), n_out = len(outputs)
+    trainable.reserve(n_in)
     for i in range(n_in):
         if enums[i] == _VARIANT:
             flag = is_trainable(inputs[i])
@@ -1163,6 +1167,7 @@ cdef int _record_on_tapes(list tapes, op_type, vector[int64_t]& ids,
     calls DeleteTrace); else (the gradient reads an output, or graph
     tensors) it keeps it until the tape ends."""
     cdef vector[int64_t] out_ids
+    out_ids.reserve(len(outputs))
     for t in outputs:
         out_ids.push_back((<object>t)._id)
     objs = None
