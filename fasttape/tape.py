@@ -291,6 +291,43 @@ class GradientTape:
         first ones, or crashes), and a None entry in `output_gradients`
         stands for ones. See docs/differences.md.
         """
+        # (The preparation in a method of its own: TF records the Python
+        # stack, with the line of each frame, at every op it runs, and the
+        # line of a frame costs more the further into its function it is:
+        # the compiled pass's one op is called early in this function.)
+        (tape_state, flat_targets, flat_sources, output_gradients,
+         flat_sources_raw, unconnected_gradients,
+         plain_sources) = self._prepare_gradient(target, sources,
+                                                 output_gradients,
+                                                 unconnected_gradients)
+        explaining = _explain.enabled()
+        try:
+            flat_grad = _gradient.compute(
+                tape_state, flat_targets, flat_sources, output_gradients,
+                flat_sources_raw, unconnected_gradients, retain=explaining,
+                all_watched=output_gradients is not None and any(
+                    g is not None for g in output_gradients))
+            if explaining:   # fasttape.explain_none(True): say why for a None
+                _explain.log_nones(tape_state, flat_targets, flat_sources_raw,
+                                   flat_grad)
+        finally:
+            if explaining and not self._persistent:
+                tape_state.core.release()
+        if plain_sources is not None:
+            cls = type(sources)
+            if cls is list:
+                return flat_grad
+            return tuple(flat_grad) if cls is tuple else flat_grad[0]
+        flat_sources_raw = nest.map_structure(_gradient.handle_or_self, flat_sources_raw)
+        flat_grad = composite_tensor_gradient.replace_flat_tensors_for_gradients(
+            flat_sources_raw, flat_grad)
+        return nest.pack_sequence_as(sources, flat_grad)
+
+    def _prepare_gradient(self, target, sources, output_gradients,
+                          unconnected_gradients):
+        """gradient()'s checks, and its arguments made flat: (tape state,
+        flat targets, flat sources, output gradients, flat sources as given,
+        unconnected_gradients, the plain sources or None)."""
         if self._tape is None:
             raise RuntimeError(_gradient.CONSUMED)
         unconnected_gradients = _gradient.unconnected(unconnected_gradients)
@@ -357,28 +394,8 @@ class GradientTape:
             # Consumed even if the backward pass raises, as in TF.
             self._watched_variables = tape_state.watched_variables()
             self._tape = None
-        explaining = _explain.enabled()
-        try:
-            flat_grad = _gradient.compute(
-                tape_state, flat_targets, flat_sources, output_gradients,
-                flat_sources_raw, unconnected_gradients, retain=explaining,
-                all_watched=output_gradients is not None and any(
-                    g is not None for g in output_gradients))
-            if explaining:   # fasttape.explain_none(True): say why for a None
-                _explain.log_nones(tape_state, flat_targets, flat_sources_raw,
-                                   flat_grad)
-        finally:
-            if explaining and not self._persistent:
-                tape_state.core.release()
-        if plain_sources is not None:
-            cls = type(sources)
-            if cls is list:
-                return flat_grad
-            return tuple(flat_grad) if cls is tuple else flat_grad[0]
-        flat_sources_raw = nest.map_structure(_gradient.handle_or_self, flat_sources_raw)
-        flat_grad = composite_tensor_gradient.replace_flat_tensors_for_gradients(
-            flat_sources_raw, flat_grad)
-        return nest.pack_sequence_as(sources, flat_grad)
+        return (tape_state, flat_targets, flat_sources, output_gradients,
+                flat_sources_raw, unconnected_gradients, plain_sources)
 
     def explain(self, target, sources):
         """Why would ``gradient(target, sources)`` be None for each source?

@@ -951,6 +951,40 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     the function from ``recompute.feeds`` (fed last; no post with it)."""
     if post is not None:
         eager_pass = _then(eager_pass, post)
+    # (In helpers, so that this frame is short up to the replay: TF records
+    # the Python stack, with the line of each frame, at every op it runs,
+    # the compiled pass's one included, and the line of a frame costs more
+    # the further into its function it is.)
+    found = _look_up(core, vspace, target_ids, source_ids, output_gradients,
+                     target_meta, eager_pass, all_watched, post, recompute)
+    if type(found) is not _Lookup:
+        return found    # (the gradients: computed eagerly)
+    if found.compiled is not None:
+        return _replay_found(core, found, retain, post, remember, recompute)
+    return _build_or_run(core, found, target_ids, source_ids,
+                         sources_that_are_targets, output_gradients,
+                         target_meta, all_watched, post, recompute,
+                         eager_pass)
+
+
+class _Lookup:
+    """What gradient() found for a pass it may replay or build: its key,
+    the cached compiled pass (or None), the plan's entries and the saved
+    tensors to feed, and ``fed()`` (all the call's feeds) and ``unfed()``
+    (the eager pass, with those lists let go)."""
+
+    __slots__ = ("key", "compiled", "entries", "feeds", "fed", "unfed")
+
+    def __init__(self, key, compiled, entries, feeds, fed, unfed):
+        self.key, self.compiled = key, compiled
+        self.entries, self.feeds = entries, feeds
+        self.fed, self.unfed = fed, unfed
+
+
+def _look_up(core, vspace, target_ids, source_ids, output_gradients,
+             target_meta, eager_pass, all_watched, post, recompute):
+    """gradient()'s plan, signature and key: a _Lookup, or the gradients
+    where the pass runs eagerly (no compiled pass can serve it)."""
     cache = CACHE
     if _off_now(cache, vspace):
         return _skipped(eager_pass)
@@ -1041,34 +1075,52 @@ def gradient(core, vspace, target_ids, source_ids, sources_that_are_targets,
     cache.calls += 1
     if compiled is _FAILED:
         return _skipped(unfed)
-    if compiled is not None:
-        cache.compiled.move_to_end(compiled.key)
-        compiled.seen.use(cache.calls)
-        cleared = compiled.epoch != cache.epoch
-        if (cleared and cache.mode == "auto" and post is None
-                and not cache.worth_instantiating(compiled)):
-            # Its kernels were dropped (a re-seed): instantiating them
-            # again would cost more than the uses expected before the next
-            # clear save.
-            cache.stats["eager_after_clear"] += 1
-            return unfed()
-        if recompute is not None and recompute.refuse(
-                compiled.recompute_peak) is not None:
-            cache.stats["over_budget"] += 1
-            return unfed()
-        grads = _call_cached(cache, compiled, fed(), post is not None)
-        if grads is None:
-            # The eager pass, whose payloads are still alive, raises what
-            # TF's tape raises (its op and message), or succeeds where
-            # TF's does.
-            return unfed()
-        if recompute is not None:
-            recompute.replayed(compiled.recompute_ops)
-        if not (core.persistent or retain):
-            core.release()
-        if post is not None and remember is not None:
-            remember.append(Remembered(compiled, compiled.key, entries))
-        return grads
+    return _Lookup(key, compiled, entries, feeds, fed, unfed)
+
+
+def _replay_found(core, found, retain, post, remember, recompute):
+    """gradient()'s replay of a cached pass (or its eager pass, where the
+    cache decides against the call, or the call fails)."""
+    cache = CACHE
+    compiled, unfed = found.compiled, found.unfed
+    cache.compiled.move_to_end(compiled.key)
+    compiled.seen.use(cache.calls)
+    cleared = compiled.epoch != cache.epoch
+    if (cleared and cache.mode == "auto" and post is None
+            and not cache.worth_instantiating(compiled)):
+        # Its kernels were dropped (a re-seed): instantiating them
+        # again would cost more than the uses expected before the next
+        # clear save.
+        cache.stats["eager_after_clear"] += 1
+        return unfed()
+    if recompute is not None and recompute.refuse(
+            compiled.recompute_peak) is not None:
+        cache.stats["over_budget"] += 1
+        return unfed()
+    grads = _call_cached(cache, compiled, found.fed(), post is not None)
+    if grads is None:
+        # The eager pass, whose payloads are still alive, raises what
+        # TF's tape raises (its op and message), or succeeds where
+        # TF's does.
+        return unfed()
+    if recompute is not None:
+        recompute.replayed(compiled.recompute_ops)
+    if not (core.persistent or retain):
+        core.release()
+    if post is not None and remember is not None:
+        remember.append(Remembered(compiled, compiled.key, found.entries))
+    return grads
+
+
+def _build_or_run(core, found, target_ids, source_ids, sources_that_are_targets,
+                  output_gradients, target_meta, all_watched, post, recompute,
+                  eager_pass):
+    """gradient() for a key with no compiled pass: the eager pass, and the
+    pass built when the key's uses pay for it (then checked against the
+    eager pass, and timed)."""
+    cache = CACHE
+    key, entries, feeds = found.key, found.entries, found.feeds
+    fed, unfed = found.fed, found.unfed
     seen = cache.seen.get(key)
     if seen is None:
         if len(cache.seen) >= _MAX_COUNTS:
