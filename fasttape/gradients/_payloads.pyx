@@ -18,6 +18,8 @@ from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcpy
 from libcpp.vector cimport vector
 
+from fasttape._core cimport OpEntry
+
 cdef object _EagerTensor = ops.EagerTensor
 cdef int _VARIANT = 21
 
@@ -179,10 +181,15 @@ cdef int _put_value(vector[int64_t]& w, list extras, v) except -1:
         d = v
         w.push_back(_T_FLOAT)
         w.push_back((<int64_t*>&d)[0])
-    elif t is list or t is tuple:
+    elif t is tuple:
         w.push_back(_T_SEQ)
-        w.push_back(len(v))
-        for x in v:
+        w.push_back(len(<tuple>v))
+        for x in <tuple>v:
+            _put_value(w, extras, x)
+    elif t is list:
+        w.push_back(_T_SEQ)
+        w.push_back(len(<list>v))
+        for x in <list>v:
             _put_value(w, extras, x)
     elif t is bytes:
         _put_bytes(w, _T_BYTES, <const char*>(<bytes>v), len(<bytes>v))
@@ -260,16 +267,20 @@ def backward_signature(list entries, dict config_inputs, config_inputs_of,
     w.reserve(16 * len(entries) + 16)
     for entry in entries:
         i += 1
-        payload = entry.payload
+        if type(entry) is OpEntry:      # (the core's: its fields directly)
+            payload = (<OpEntry>entry).payload
+            op_type = (<OpEntry>entry).op_type
+            metas = (<OpEntry>entry).output_meta
+        else:
+            payload, op_type = entry.payload, entry.op_type
+            metas = entry.output_meta
         if type(payload) is not EagerOp:
             return None
         p = <EagerOp>payload
-        op_type = entry.op_type
         if op_type in _NEVER_COMPILED:
             return None
         _put_value(w, extras, op_type)
         _put_value(w, extras, p.attrs)
-        metas = entry.output_meta
         w.push_back(len(metas))
         for meta in metas:
             if meta is None:
