@@ -878,7 +878,10 @@ cdef class GradientTapeCore:
         self.pruned_ops = op_list
         self.pruned_needed.swap(needed)     # (not read below: no copy)
         self.pruned_valid = True
-        cdef unordered_map[int64_t, int64_t] number, position
+        cdef unordered_map[int64_t, int64_t] number
+        # op id -> its place among the pruned ops, -1 outside (op ids are dense)
+        cdef vector[int64_t] position = vector[int64_t](self.next_op_id, -1)
+        number.reserve(4 * op_list.size() + 8)
         cdef unordered_map[int64_t, int64_t].iterator it
         cdef int64_t tid, op_id
         cdef size_t i
@@ -909,8 +912,8 @@ cdef class GradientTapeCore:
             elif deref(it).second == -1:
                 code.push_back(-1)
             else:
-                it = position.find(deref(it).second)
-                code.push_back(-3 if it == position.end() else deref(it).second)
+                code.push_back(-3 if position[deref(it).second] < 0
+                               else position[deref(it).second])
         # The order of the initial ops, when more than one: it depends on
         # their op ids (see _tf_order), which the numbering above hides.
         cdef vector[char] is_read = vector[char](order.size(), 0)
@@ -966,26 +969,25 @@ cdef class GradientTapeCore:
         recorded ops that lead to a target and read a source, transitively,
         in op-id order; needed the sources and those ops' outputs."""
         cdef int64_t tid, op_id, n_ops = self.next_op_id
-        # 1a. Reachable ops (from targets).
+        # 1a. Reachable ops (from targets), each producer found once per
+        # edge (no set of tensors seen: an op reached again is skipped).
         cdef vector[char] reachable = vector[char](n_ops, 0)
         cdef vector[int64_t] reach_list
-        cdef vector[int64_t] tensor_stack = targets
-        cdef unordered_set[int64_t] seen
+        cdef vector[int64_t] op_stack, tensor_stack
         cdef unordered_map[int64_t, int64_t].iterator it
         cdef OpEntry entry
         # An op's inputs come from ops recorded before it (smaller ids), but
         # for ops recorded out of order (record_operation called after a
         # reader of its outputs was recorded): then 1b walks the readers.
         cdef bint in_order = True
-        seen.reserve(2 * self.live_ops + 8)
-        while not tensor_stack.empty():
-            tid = tensor_stack.back()
-            tensor_stack.pop_back()
+        for tid in targets:
             it = self.tensor_tape.find(tid)
-            if it == self.tensor_tape.end():
-                continue
-            op_id = deref(it).second
-            if op_id == -1 or reachable[op_id]:
+            if it != self.tensor_tape.end() and deref(it).second != -1:
+                op_stack.push_back(deref(it).second)
+        while not op_stack.empty():
+            op_id = op_stack.back()
+            op_stack.pop_back()
+            if reachable[op_id]:
                 continue
             entry = self.op_tape[op_id]
             if entry is None:
@@ -994,16 +996,16 @@ cdef class GradientTapeCore:
             reach_list.push_back(op_id)
             for tid in entry.input_ids:
                 it = self.tensor_tape.find(tid)
-                if it != self.tensor_tape.end():
+                if it != self.tensor_tape.end() and deref(it).second != -1:
                     if deref(it).second >= op_id:
                         in_order = False
-                    if seen.insert(tid).second:
-                        tensor_stack.push_back(tid)
+                    if not reachable[deref(it).second]:
+                        op_stack.push_back(deref(it).second)
         sort(reach_list.begin(), reach_list.end())
 
         # 1b. Prune to ops that read a tracked source, transitively: a forward
         # walk over the reachable ops from the tracked sources.
-        needed.reserve(seen.size() + sources.size() + 8)
+        needed.reserve(2 * reach_list.size() + sources.size() + 8)
         # Every source, tracked or not: as in tape.h, the gradient of an op's
         # input is wanted if the input is tracked or is a source, so a source
         # that was never watched but is read by a recorded op still has its
