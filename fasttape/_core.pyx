@@ -25,7 +25,7 @@ order is the same run to run.
 
 cimport cython
 from cython.operator cimport dereference as deref, preincrement as inc
-from libc.stdint cimport int64_t, intptr_t
+from libc.stdint cimport int32_t, int64_t, intptr_t
 from libcpp cimport bool as cbool
 from libcpp.vector cimport vector
 from libcpp.utility cimport pair
@@ -880,7 +880,7 @@ cdef class GradientTapeCore:
         self.pruned_valid = True
         cdef unordered_map[int64_t, int64_t] number
         # op id -> its place among the pruned ops, -1 outside (op ids are dense)
-        cdef vector[int64_t] position = vector[int64_t](self.next_op_id, -1)
+        cdef vector[int32_t] position = vector[int32_t](self.next_op_id, -1)
         number.reserve(4 * op_list.size() + 8)
         cdef unordered_map[int64_t, int64_t].iterator it
         cdef int64_t tid, op_id
