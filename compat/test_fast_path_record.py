@@ -204,10 +204,10 @@ def test_recording_keeps_as_many_collector_allocations_an_op_as_tf():
     assert ours - theirs <= 0.05, (ours, theirs)
 
 
-@pytest.mark.parametrize("n", [3, 14, 15, 20])
+@pytest.mark.parametrize("n", [3, 14, 15, 16, 20])
 def test_saved_masks_by_arity_small_and_large(n):
     # The saved-tensor masks are cached per op type and arity, under a small
-    # key below 15 inputs and 16 outputs, a large one above: an op of each
+    # key below 16 inputs and outputs, a large one above: an op of each
     # arity saves what its gradient reads, and gives TF's gradients.
     xs = [tf.constant([float(i + 1), 2.0]) for i in range(n)]
 

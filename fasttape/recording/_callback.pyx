@@ -369,8 +369,10 @@ cdef tuple _masks(op_type, Py_ssize_t n_in, Py_ssize_t n_out):
     by_arity = _saved_masks.get(op_type)
     if by_arity is None:
         by_arity = _saved_masks[op_type] = {}
-    # (Below 256: one of Python's cached small ints, no allocation.)
-    key = n_in * 16 + n_out if n_in < 15 and n_out < 16 else (n_in << 32) | n_out
+    # Below 16 inputs and outputs, a key below 256: one of Python's cached
+    # small ints, no allocation; any other arity, a key of 256 or more.
+    key = (n_in * 16 + n_out if n_in < 16 and n_out < 16
+           else 256 + ((n_in << 32) | n_out))
     masks = by_arity.get(key)
     if masks is None:
         saved_in, saved_out = saved_indices(op_type)
