@@ -151,6 +151,7 @@ cdef int _put_value(vector[int64_t]& w, list extras, v) except -1:
     cdef Py_ssize_t n
     cdef const char* p
     cdef double d
+    cdef tuple seq
     if t is str:
         try:
             p = PyUnicode_AsUTF8AndSize(v, &n)
@@ -181,15 +182,11 @@ cdef int _put_value(vector[int64_t]& w, list extras, v) except -1:
         d = v
         w.push_back(_T_FLOAT)
         w.push_back((<int64_t*>&d)[0])
-    elif t is tuple:
+    elif t is tuple or t is list:     # (a list attr is written as its tuple)
+        seq = <tuple>v if t is tuple else tuple(<list>v)
         w.push_back(_T_SEQ)
-        w.push_back(len(<tuple>v))
-        for x in <tuple>v:
-            _put_value(w, extras, x)
-    elif t is list:
-        w.push_back(_T_SEQ)
-        w.push_back(len(<list>v))
-        for x in <list>v:
+        w.push_back(len(seq))
+        for x in seq:
             _put_value(w, extras, x)
     elif t is bytes:
         _put_bytes(w, _T_BYTES, <const char*>(<bytes>v), len(<bytes>v))
