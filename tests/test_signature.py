@@ -119,3 +119,21 @@ def test_the_words_hold_values_not_addresses():
     saved = [1, -10, 1, 2, 512, 300]
     assert words == op_type + attrs + metas + saved
     assert sig.extras == ()
+
+
+def test_tensor_reads_call_tf_c_methods_and_agree_with_them():
+    # The signature and the recorder read an eager tensor's dtype and
+    # shape through the C functions of its _datatype_enum and _shape_tuple
+    # (skipping Tensor's __getattr__ hook); on a release where they are no
+    # longer plain METH_NOARGS functions, the methods are called instead.
+    from fasttape.gradients import _payloads
+    assert _payloads.fast_tensor_reads() == (True, True)
+    import numpy as np
+    for x in (tf.ones((512, 300)), tf.constant(3, tf.int64),
+              tf.zeros((0, 4, 1), tf.float16), tf.constant([b"a"]),
+              tf.constant([True, False])):
+        sig = _sig(_entry((), [x], num_inputs=1))
+        words = [int(v) for v in np.frombuffer(sig.words, np.int64)]
+        shape = list(x._shape_tuple())
+        assert words[-3 - len(shape):] == [-10, x._datatype_enum(),
+                                           len(shape)] + shape

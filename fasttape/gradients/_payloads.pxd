@@ -22,3 +22,9 @@ cdef class PyBackward:
     cdef readonly object fn, forward
     cdef readonly Py_ssize_t num_inputs
     cdef object __weakref__
+
+
+# An EagerTensor's _datatype_enum() and _shape_tuple(), by TF's C functions
+# (see _payloads.pyx).
+cdef int tensor_enum(x) except? -1
+cdef object tensor_shape(x)

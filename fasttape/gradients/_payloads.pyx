@@ -13,6 +13,7 @@ from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsu
 from tensorflow.python.framework import dtypes, ops
 
 cimport cython
+from cpython.object cimport PyObject
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcpy
@@ -21,6 +22,59 @@ from libcpp.vector cimport vector
 from fasttape._core cimport OpEntry
 
 cdef object _EagerTensor = ops.EagerTensor
+
+# -- an eager tensor's dtype enum and shape, read through TF's C methods ------
+#
+# EagerTensor's class tree defines __getattr__ (Tensor's), so each
+# attribute read on a tensor goes through Python's slow getattr hook: a
+# third to three quarters of the cost of x._datatype_enum() and
+# x._shape_tuple(). Their C functions, found in their method descriptors
+# at import, are called directly instead (each is METH_NOARGS; where one
+# is not, the method is called as usual).
+
+cdef extern from *:
+    """
+    typedef PyObject* (*ft_noargs_fn)(PyObject*, PyObject*);
+    static ft_noargs_fn ft_noargs_of(PyObject* desc) {
+        if (desc == NULL || Py_TYPE(desc) != &PyMethodDescr_Type)
+            return NULL;
+        PyMethodDef* m = ((PyMethodDescrObject*)desc)->d_method;
+        if ((m->ml_flags & (METH_VARARGS | METH_KEYWORDS | METH_NOARGS | METH_O
+                            | METH_FASTCALL | METH_METHOD)) != METH_NOARGS)
+            return NULL;
+        return (ft_noargs_fn)(void(*)(void))m->ml_meth;
+    }
+    """
+    ctypedef object (*ft_noargs_fn)(object, PyObject*)
+    ft_noargs_fn ft_noargs_of(PyObject* desc)
+
+# (The class keeps its descriptors, and they their C functions.)
+cdef object _descr = (<type>_EagerTensor).__dict__.get("_datatype_enum")
+cdef ft_noargs_fn _DTYPE_ENUM_FN = ft_noargs_of(<PyObject*>_descr)
+_descr = (<type>_EagerTensor).__dict__.get("_shape_tuple")
+cdef ft_noargs_fn _SHAPE_TUPLE_FN = ft_noargs_of(<PyObject*>_descr)
+_descr = None
+
+
+cdef int tensor_enum(x) except? -1:
+    """x._datatype_enum() of an EagerTensor x (type(x) is EagerTensor)."""
+    if _DTYPE_ENUM_FN != NULL:
+        return _DTYPE_ENUM_FN(x, NULL)
+    return x._datatype_enum()
+
+
+cdef object tensor_shape(x):
+    """x._shape_tuple() of an EagerTensor x (type(x) is EagerTensor)."""
+    if _SHAPE_TUPLE_FN != NULL:
+        return _SHAPE_TUPLE_FN(x, NULL)
+    return x._shape_tuple()
+
+
+def fast_tensor_reads():
+    """Which of tensor_enum and tensor_shape call TF's C functions
+    directly (for tests)."""
+    return _DTYPE_ENUM_FN != NULL, _SHAPE_TUPLE_FN != NULL
+
 cdef int _VARIANT = 21
 
 # -- backward payloads (what a recorded op keeps for its backward pass) --------
@@ -225,6 +279,14 @@ def words_hash(bytes b):
     return _hash_words(<const int64_t*><const char*>b, len(b) // 8)
 
 
+# The words' buffer, kept from one signature to the next: a few KiB, new at
+# every gradient call, which malloc served slowly (a large chunk: thousands
+# of instructions). A call takes it (swap), and gives it back at the end;
+# one made meanwhile (a slot_hook's) finds none and allocates its own.
+cdef vector[int64_t] _words_kept
+cdef size_t _WORDS_KEPT_MAX = 1 << 17
+
+
 def backward_signature(list entries, dict config_inputs, config_inputs_of,
                        list slots=None, slot_hook=None):
     """For the pruned entries of a backward pass (GradientTapeCore.plan):
@@ -261,6 +323,8 @@ def backward_signature(list entries, dict config_inputs, config_inputs_of,
     cdef EagerOp p
     cdef Py_ssize_t k, i = -1
     cdef bytes baked
+    w.swap(_words_kept)     # (a buffer of kept capacity: see _words_kept)
+    w.clear()
     w.reserve(16 * len(entries) + 16)
     for entry in entries:
         i += 1
@@ -304,12 +368,12 @@ def backward_signature(list entries, dict config_inputs, config_inputs_of,
                 w.push_back(len(extras))
                 k += 1
                 continue
-            enum = x._datatype_enum()
+            enum = tensor_enum(x)
             if enum == _VARIANT:
                 return None
             w.push_back(_T_TENSOR)
             w.push_back(<int64_t>enum)
-            _put_shape(w, extras, x._shape_tuple())
+            _put_shape(w, extras, tensor_shape(x))
             if configs and _bake(configs, k, p.num_inputs, x, enum):
                 baked = x.numpy().tobytes()
                 _put_bytes(w, _T_BAKED, <const char*>baked, len(baked))
@@ -322,6 +386,8 @@ def backward_signature(list entries, dict config_inputs, config_inputs_of,
     sig.words = (<char*>w.data())[:w.size() * sizeof(int64_t)]
     sig.extras = tuple(extras)
     sig._hash = _hash_words(w.data(), w.size())
+    if w.capacity() <= _WORDS_KEPT_MAX:
+        _words_kept.swap(w)
     return sig, feeds
 
 

@@ -31,7 +31,8 @@ from libc.stdint cimport int64_t
 from libcpp.vector cimport vector
 
 from fasttape._core cimport GradientTapeCore, ForwardAccumulatorCore
-from fasttape.gradients._payloads cimport EagerOp, GraphOp, PyBackward
+from fasttape.gradients._payloads cimport (EagerOp, GraphOp, PyBackward,
+                                          tensor_enum, tensor_shape)
 
 ctypedef void (*_dealloc_fn)(PyObject*) noexcept
 
@@ -227,6 +228,15 @@ def install_death_hook():
     return True
 
 
+cdef inline int64_t _tid(t) except? -1:
+    """t._id of an EagerTensor t (type(t) is EagerTensor): read in place
+    where install_death_hook found the field (the attribute read goes
+    through Tensor's __getattr__ hook)."""
+    if _id_offset != -1:
+        return (<int64_t*>((<char*><PyObject*>t) + _id_offset))[0]
+    return t._id
+
+
 def uninstall_death_hook():
     global _tf_dealloc
     if _tf_dealloc != NULL:
@@ -318,7 +328,7 @@ def share_state(st):
 
 cdef inline int _enum(t) except? -1:
     if type(t) is _EagerTensor:
-        return t._datatype_enum()
+        return tensor_enum(t)
     return t.dtype._type_enum
 
 
@@ -342,9 +352,9 @@ cpdef object output_meta(t):
     tensor; the tensor itself for graph tensors, resources and variants
     (their zeros need handle data)."""
     if type(t) is _EagerTensor:
-        enum = t._datatype_enum()
+        enum = tensor_enum(t)
         if enum != _RESOURCE and enum != _VARIANT:
-            return (t._shape_tuple(), enum)
+            return (tensor_shape(t), enum)
     return t
 
 
@@ -1003,7 +1013,7 @@ def fast_path_execute(*args):
                     converted = True
                     continue
             inputs.append(a)
-            ids.push_back(a._id)
+            ids.push_back(_tid(a))
         elif type(a) is list or type(a) is tuple:
             if any([_is_variable(x) for x in a]):
                 a = [_read(x) if _is_variable(x) else x for x in a]
@@ -1013,7 +1023,7 @@ def fast_path_execute(*args):
             for x in a:
                 if _eager(x):
                     inputs.append(x)
-                    ids.push_back(x._id)
+                    ids.push_back(_tid(x))
                 else:
                     converted = True
         else:
@@ -1062,7 +1072,7 @@ def fast_path_execute(*args):
     cdef vector[int] enums
     enums.reserve(len(inputs))
     for t in inputs:
-        enums.push_back((<object>t)._datatype_enum())
+        enums.push_back(tensor_enum(<object>t))
     st.in_callback = True
     try:
         if st.accumulators:
@@ -1171,7 +1181,7 @@ cdef int _record_on_tapes(list tapes, op_type, vector[int64_t]& ids,
     cdef vector[int64_t] out_ids
     out_ids.reserve(len(outputs))
     for t in outputs:
-        out_ids.push_back((<object>t)._id)
+        out_ids.push_back(_tid(t) if type(t) is _EagerTensor else t._id)
     objs = None
     cdef int64_t op_id, last
     cdef size_t k
