@@ -107,7 +107,7 @@ cdef class TapeState:
         self._watch_variable(variable)
 
     cdef int _watch_variable(self, variable) except -1:
-        hid = variable.handle._id
+        hid = _id_of(variable.handle)
         self.core.watch(hid)
         if hid not in self.variables:
             self.variables[hid] = variable
@@ -362,7 +362,13 @@ cdef tuple _NO_META = (None,)
 
 
 cdef list _ids(tensors):
-    return [t._id for t in tensors]
+    return [_id_of(t) for t in tensors]
+
+
+cdef inline object _id_of(t):
+    if type(t) is _EagerTensor:
+        return _tid(t)
+    return t._id
 
 
 cdef dict _saved_masks = {}   # op type -> {arity key: masks} (see _masks); the one
