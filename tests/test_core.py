@@ -894,3 +894,38 @@ def test_op_recorded_after_a_reader_of_its_output(vs):
     close(gs, 3.0)
     ops, needed = tp.path([b.id], [s.id])
     assert len(ops) == 2 and t.id in needed
+
+
+def test_a_tape_reserves_the_map_sizes_the_last_recording_tape_reached(vs):
+    # A loop records about as much every step: the next tape sizes its maps
+    # at its first op as the last tape's had grown (no rehash on the way),
+    # up to a cap; a tape that records nothing leaves the hint alone.
+    from fasttape import _core
+    meta = ((), np.dtype(np.float64))
+
+    def record_chain(n, first_id):
+        tp = nv.GradientTapeCore(False)
+        tp.watch(first_id)
+        for k in range(n):
+            tp.record_operation("sin", [first_id + k], [first_id + k + 1],
+                                (meta,), None)
+        return tp
+
+    tp = record_chain(3000, 10_000)
+    grown = _core.map_bucket_counts(tp)[:2]
+    assert min(grown) >= 3000
+    del tp
+    assert _core.map_bucket_counts(nv.GradientTapeCore(False))[2:] == grown
+    empty = nv.GradientTapeCore(False)     # a tape that records nothing
+    empty.watch(1)
+    del empty
+    assert _core.map_bucket_counts(nv.GradientTapeCore(False))[2:] == grown
+    tp = record_chain(1, 20_000)
+    assert _core.map_bucket_counts(tp)[:2] == grown     # reserved, not grown
+    del tp
+    small = _core.map_bucket_counts(record_chain(2, 30_000))[2:]
+    assert small == grown   # the 1-op tape's maps were as large as reserved
+    tp = record_chain(20_000, 40_000)
+    del tp
+    hint = _core.map_bucket_counts(nv.GradientTapeCore(False))[2:]
+    assert hint == (1 << 13, 1 << 13)   # capped
