@@ -150,7 +150,7 @@ cdef void _stop_hearing(TapeState ts):
 
 
 cdef void _eager_dealloc(PyObject* tensor) noexcept:
-    cdef int64_t tid = (<int64_t*>((<char*>tensor) + _id_offset))[0]
+    cdef int64_t tid = _id_in_place(tensor)
     _tf_dealloc(tensor)
     if not _hearing.empty():
         _tensor_died(tid)
@@ -228,12 +228,17 @@ def install_death_hook():
     return True
 
 
-cdef inline int64_t _tid(t) except? -1:
-    """t._id of an EagerTensor t (type(t) is EagerTensor): read in place
-    where install_death_hook found the field (the attribute read goes
-    through Tensor's __getattr__ hook)."""
-    if _id_offset != -1:
-        return (<int64_t*>((<char*><PyObject*>t) + _id_offset))[0]
+cdef inline int64_t _id_in_place(PyObject* t) noexcept:
+    # An EagerTensor's id, where install_death_hook found the field.
+    return (<int64_t*>((<char*>t) + _id_offset))[0]
+
+
+cdef inline int64_t _id_of(t) except? -1:
+    """t._id, read in place for an EagerTensor (where install_death_hook
+    found the field: the attribute read goes through Tensor's __getattr__
+    hook), by the attribute for any other tensor or if it was not found."""
+    if type(t) is _EagerTensor and _id_offset != -1:
+        return _id_in_place(<PyObject*>t)
     return t._id
 
 
@@ -363,12 +368,6 @@ cdef tuple _NO_META = (None,)
 
 cdef list _ids(tensors):
     return [_id_of(t) for t in tensors]
-
-
-cdef inline object _id_of(t):
-    if type(t) is _EagerTensor:
-        return _tid(t)
-    return t._id
 
 
 cdef dict _saved_masks = {}   # op type -> {arity key: masks} (see _masks); the one
@@ -1019,7 +1018,7 @@ def fast_path_execute(*args):
                     converted = True
                     continue
             inputs.append(a)
-            ids.push_back(_tid(a))
+            ids.push_back(_id_of(a))
         elif type(a) is list or type(a) is tuple:
             if any([_is_variable(x) for x in a]):
                 a = [_read(x) if _is_variable(x) else x for x in a]
@@ -1029,7 +1028,7 @@ def fast_path_execute(*args):
             for x in a:
                 if _eager(x):
                     inputs.append(x)
-                    ids.push_back(_tid(x))
+                    ids.push_back(_id_of(x))
                 else:
                     converted = True
         else:
@@ -1187,7 +1186,7 @@ cdef int _record_on_tapes(list tapes, op_type, vector[int64_t]& ids,
     cdef vector[int64_t] out_ids
     out_ids.reserve(len(outputs))
     for t in outputs:
-        out_ids.push_back(_tid(t) if type(t) is _EagerTensor else t._id)
+        out_ids.push_back(_id_of(t))
     objs = None
     cdef int64_t op_id, last
     cdef size_t k
