@@ -61,6 +61,7 @@ cdef class GradientTapeCore:
     cdef Py_ssize_t spent_refs          # entries of refs whose tensor died and was drained
     cdef vector[int64_t] dead_ids       # deaths heard while busy (delete_trace, weakrefs), not yet drained
     cdef int busy                                         # >0: in a pass or a drain
+    cdef size_t peak_tape, peak_usage   # the most entries tensor_tape and tensor_usage held (the next tape's reservation)
 
     cpdef watch(self, int64_t tensor_id)
     cpdef bint is_watched(self, int64_t tensor_id)

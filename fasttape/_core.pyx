@@ -229,22 +229,23 @@ _output_died_def.ml_flags = METH_O
 _output_died_def.ml_doc = NULL
 
 
-# The bucket counts the last tape's maps reached (libstdc++ never shrinks
-# them, so at the end they tell its peak), capped: the next tape reserves
-# them at its first op. A training loop records about as much step after
-# step, and growing two maps by rehashing from nothing at every step cost
-# about a tenth of a long forward pass's recording (a 400-op chain whose
-# outputs stay alive). Written without a lock: a race only mis-sizes a
+# The most entries the last recording tape's two maps held, capped: the
+# next tape reserves as many at its first op. A training loop records about
+# as much step after step, and growing two maps by rehashing from nothing
+# at every step cost about a tenth of a long forward pass's recording (a
+# 400-op chain whose outputs stay alive). Entries, not bucket counts (which
+# never shrink, so a small tape after a large one would pass the large
+# size on for good). Written without a lock: a race only mis-sizes a
 # reservation.
-cdef size_t _tape_buckets_hint = 0, _usage_buckets_hint = 0
-cdef size_t _BUCKETS_HINT_MAX = 1 << 13     # 64 KiB of buckets per map
+cdef size_t _tape_size_hint = 0, _usage_size_hint = 0
+cdef size_t _SIZE_HINT_MAX = 1 << 13     # about 64 KiB of buckets per map
 
 
-def map_bucket_counts(GradientTapeCore core):
-    """(Tests) the bucket counts of ``core``'s two maps, and the hints the
-    next tape will reserve."""
+def map_sizes(GradientTapeCore core):
+    """(Tests) the bucket counts of ``core``'s two maps, the most entries
+    each held, and the sizes the next tape will reserve."""
     return (core.tensor_tape.bucket_count(), core.tensor_usage.bucket_count(),
-            _tape_buckets_hint, _usage_buckets_hint)
+            core.peak_tape, core.peak_usage, _tape_size_hint, _usage_size_hint)
 
 
 cdef class GradientTapeCore:
@@ -266,12 +267,10 @@ cdef class GradientTapeCore:
         self.busy = 0
 
     def __dealloc__(self):
-        global _tape_buckets_hint, _usage_buckets_hint
+        global _tape_size_hint, _usage_size_hint
         if self.next_op_id:     # (a tape that recorded: its size is the hint)
-            _tape_buckets_hint = min(self.tensor_tape.bucket_count(),
-                                     _BUCKETS_HINT_MAX)
-            _usage_buckets_hint = min(self.tensor_usage.bucket_count(),
-                                      _BUCKETS_HINT_MAX)
+            _tape_size_hint = min(self.peak_tape, _SIZE_HINT_MAX)
+            _usage_size_hint = min(self.peak_usage, _SIZE_HINT_MAX)
         # Cut the callback loose first: the weakrefs dropped below (and the
         # tensors freed after) must not reach a tape that is going.
         if self.death_watch != NULL:
@@ -390,8 +389,8 @@ cdef class GradientTapeCore:
             PyObject_GC_UnTrack(<PyObject*>entry)
         cdef int64_t op_id = self.next_op_id
         if op_id == 0:      # (the first op: the maps sized as the last tape's)
-            self.tensor_tape.reserve(_tape_buckets_hint)
-            self.tensor_usage.reserve(_usage_buckets_hint)
+            self.tensor_tape.reserve(_tape_size_hint)
+            self.tensor_usage.reserve(_usage_size_hint)
         self.next_op_id += 1
         cdef int64_t tid
         cdef Py_ssize_t k, n = entry.output_ids.size()
@@ -414,6 +413,10 @@ cdef class GradientTapeCore:
             if outputs is not None and not produced:
                 self._watch_death(outputs[k], tid)
             self.tensor_usage[tid] = 1
+        if self.tensor_tape.size() > self.peak_tape:
+            self.peak_tape = self.tensor_tape.size()
+        if self.tensor_usage.size() > self.peak_usage:
+            self.peak_usage = self.tensor_usage.size()
         self.op_tape.append(entry)
         self.live_ops += 1
         return op_id
