@@ -423,6 +423,60 @@ def test_small_kernels_keep_the_single_threaded_executor(monkeypatch):
     assert set(executors) <= {"SINGLE_THREADED_EXECUTOR", _compiled._FAILED}
 
 
+def unrolled_bias_loop(Tape, step):
+    rng = _rng(step)
+    x, b = _f32(rng, 2, 2), _f32(rng, 2)
+    with Tape() as tape:
+        tape.watch([x, b])
+        y = x
+        for _ in range(12):
+            y = tf.tanh(y + b)
+    return tape.gradient(y, [x, b])
+
+
+def test_passes_are_pruned_by_grappler_alone():
+    """A compiled pass is instantiated with Grappler's model pruner and
+    its other optimizers off: what no output needs (here the arguments
+    TanhGrad and AddV2's gradient do not read, and Identity nodes) is not
+    run (TF's graph after optimization, from its run metadata), and its
+    gradients are still TF's, bit for bit."""
+    from tensorflow.python.eager import context
+    ctx = context.context()
+    with _in_mode("always"):
+        ctx.enable_run_metadata()
+        try:
+            stats = _run(unrolled_bias_loop)
+            metadata = ctx.export_run_metadata()
+        finally:
+            ctx.disable_run_metadata()
+        compiled = list(_compiled.CACHE.compiled.values())
+    _assert_replayed(stats, "always")
+    # (The eager ops' one-op functions are listed too.)
+    graphs = [g for g in metadata.function_graphs
+              if sum(n.op == "TanhGrad" for n in g.pre_optimization_graph.node) > 1]
+    assert graphs, "the compiled pass ran no function graph"
+    for g in graphs:
+        def count(graph, op):
+            return sum(n.op == op for n in graph.node)
+        pre, post = g.pre_optimization_graph, g.post_optimization_graph
+        assert count(post, "_Arg") < count(pre, "_Arg"), (
+            count(pre, "_Arg"), count(post, "_Arg"))
+        assert count(pre, "Identity") and not count(post, "Identity")
+        assert count(post, "TanhGrad") == count(pre, "TanhGrad") == 12
+    toggles = type(tf.compat.v1.ConfigProto().graph_options.rewrite_options)
+    for c in compiled:
+        attrs = dict(zip(c.attrs[::2], c.attrs[1::2]))
+        config = tf.compat.v1.ConfigProto.FromString(attrs["config_proto"])
+        rewrites = config.graph_options.rewrite_options
+        assert not rewrites.disable_meta_optimizer
+        assert not rewrites.disable_model_pruning
+        for name in ("arithmetic_optimization", "common_subgraph_elimination",
+                     "constant_folding", "remapping", "layout_optimizer",
+                     "loop_optimization", "function_optimization",
+                     "debug_stripper", "dependency_optimization"):
+            assert getattr(rewrites, name) == toggles.OFF, name
+
+
 def test_config_input_names_are_op_input_names():
     """Every name in the list names an input of some registered op (an attr
     name there would silently bake nothing)."""

@@ -103,7 +103,7 @@ import time
 import numpy as np
 
 from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
-from tensorflow.core.protobuf import config_pb2
+from tensorflow.core.protobuf import config_pb2, rewriter_config_pb2
 from tensorflow.python.eager import context
 from tensorflow.python.eager import def_function
 from tensorflow.python.eager import execute
@@ -498,6 +498,37 @@ class _BuildVSpace(TFVSpace):
         return _add_n_in_order([ops.convert_to_tensor(g) for g in grads])
 
 
+# Grappler, when a pass is instantiated: its model pruner alone, which
+# changes no arithmetic. A traced pass computes every gradient its gradient
+# functions return and takes every tensor the tape saved for them, needed or
+# not (the bench's rnn: 857 nodes, 363 arguments); the pruner removes what
+# no output needs (there: 610 nodes, 161 arguments read; its cnn's
+# gradient for the input image), and Identity nodes. A call in a step then
+# took 15% less time on rnn, 10% less on cnn, for a few per cent more
+# instantiation time. The other optimizers stay off: the whole
+# meta-optimizer took about half of a build (a 400-op pass: 1.0 s with it,
+# 0.2 s without), and its arithmetic, layout and remapping rewrites
+# (fusions, reordered sums) could change the last bits of a gradient
+# against the eager pass it must equal.
+_RC = rewriter_config_pb2.RewriterConfig
+
+
+def _pruning_only(rewrite_options):
+    """Turn every Grappler optimizer in ``rewrite_options`` (a
+    RewriterConfig) off but the model pruner."""
+    for field in _RC.DESCRIPTOR.fields:
+        if field.enum_type is not None and field.enum_type.name == "Toggle":
+            setattr(rewrite_options, field.name, _RC.OFF)
+    rewrite_options.memory_optimization = _RC.NO_MEM_OPT
+    rewrite_options.meta_optimizer_iterations = _RC.ONE
+    rewrite_options.disable_tfg_optimizer = True
+    rewrite_options.disable_model_pruning = False
+    rewrite_options.disable_meta_optimizer = False
+    rewrite_options.min_graph_nodes = -1    # (small graphs too)
+    del rewrite_options.optimizers[:]
+    del rewrite_options.custom_optimizers[:]
+
+
 class _Compiled:
     """One traced backward pass: a graph function and how to rebuild its
     flat outputs into one gradient (or None) per source.
@@ -506,7 +537,8 @@ class _Compiled:
     thread: no hand-off to sleeping inter-op threads, which costs more than
     the small kernels of a backward pass) unless that executor refuses the
     graph (asynchronous or control-flow kernels): then on the default one;
-    and it is instantiated without Grappler (see use_executor).
+    and it is instantiated with Grappler's model pruner alone
+    (_pruning_only).
     """
 
     def __init__(self, function, kinds):
@@ -528,13 +560,9 @@ class _Compiled:
     def use_executor(self, executor_type):
         attrs = dict(context.context().function_call_options.as_attrs())
         attrs["executor_type"] = executor_type
-        # Without Grappler: it took about half of the build (instantiation
-        # of a 400-op pass: 1.0 s with it, 0.2 s without; again after each
-        # re-seed) and the passes replayed no slower without it (the bench's
-        # fixed-shape workloads, CPU).
         config = config_pb2.ConfigProto()
         config.ParseFromString(attrs["config_proto"])
-        config.graph_options.rewrite_options.disable_meta_optimizer = True
+        _pruning_only(config.graph_options.rewrite_options)
         attrs["config_proto"] = config.SerializeToString(deterministic=True)
         self.executor_type = executor_type
         self.attrs = tuple(x for kv in attrs.items() for x in kv)
