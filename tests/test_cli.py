@@ -230,6 +230,20 @@ def test_a_workload_says_what_it_measures():
         "op: 0.83x TF's"]
 
 
+def test_per_op_workloads_take_enough_steps():
+    """The per-op recording workloads run PER_OP_STEPS timed steps at
+    least, whatever --repeats asks; more when it asks more; the others as
+    asked (those whose shapes change: VARIABLE_STEPS at least)."""
+    counts = bench.timing._counts
+    for name in ("recording", "recording_dying"):
+        workload = bench.BY_NAME[name]
+        assert counts(workload, 30, 3) == (bench.timing.PER_OP_STEPS, 3)
+        assert counts(workload, 500, 0) == (500, 0)
+    assert bench.timing.PER_OP_STEPS > 30
+    assert counts(bench.BY_NAME["mlp_small"], 30, 3) == (30, 3)
+    assert counts(bench.BY_NAME["varlen_rnn"], 30, 3) == (bench.VARIABLE_STEPS, 0)
+
+
 def test_the_graph_split_adds_up_to_the_ratio():
     rows = [dict(_row("mlp", 2.0, 10.0, 5.0, 1.0, 0.5), tf_function_ms=2.5),
             dict(_row("varlen", 2.0, 10.0, 5.0, 1.0, 0.5), tf_function_ms=None)]

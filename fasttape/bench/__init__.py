@@ -129,7 +129,9 @@ def main(argv=None):
                              "and the memory-budget ones (mem_*), which compare "
                              "budgets of 50%% and 25%% with none")
     parser.add_argument("--repeats", type=_at_least(1), default=30,
-                        help="timed steps per workload and tape (default 30)")
+                        help="timed steps per workload and tape (default 30; the "
+                             "per-op recording workloads take 101 at least, "
+                             "those whose shapes change 200)")
     parser.add_argument("--warmup", type=_at_least(0), default=3,
                         help="untimed steps before them (default 3)")
     parser.add_argument("--json", metavar="FILE", help="also write results as JSON")

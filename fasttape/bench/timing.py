@@ -15,7 +15,7 @@ import weakref
 
 import numpy as np
 
-from fasttape.bench.workloads import VARIABLE_STEPS
+from fasttape.bench.workloads import PER_OP_STEPS, VARIABLE_STEPS
 
 
 @contextlib.contextmanager
@@ -116,6 +116,8 @@ def _counts(workload, repeats, warmup):
         return min(repeats, workload.max_repeats), min(warmup, 1)
     if workload.variable:
         return max(repeats, VARIABLE_STEPS), 0
+    if workload.ops_per_step:
+        return max(repeats, PER_OP_STEPS), warmup
     return repeats, warmup
 
 

@@ -19,6 +19,7 @@ class Workload:
         self.max_repeats = max_repeats
         # What it measures besides the step: with ops_per_step, each tape's
         # recording overhead per recorded op (rec / ops_per_step).
+        # (Timed over PER_OP_STEPS steps at least.)
         self.ops_per_step = ops_per_step
         # Shapes change from step to step: timed from the first step (no
         # warm-up), VARIABLE_STEPS steps at least, judged by the mean (total)
@@ -255,6 +256,12 @@ def _jacobian(tf):
 # that many calls, so a shorter window would count builds and not what
 # they save.
 VARIABLE_STEPS = 200
+
+# The per-op recording workloads' timed steps, at least: what they measure
+# (the tape's cost above the floor, about 0.6 ms a step) is as wide as the
+# interquartile range of 31 such steps, so a median of 31 read 0.88 to 1.27
+# of TF's from run to run for the same code; each step costs a few ms.
+PER_OP_STEPS = 101
 
 
 class _Sequence:
