@@ -29,6 +29,7 @@ from fasttape.recording._callback import is_trainable
 from fasttape.backward import _gradient
 from fasttape.backward import _jacobians
 from fasttape.backward import _per_example
+from fasttape.backward import _dp_replicas
 
 
 class GradientTape:
@@ -578,7 +579,18 @@ class GradientTape:
           ValueError: as per_example_gradients(), or for a num_microbatches
             that does not divide B.
           RuntimeError: as per_example_gradients().
+
+        In a replica of a tf.distribute strategy (``strategy.run``), each
+        replica clips its own examples, the clipped sums are summed across
+        replicas, the noise is added once and the division is by the
+        global number of microbatches: every replica gets the gradient of
+        the whole global batch (apply it without another cross-replica sum).
         """
+        ctx = _dp_replicas.replica_context()
+        if ctx is not None:
+            return _dp_replicas.dp_gradient(
+                ctx, self, losses, sources, l2_norm_clip, noise_multiplier,
+                num_microbatches, seed)
         return _per_example.dp_gradient(self, losses, sources, l2_norm_clip,
                                         noise_multiplier, num_microbatches,
                                         seed)
