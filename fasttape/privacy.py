@@ -135,3 +135,158 @@ def compute_noise_multiplier(*, epsilon: float, batch_size: int,
         sigma = calibrate("pld", dp_accounting.ExplicitBracketInterval(
             sigma / 2, sigma), tol=sigma * 1e-4)
     return sigma
+
+
+# -- make_private: DP-SGD under Keras 3's fit ---------------------------------
+
+def make_private(model, *, l2_norm_clip: float, noise_multiplier: float,
+                 num_microbatches: int | None = None, seed: int | None = None):
+    """Makes ``model.fit`` train ``model`` (Keras 3, TensorFlow backend)
+    with DP-SGD; returns ``model``.
+
+    Its train step records the forward pass on a ``fasttape.GradientTape``,
+    computes the compiled loss per example (each loss with no reduction,
+    times its sample weight and loss weight, averaged over the example's
+    other axes, summed over the outputs), and applies
+    ``tape.dp_gradient(losses, model.trainable_weights, l2_norm_clip,
+    noise_multiplier, num_microbatches, seed)`` with the compiled optimizer.
+    Metrics and the reported loss are as Keras computes them. The losses of
+    ``model.losses`` (weight regularizers) are added after clipping and
+    noise, as TF Privacy's DP models do: they must not depend on the data
+    (a loss added with ``add_loss`` in ``call`` is reported, but takes no
+    part in the gradient). With ``seed``, step k draws its noise from
+    ``(seed, k)``, k the optimizer's iteration count.
+
+    Works with ``model.compile(...)`` called before or after. Under a
+    tf.distribute strategy each replica clips its own examples and the
+    noise is added once (see ``GradientTape.dp_gradient``).
+
+    Raises:
+      TypeError: for a model that is not a Keras 3 ``keras.Model``.
+      ValueError: for an ``l2_norm_clip`` that is not positive, a negative
+        ``noise_multiplier`` or a ``num_microbatches`` below 1; at the
+        first step, for a batch ``num_microbatches`` does not divide, or a
+        model compiled without a loss.
+    """
+    import keras  # pylint: disable=import-outside-toplevel
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "make_private takes a Keras 3 keras.Model (TensorFlow backend), "
+            f"got {type(model).__name__}; for another model, call "
+            "fasttape.GradientTape.dp_gradient in its training step.")
+    if keras.backend.backend() != "tensorflow":
+        raise TypeError("make_private needs Keras' TensorFlow backend, got "
+                        f"{keras.backend.backend()!r}")
+    l2_norm_clip = _number("l2_norm_clip", l2_norm_clip)
+    noise_multiplier = _number("noise_multiplier", noise_multiplier,
+                               allow_zero=True)
+    if num_microbatches is not None:
+        num_microbatches = _number("num_microbatches", num_microbatches,
+                                   integer=True)
+    if seed is not None:
+        seed = _number("seed", seed, integer=True, positive=False)
+    dp = (l2_norm_clip, noise_multiplier, num_microbatches, seed)
+    model.train_step = lambda data: _dp_train_step(model, data, dp)
+    model.train_function = None     # (a step compiled before: built again)
+    return model
+
+
+def _per_example_losses(model, y, y_pred, sample_weight):
+    """The compiled loss of each example: shape [batch]."""
+    import keras  # pylint: disable=import-outside-toplevel
+    from keras import ops  # pylint: disable=import-outside-toplevel
+    from keras.src.losses.loss import squeeze_or_expand_to_same_rank  # pylint: disable=import-outside-toplevel
+    compiled = getattr(model, "_compile_loss", None)
+    if compiled is None:
+        raise ValueError("make_private: compile the model with a loss "
+                         "(model.compile(optimizer, loss=...)) before fit.")
+    flat_pred = keras.tree.flatten(y_pred)
+    flat_true = keras.tree.flatten(y)
+    if len(flat_true) != len(flat_pred):
+        raise ValueError(
+            f"make_private: y has {len(flat_true)} parts and the model's "
+            f"output {len(flat_pred)}: give one target per output, in the "
+            "output's structure.")
+    if not compiled.built:
+        compiled.build(y if len(flat_true) > 1 else flat_true[0],
+                       y_pred if len(flat_pred) > 1 else flat_pred[0])
+    unreduced = getattr(compiled, "_fasttape_unreduced", None)
+    if unreduced is None or unreduced[0] is not compiled._flat_losses:  # pylint: disable=protected-access
+        import copy  # pylint: disable=import-outside-toplevel
+        losses = []
+        for _, fn, weight, _ in compiled._flat_losses:  # pylint: disable=protected-access
+            fn = copy.copy(fn)
+            fn.reduction = "none"
+            losses.append((fn, weight))
+        unreduced = compiled._fasttape_unreduced = (compiled._flat_losses, losses)  # pylint: disable=protected-access
+    if len(unreduced[1]) != len(flat_pred):
+        raise ValueError("make_private: give the model one loss per output.")
+    flat_weights = (keras.tree.flatten(sample_weight)
+                    if keras.tree.is_nested(sample_weight)
+                    else [sample_weight] * len(flat_pred))
+    total = None
+    for (fn, weight), t, p, w in zip(unreduced[1], flat_true, flat_pred,
+                                     flat_weights):
+        values = fn(t, p)
+        if w is not None:
+            # Keras' pairing of the ranks, then a weight per example spread
+            # over the example's other axes
+            values, w = squeeze_or_expand_to_same_rank(
+                values, ops.cast(w, values.dtype))
+            if len(w.shape) < len(values.shape):
+                w = ops.reshape(w, tuple(w.shape) + (1,) * (
+                    len(values.shape) - len(w.shape)))
+            values = values * w
+        if len(values.shape) > 1:
+            values = ops.mean(values, axis=tuple(range(1, len(values.shape))))
+        if weight is not None:
+            values = values * weight
+        total = values if total is None else total + values
+    return total
+
+
+def _dp_train_step(model, data, dp):
+    """Keras 3's TensorFlow train_step (keras/src/backend/tensorflow/
+    trainer.py) with dp_gradient in place of tape.gradient."""
+    import keras  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from fasttape.tape import GradientTape  # pylint: disable=import-outside-toplevel
+    l2_norm_clip, noise_multiplier, num_microbatches, seed = dp
+    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+        raise NotImplementedError(
+            "make_private does not support LossScaleOptimizer (mixed "
+            "precision's loss scaling) yet: compile with a float32 policy.")
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    weights = model.trainable_weights
+    with GradientTape() as tape:
+        if model._call_has_training_arg:  # pylint: disable=protected-access
+            y_pred = model(x, training=True)
+        else:
+            y_pred = model(x)
+        losses = _per_example_losses(model, y, y_pred, sample_weight)
+    if seed is not None:
+        step = model.optimizer.iterations
+        seed = (seed, int(step.numpy()) if tf.executing_eagerly() else step)
+    grads = tape.dp_gradient(losses, weights, l2_norm_clip, noise_multiplier,
+                             num_microbatches, seed)
+    loss = tf.reduce_mean(losses)
+    if model.losses:
+        # input-independent losses (weight regularizers), not clipped, as
+        # TF Privacy: their gradient added to the private one
+        with GradientTape() as reg_tape:
+            regularization = tf.add_n(model.losses)
+        reg_grads = reg_tape.gradient(
+            regularization, weights,
+            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        grads = [g + r if g is not None else r for g, r in zip(grads, reg_grads)]
+        loss = loss + tf.cast(regularization, loss.dtype)
+    replica = tf.distribute.get_replica_context()
+    if replica is not None and replica.num_replicas_in_sync > 1:
+        # every replica holds the whole batch's gradient, and Keras'
+        # optimizer sums the replicas' gradients
+        grads = [None if g is None else g / replica.num_replicas_in_sync
+                 for g in grads]
+    model._loss_tracker.update_state(  # pylint: disable=protected-access
+        loss, sample_weight=tf.shape(losses)[0])
+    model.optimizer.apply_gradients(zip(grads, weights))
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
