@@ -246,3 +246,27 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="num_microbatches"):
         model.fit(np.zeros((8, 6), "float32"), np.zeros((8, 3), "float32"),
                   batch_size=8, verbose=0)
+
+
+def test_compile_after_and_a_step_built_before():
+    """make_private before compile, and on a model whose plain train step
+    was built by an earlier fit: both take DP steps (with SGD(1.0), a step
+    moves the weights by at most l2_norm_clip, noise 0)."""
+    x, y = _data(_sequential)
+
+    def moved(model):
+        before = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+        model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)
+        after = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+        return np.linalg.norm(after - before)
+
+    loss = _loss(_sequential)
+    early = privacy.make_private(_build(_sequential), l2_norm_clip=1e-3,
+                                 noise_multiplier=0.0)
+    early.compile(keras.optimizers.SGD(1.0), loss, run_eagerly=True)
+    late = _build(_sequential)
+    late.compile(keras.optimizers.SGD(1.0), loss, run_eagerly=True)
+    assert moved(late) > 1e-2                        # the plain step
+    privacy.make_private(late, l2_norm_clip=1e-3, noise_multiplier=0.0)
+    for model in (early, late):
+        assert 1e-4 < moved(model) <= 1e-3 * (1 + 1e-5)
