@@ -89,6 +89,23 @@ CASES = textwrap.dedent('''
     compiled = tf.function(lambda xs, ys: strategy.run(
         step, args=(xs, ys, 0.0, None, None)))
     compare("compiled", lambda xs, ys, *_: compiled(xs, ys), 0.0, None, None)
+
+    # make_private: Keras 3 fit (run_eagerly) on the two replicas
+    import keras
+    from fasttape import privacy
+
+    def fitted(scope):
+        with scope:
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+            model.compile(keras.optimizers.SGD(0.5), "mse", run_eagerly=True)
+            privacy.make_private(model, l2_norm_clip=0.5, noise_multiplier=0.0)
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+        return [v.numpy() for v in model.trainable_variables]
+
+    import contextlib
+    out["fit"] = max(float(np.max(np.abs(a - c))) for a, c in zip(
+        fitted(strategy.scope()), fitted(contextlib.nullcontext())))
     print("RESULT" + json.dumps(out))
 ''')
 
@@ -125,6 +142,12 @@ def test_replicas_equal_the_one_device_step(results, name):
 def test_uneven_replicas_divide_by_the_global_count(results):
     assert results["uneven"] < 1e-7
     assert results["uneven microbatches"] < 1e-7
+
+
+def test_make_private_fit_on_two_replicas(results):
+    """Keras' optimizer sums the replicas' gradients: make_private gives it
+    each replica's share of the whole batch's gradient."""
+    assert results["fit"] < 1e-6
 
 
 def test_unseeded_noise_is_the_same_on_every_replica(results):
