@@ -141,8 +141,8 @@ def compute_noise_multiplier(*, epsilon: float, batch_size: int,
 
 def make_private(model, *, l2_norm_clip: float, noise_multiplier: float,
                  num_microbatches: int | None = None, seed: int | None = None):
-    """Makes ``model.fit`` train ``model`` (Keras 3, TensorFlow backend)
-    with DP-SGD; returns ``model``.
+    """Makes ``model.fit`` train ``model`` (Keras 3 with the TensorFlow
+    backend, or tf_keras) with DP-SGD; returns ``model``.
 
     Its train step records the forward pass on a ``fasttape.GradientTape``,
     computes the compiled loss per example (each loss with no reduction,
@@ -162,21 +162,27 @@ def make_private(model, *, l2_norm_clip: float, noise_multiplier: float,
     noise is added once (see ``GradientTape.dp_gradient``).
 
     Raises:
-      TypeError: for a model that is not a Keras 3 ``keras.Model``.
+      TypeError: for a model that is neither a Keras 3 ``keras.Model`` nor
+        a ``tf_keras.Model``.
       ValueError: for an ``l2_norm_clip`` that is not positive, a negative
         ``noise_multiplier`` or a ``num_microbatches`` below 1; at the
         first step, for a batch ``num_microbatches`` does not divide, or a
         model compiled without a loss.
     """
-    import keras  # pylint: disable=import-outside-toplevel
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            "make_private takes a Keras 3 keras.Model (TensorFlow backend), "
-            f"got {type(model).__name__}; for another model, call "
-            "fasttape.GradientTape.dp_gradient in its training step.")
-    if keras.backend.backend() != "tensorflow":
-        raise TypeError("make_private needs Keras' TensorFlow backend, got "
-                        f"{keras.backend.backend()!r}")
+    if _tf_keras_model(model):
+        losses_of = _tf_keras_per_example_losses
+    else:
+        import keras  # pylint: disable=import-outside-toplevel
+        if not isinstance(model, keras.Model):
+            raise TypeError(
+                "make_private takes a Keras 3 keras.Model (TensorFlow "
+                f"backend) or a tf_keras one, got {type(model).__name__}; for "
+                "another model, call fasttape.GradientTape.dp_gradient in its "
+                "training step.")
+        if keras.backend.backend() != "tensorflow":
+            raise TypeError("make_private needs Keras' TensorFlow backend, got "
+                            f"{keras.backend.backend()!r}")
+        losses_of = _per_example_losses
     l2_norm_clip = _number("l2_norm_clip", l2_norm_clip)
     noise_multiplier = _number("noise_multiplier", noise_multiplier,
                                allow_zero=True)
@@ -186,7 +192,7 @@ def make_private(model, *, l2_norm_clip: float, noise_multiplier: float,
     if seed is not None:
         seed = _number("seed", seed, integer=True, positive=False)
     dp = (l2_norm_clip, noise_multiplier, num_microbatches, seed)
-    model.train_step = lambda data: _dp_train_step(model, data, dp)
+    model.train_step = lambda data: _dp_train_step(model, data, dp, losses_of)
     model.train_function = None     # (a step compiled before: built again)
     return model
 
@@ -245,25 +251,80 @@ def _per_example_losses(model, y, y_pred, sample_weight):
     return total
 
 
-def _dp_train_step(model, data, dp):
-    """Keras 3's TensorFlow train_step (keras/src/backend/tensorflow/
-    trainer.py) with dp_gradient in place of tape.gradient."""
-    import keras  # pylint: disable=import-outside-toplevel
+def _tf_keras_model(model):
+    import sys  # pylint: disable=import-outside-toplevel
+    tf_keras = sys.modules.get("tf_keras")
+    return tf_keras is not None and isinstance(model, tf_keras.Model)
+
+
+def _tf_keras_per_example_losses(model, y, y_pred, sample_weight):
+    """_per_example_losses for tf_keras: its LossesContainer's losses
+    (compile_utils.LossesContainer.__call__) with no reduction."""
+    import copy  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    from tf_keras.src.engine import compile_utils  # pylint: disable=import-outside-toplevel
+    from tf_keras.src.utils import losses_utils  # pylint: disable=import-outside-toplevel
+    compiled = model.compiled_loss
+    if compiled is None:
+        raise ValueError("make_private: compile the model with a loss "
+                         "(model.compile(optimizer, loss=...)) before fit.")
+    y = compiled._conform_to_outputs(y_pred, y)  # pylint: disable=protected-access
+    sample_weight = compiled._conform_to_outputs(y_pred, sample_weight)  # pylint: disable=protected-access
+    if not compiled.built:
+        compiled.build(y_pred)
+    unreduced = getattr(compiled, "_fasttape_unreduced", None)
+    if unreduced is None or unreduced[0] is not compiled._losses:  # pylint: disable=protected-access
+        losses = []
+        for fn in compiled._losses:  # pylint: disable=protected-access
+            if fn is not None:
+                fn = copy.copy(fn)
+                fn.reduction = losses_utils.ReductionV2.NONE
+            losses.append(fn)
+        unreduced = compiled._fasttape_unreduced = (compiled._losses, losses)  # pylint: disable=protected-access
+    total = None
+    for t, p, w, fn, weight in zip(
+            tf.nest.flatten(y), tf.nest.flatten(y_pred),
+            tf.nest.flatten(sample_weight), unreduced[1],
+            compiled._loss_weights):  # pylint: disable=protected-access
+        if t is None or fn is None:
+            continue
+        t, p, w = compile_utils.match_dtype_and_rank(t, p, w)
+        w = losses_utils.apply_mask(p, w, losses_utils.get_mask(p))
+        values = fn(t, p, sample_weight=w)
+        if values.shape.rank > 1:
+            values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
+        if weight is not None:
+            values = values * weight
+        total = values if total is None else total + values
+    return total
+
+
+def _dp_train_step(model, data, dp, losses_of):
+    """Keras' train_step (Keras 3: keras/src/backend/tensorflow/trainer.py;
+    tf_keras: engine/training.py) with dp_gradient in place of
+    tape.gradient."""
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     from fasttape.tape import GradientTape  # pylint: disable=import-outside-toplevel
     l2_norm_clip, noise_multiplier, num_microbatches, seed = dp
-    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+    tf_keras = _tf_keras_model(model)
+    if tf_keras:
+        import tf_keras as keras  # pylint: disable=import-outside-toplevel
+        loss_scaled = keras.mixed_precision.LossScaleOptimizer
+    else:
+        import keras  # pylint: disable=import-outside-toplevel
+        loss_scaled = keras.optimizers.LossScaleOptimizer
+    if isinstance(model.optimizer, loss_scaled):
         raise NotImplementedError(
             "make_private does not support LossScaleOptimizer (mixed "
             "precision's loss scaling) yet: compile with a float32 policy.")
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     weights = model.trainable_weights
     with GradientTape() as tape:
-        if model._call_has_training_arg:  # pylint: disable=protected-access
+        if tf_keras or model._call_has_training_arg:  # pylint: disable=protected-access
             y_pred = model(x, training=True)
         else:
             y_pred = model(x)
-        losses = _per_example_losses(model, y, y_pred, sample_weight)
+        losses = losses_of(model, y, y_pred, sample_weight)
     if seed is not None:
         step = model.optimizer.iterations
         seed = (seed, int(step.numpy()) if tf.executing_eagerly() else step)
@@ -283,10 +344,15 @@ def _dp_train_step(model, data, dp):
     replica = tf.distribute.get_replica_context()
     if replica is not None and replica.num_replicas_in_sync > 1:
         # every replica holds the whole batch's gradient, and Keras'
-        # optimizer sums the replicas' gradients
+        # optimizers sum the replicas' gradients
         grads = [None if g is None else g / replica.num_replicas_in_sync
                  for g in grads]
-    model._loss_tracker.update_state(  # pylint: disable=protected-access
-        loss, sample_weight=tf.shape(losses)[0])
+    if tf_keras:
+        # the loss metrics, as tf_keras reports them
+        model.compiled_loss(y, y_pred, sample_weight,
+                            regularization_losses=model.losses)
+    else:
+        model._loss_tracker.update_state(  # pylint: disable=protected-access
+            loss, sample_weight=tf.shape(losses)[0])
     model.optimizer.apply_gradients(zip(grads, weights))
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

@@ -235,9 +235,8 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="num_microbatches"):
         privacy.make_private(model, l2_norm_clip=1.0, noise_multiplier=1,
                              num_microbatches=0)
-    import tf_keras
     with pytest.raises(TypeError, match="Keras 3"):
-        privacy.make_private(tf_keras.Sequential(), l2_norm_clip=1.0,
+        privacy.make_private(keras.layers.Dense(3), l2_norm_clip=1.0,
                              noise_multiplier=1.0)
     # a batch the microbatches do not divide: dp_gradient's ValueError
     model.compile("sgd", "mse", run_eagerly=True)
@@ -270,3 +269,48 @@ def test_compile_after_and_a_step_built_before():
     privacy.make_private(late, l2_norm_clip=1e-3, noise_multiplier=0.0)
     for model in (early, late):
         assert 1e-4 < moved(model) <= 1e-3 * (1 + 1e-5)
+
+
+def test_tf_keras_fit_equals_the_reference_dp_step():
+    """tf_keras (Keras 2) models too: its own losses, unreduced; its loss
+    metric as tf_keras reports it."""
+    import tf_keras
+
+    def build():
+        tf_keras.utils.set_random_seed(1)
+        return tf_keras.Sequential([
+            tf_keras.layers.Dense(8, activation="tanh", input_shape=(6,),
+                                  kernel_regularizer=tf_keras.regularizers.L2(0.01)),
+            tf_keras.layers.Dense(3)])
+
+    x, y = _data(_sequential)
+    weights = np.linspace(0.01, 0.3, len(x)).astype("float32")   # some unclipped
+    model = build()
+    model.compile(tf_keras.optimizers.SGD(0.5),
+                  tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], run_eagerly=True)
+    privacy.make_private(model, l2_norm_clip=CLIP, noise_multiplier=0.0)
+    history = model.fit(x, y, sample_weight=weights, batch_size=BATCH,
+                        shuffle=False, verbose=0).history
+
+    ref = build()
+    optimizer = tf_keras.optimizers.SGD(0.5)
+    loss_fn = tf_keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="none")
+    for s in range(STEPS):
+        total = [tf.zeros_like(v) for v in ref.trainable_variables]
+        for i in range(s * BATCH, (s + 1) * BATCH):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y[i:i + 1], ref(x[i:i + 1], training=True))[0] * weights[i]
+            grads, _ = tf.clip_by_global_norm(
+                tape.gradient(loss, ref.trainable_variables), CLIP)
+            total = [t + g for t, g in zip(total, grads)]
+        with tf.GradientTape() as tape:
+            regularization = tf.add_n(ref.losses)
+        reg = tape.gradient(regularization, ref.trainable_variables)
+        optimizer.apply_gradients(zip(
+            [t / BATCH if r is None else t / BATCH + r for t, r in zip(total, reg)],
+            ref.trainable_variables))
+    for a, b in zip(model.trainable_variables, ref.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=2e-5, atol=2e-6)
+    assert set(history) == {"loss", "accuracy"} and history["loss"][0] > 0
