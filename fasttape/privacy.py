@@ -10,6 +10,7 @@ DP-SGD's privacy with Google's dp-accounting package
 
 import math
 import numbers
+from typing import Any
 
 # TF Privacy's RDP orders (compute_dp_sgd_privacy_lib.compute_dp_sgd_privacy
 # and compute_noise_from_budget_lib): the same orders give its figures.
@@ -139,8 +140,9 @@ def compute_noise_multiplier(*, epsilon: float, batch_size: int,
 
 # -- make_private: DP-SGD under Keras 3's fit ---------------------------------
 
-def make_private(model, *, l2_norm_clip: float, noise_multiplier: float,
-                 num_microbatches: int | None = None, seed: int | None = None):
+def make_private(model: Any, *, l2_norm_clip: float, noise_multiplier: float,
+                 num_microbatches: int | None = None,
+                 seed: int | None = None) -> Any:
     """Makes ``model.fit`` train ``model`` (Keras 3 with the TensorFlow
     backend, or tf_keras) with DP-SGD; returns ``model``.
 
