@@ -824,6 +824,26 @@ def test_custom_backward_error_propagates_from_accumulator():
     fwd_error(case, _BackwardFailed)
 
 
+def test_custom_backward_whose_ops_have_no_gradient():
+    """The transposition differentiates what the backward ran: an op there
+    without a registered gradient raises LookupError, as in TF, though the
+    forward's own JVP (x * 2) needs none."""
+    def case(FA, GT):
+        calls = []
+
+        @tf.custom_gradient
+        def f(x):
+            def grad(dy):
+                calls.append(None)
+                return tf.raw_ops.SoftsignGrad(gradients=dy, features=x)
+            return x * 2., grad
+
+        x = const(3)
+        with FA(x, const(3, seed=1)) as acc:
+            y = f(x)
+        return len(calls), acc.jvp(y)
+    fwd_error(case, LookupError)
+
 def test_custom_backward_error_in_persistent_tape():
     """Caught where it is raised, the tape and the accumulator go on: the
     failed op's outputs are not recorded (neither are they in TF's)."""
