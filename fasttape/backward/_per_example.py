@@ -1310,24 +1310,25 @@ def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
              else _norm_rules._const(m, dtype))
     clip_t = _norm_rules._const(clip, dtype)
     grads = _post_pass(spec, *feeds, clip_t, _norm_rules._ex("RealDiv", clip_t, count))
-    draw = _graph_noise(seed) if noise_multiplier > 0 else None
+    noise = {}
+    if noise_multiplier > 0:
+        noise = _graph_noise(seed, flat_raw, [k for k, _ in spec[3]],
+                             clip * noise_multiplier, count)
     for (k, _), g in zip(spec[3], grads):
-        if draw is not None:
-            stddev = _norm_rules._ex("RealDiv", _norm_rules._const(
-                clip * noise_multiplier, g.dtype), math_ops.cast(count, g.dtype))
-            g = _norm_rules._ex("AddV2", g, draw(k, flat_raw[k].shape, g.dtype,
-                                                 stddev))
-        out[k] = g
+        out[k] = g if k not in noise else _norm_rules._ex("AddV2", g, noise[k])
     return out
 
 
-def _graph_noise(seed):
-    """While tracing: draw(k, shape, dtype, stddev), source k's normal noise
-    by TF's stateless normal. Seeded by ``seed`` (an int, a pair of ints, or
-    an int tensor of either shape, e.g. a step counter beside a seed), the
-    same noise at each call with that seed; unseeded, by a key drawn at
-    each call of the function (a stateful op, which tf.random.set_seed
-    makes reproducible), so no noise is a constant of the trace."""
+def _graph_noise(seed, flat_raw, ks, scale, count):
+    """While tracing: {k: source k's normal noise of standard deviation
+    scale / count}, for the sources ``ks``, by TF's stateless normal: one
+    vector per dtype (one kernel), cut at offsets that depend on the
+    sources alone (a seed draws the same for a source whichever of them the
+    losses reach). Keyed by ``seed`` (an int, a pair of ints, or an int
+    tensor of either shape, e.g. a step counter beside a seed): the same
+    noise at each call with that seed. Unseeded, by a key drawn at each
+    call of the function (a stateful op, which tf.random.set_seed makes
+    reproducible): no noise is a constant of the trace."""
     if seed is None:
         seed1, seed2 = random_seed.get_seed(None)
         base = gen_random_ops.random_uniform_int(
@@ -1347,12 +1348,28 @@ def _graph_noise(seed):
     if base.shape.rank != 1 or base.shape[0] not in (2, None):
         raise ValueError(f"dp_gradient: `seed` must be an int or a pair of "
                          f"ints (or such a tensor), got {seed!r}")
-
-    def draw(k, shape, dtype, stddev):
-        key = _norm_rules._ex("AddV2", base, _norm_rules._const([k, 0], dtypes.int64))
-        return stateless_random_ops.stateless_random_normal(
-            shape, seed=key, stddev=stddev, dtype=dtype)
-    return draw
+    wanted = set(ks)
+    by_dtype = {}
+    for k, s in enumerate(flat_raw):
+        by_dtype.setdefault(dtypes.as_dtype(s.dtype).base_dtype, []).append(k)
+    noise = {}
+    for j, (dtype, members) in enumerate(sorted(by_dtype.items(),
+                                               key=lambda kv: kv[1][0])):
+        if not wanted.intersection(members):
+            continue
+        shapes = [tensor_shape.TensorShape(flat_raw[k].shape) for k in members]
+        sizes = [shape.num_elements() for shape in shapes]
+        key = base if j == 0 else _norm_rules._ex(
+            "AddV2", base, _norm_rules._const([0, j], dtypes.int64))
+        stddev = _norm_rules._ex("RealDiv", _norm_rules._const(scale, dtype),
+                                 math_ops.cast(count, dtype))
+        vector = stateless_random_ops.stateless_random_normal(
+            [sum(sizes)], seed=key, stddev=stddev, dtype=dtype)
+        parts = array_ops.split(vector, sizes) if len(sizes) > 1 else [vector]
+        for k, part, shape in zip(members, parts, shapes):
+            if k in wanted:
+                noise[k] = array_ops.reshape(part, shape)
+    return noise
 
 
 def _seed_pair(x):
