@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import fasttape
+from fasttape.backward import _per_example
 from compat.test_per_example import ALL, B, _close, _mlp, _ref_norms, _reference
 
 MODES = {"function": {}, "jit": {"jit_compile": True}}
@@ -106,9 +107,24 @@ def test_traced_microbatches(microbatches):
         _close(g, e, tf.float32)
 
 
+def _wide(dtype):
+    """A weight of more than _NOISE_CHUNK values (its noise drawn and added
+    a block of rows at a time) beside small ones (one vector)."""
+    rng = np.random.default_rng(14)
+    x, y = rng.normal(size=(B, 300)), rng.normal(size=(B, 3))
+    w1, b1 = (tf.Variable(rng.normal(size=s) * 0.05, dtype=dtype)
+              for s in ((300, 256), (256,)))
+    w2 = tf.Variable(rng.normal(size=(256, 3)) * 0.05, dtype=dtype)
+
+    def loss(x, y):
+        return tf.reduce_sum((tf.tanh(x @ w1 + b1) @ w2 - y) ** 2, axis=-1)
+    return [tf.constant(x, dtype), tf.constant(y, dtype)], loss, [w1, b1, w2]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_traced_noise_seeded_and_unseeded(mode):
-    xs, loss, variables = _mlp(tf.float32)
+    xs, loss, variables = _wide(tf.float32)
+    assert variables[0].shape.num_elements() > _per_example._NOISE_CHUNK
     clip, multiplier = 0.5, 2.0
 
     def dp(x, y, seed=None, noise=multiplier):
@@ -129,10 +145,16 @@ def test_traced_noise_seeded_and_unseeded(mode):
     step1 = flat(by_tensor(*xs, tf.constant([7, 1])))
     np.testing.assert_array_equal(step1, flat(by_tensor(*xs, tf.constant([7, 1]))))
     assert not np.allclose(step1, flat(by_tensor(*xs, tf.constant([7, 2]))))
-    # normal noise of standard deviation C * multiplier / B on every value
-    noise = np.concatenate([first - clean, second - clean, step1 - clean])
-    assert abs(np.std(noise) / (clip * multiplier / B) - 1) < 0.25
-    assert abs(np.mean(noise)) < 0.25 * clip * multiplier / B
+    # normal noise of standard deviation C * multiplier / B on every value,
+    # independent between the blocks of the large weight and the sources
+    sigma = clip * multiplier / B
+    noise = (first - clean) / sigma
+    assert abs(np.std(noise) - 1) < 0.02 and abs(np.mean(noise)) < 0.02
+    for part in (noise[:256 * 256], noise[256 * 256:300 * 256], noise[300 * 256:]):
+        assert abs(np.std(part) - 1) < 0.1
+    block = 256 * 256
+    assert abs(np.corrcoef(noise[:1000], noise[block:block + 1000])[0, 1]) < 0.15
+    assert abs(np.corrcoef(noise[:256], noise[300 * 256:300 * 256 + 256])[0, 1]) < 0.3
 
 
 def test_traced_batch_norm_in_training_raises_while_tracing():

@@ -43,6 +43,7 @@ from tensorflow.python.framework import random_seed
 from tensorflow.python.framework import tensor_shape
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gen_random_ops
 from tensorflow.python.ops import linalg_ops_impl
 from tensorflow.python.ops import math_ops
@@ -1310,25 +1311,29 @@ def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
              else _norm_rules._const(m, dtype))
     clip_t = _norm_rules._const(clip, dtype)
     grads = _post_pass(spec, *feeds, clip_t, _norm_rules._ex("RealDiv", clip_t, count))
-    noise = {}
     if noise_multiplier > 0:
-        noise = _graph_noise(seed, flat_raw, [k for k, _ in spec[3]],
-                             clip * noise_multiplier, count)
+        add_noise = _graph_noise(seed, flat_raw, [k for k, _ in spec[3]],
+                                 clip * noise_multiplier, count)
+        grads = [add_noise(k, g) for (k, _), g in zip(spec[3], grads)]
     for (k, _), g in zip(spec[3], grads):
-        out[k] = g if k not in noise else _norm_rules._ex("AddV2", g, noise[k])
+        out[k] = g
     return out
 
 
 def _graph_noise(seed, flat_raw, ks, scale, count):
-    """While tracing: {k: source k's normal noise of standard deviation
-    scale / count}, for the sources ``ks``, by TF's stateless normal: one
-    vector per dtype (one kernel), cut at offsets that depend on the
-    sources alone (a seed draws the same for a source whichever of them the
-    losses reach). Keyed by ``seed`` (an int, a pair of ints, or an int
-    tensor of either shape, e.g. a step counter beside a seed): the same
-    noise at each call with that seed. Unseeded, by a key drawn at each
-    call of the function (a stateful op, which tf.random.set_seed makes
-    reproducible): no noise is a constant of the trace."""
+    """While tracing: add_noise(k, g), g plus source k's normal noise of
+    standard deviation scale / count, for the sources ``ks``, by TF's
+    stateless normal. The sources of up to _NOISE_CHUNK values take theirs
+    from one vector per dtype (one kernel), cut at offsets that depend on
+    the sources alone (a seed draws the same for a source whichever of
+    them the losses reach); a larger one's is drawn and added into g's own
+    buffer a block of rows at a time, each block drawn after the last one
+    is added (no full-size noise is held, as eagerly). Keyed by
+    ``seed`` (an int, a pair of ints, or an int tensor of either shape, e.g.
+    a step counter beside a seed): the same noise at each call with that
+    seed. Unseeded, by a key drawn at each call of the function (a stateful
+    op, which tf.random.set_seed makes reproducible): no noise is a
+    constant of the trace."""
     if seed is None:
         seed1, seed2 = random_seed.get_seed(None)
         base = gen_random_ops.random_uniform_int(
@@ -1348,28 +1353,72 @@ def _graph_noise(seed, flat_raw, ks, scale, count):
     if base.shape.rank != 1 or base.shape[0] not in (2, None):
         raise ValueError(f"dp_gradient: `seed` must be an int or a pair of "
                          f"ints (or such a tensor), got {seed!r}")
+
+    def key(first, second):
+        # the small sources' vector of dtype j: (0, j); block b of source
+        # k: (1 + k, b)
+        if not first and not second:
+            return base
+        return _norm_rules._ex("AddV2", base, _norm_rules._const(
+            [first, second], dtypes.int64))
+
+    stddevs = {}
+
+    def stddev(dtype):
+        if dtype not in stddevs:
+            stddevs[dtype] = _norm_rules._ex(
+                "RealDiv", _norm_rules._const(scale, dtype),
+                math_ops.cast(count, dtype))
+        return stddevs[dtype]
+
     wanted = set(ks)
+    shapes = {k: tensor_shape.TensorShape(s.shape) for k, s in enumerate(flat_raw)}
     by_dtype = {}
     for k, s in enumerate(flat_raw):
-        by_dtype.setdefault(dtypes.as_dtype(s.dtype).base_dtype, []).append(k)
-    noise = {}
+        n = shapes[k].num_elements()
+        if n is not None and n <= _NOISE_CHUNK:
+            by_dtype.setdefault(dtypes.as_dtype(s.dtype).base_dtype, []).append(k)
+    small = {}
     for j, (dtype, members) in enumerate(sorted(by_dtype.items(),
                                                key=lambda kv: kv[1][0])):
         if not wanted.intersection(members):
             continue
-        shapes = [tensor_shape.TensorShape(flat_raw[k].shape) for k in members]
-        sizes = [shape.num_elements() for shape in shapes]
-        key = base if j == 0 else _norm_rules._ex(
-            "AddV2", base, _norm_rules._const([0, j], dtypes.int64))
-        stddev = _norm_rules._ex("RealDiv", _norm_rules._const(scale, dtype),
-                                 math_ops.cast(count, dtype))
+        sizes = [shapes[k].num_elements() for k in members]
         vector = stateless_random_ops.stateless_random_normal(
-            [sum(sizes)], seed=key, stddev=stddev, dtype=dtype)
+            [sum(sizes)], seed=key(0, j), stddev=stddev(dtype), dtype=dtype)
         parts = array_ops.split(vector, sizes) if len(sizes) > 1 else [vector]
-        for k, part, shape in zip(members, parts, shapes):
+        for k, part in zip(members, parts):
             if k in wanted:
-                noise[k] = array_ops.reshape(part, shape)
-    return noise
+                small[k] = array_ops.reshape(part, shapes[k])
+
+    in_xla = control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
+
+    def add_noise(k, g):
+        if k in small:
+            return _norm_rules._ex("AddV2", g, small[k])
+        shape = shapes[k]
+        cols = int(shape[-1]) if shape.rank and shape[-1] else 1
+        rows = shape.num_elements() // cols
+        flat = _norm_rules._ex("Reshape", g, _norm_rules._const(
+            (rows, cols), dtypes.int32))
+        step = max(1, _NOISE_CHUNK // cols)
+        for b, first in enumerate(range(0, rows, step)):
+            last = min(rows, first + step)
+            with ops.control_dependencies([flat] if b else []):
+                block = stateless_random_ops.stateless_random_normal(
+                    [last - first, cols], seed=key(1 + k, b),
+                    stddev=stddev(g.dtype), dtype=g.dtype)
+            if in_xla:      # (XLA places its buffers itself)
+                flat = _norm_rules._ex("TensorScatterAdd", flat, _norm_rules._const(
+                    [[i] for i in range(first, last)], dtypes.int32), block)
+            else:
+                # into g's own buffer (InplaceAdd aliases its input: g is
+                # the post-pass's own result, which nothing else reads)
+                flat = _norm_rules._ex("InplaceAdd", flat, _norm_rules._const(
+                    list(range(first, last)), dtypes.int32), block)
+        return _norm_rules._ex("Reshape", flat, _norm_rules._const(
+            tuple(shape.as_list()), dtypes.int32))
+    return add_noise
 
 
 def _seed_pair(x):
