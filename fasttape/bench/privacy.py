@@ -139,12 +139,13 @@ def peak_mb(tf, step):
     return (peak - base) / 2 ** 20
 
 
-def _steps(tf, fasttape, params, batch, losses):
-    """The four steps, each ``step(noise_multiplier) -> gradients``."""
+def _steps(tf, fasttape, params, batch, losses, plain_tape=None):
+    """The four steps, each ``step(noise_multiplier) -> gradients``; the
+    plain one on ``plain_tape`` (default fasttape's)."""
 
     def plain(noise):
         del noise
-        with fasttape.GradientTape() as tape:
+        with (plain_tape or fasttape.GradientTape)() as tape:
             loss = tf.reduce_mean(losses(*batch))
         return tape.gradient(loss, params)
 
@@ -206,14 +207,21 @@ def run_dp_workload(tf, fasttape, workload, repeats, warmup):
         steps["vmap eager"](NOISE)
         times["vmap eager"].append(time.perf_counter() - t0)
         building["vmap eager"].append(False)
+    return _row(tf, workload, equal, steps, times, building)
+
+
+def _row(tf, workload, equal, steps, times, building=None):
+    """A table row: per arm its median ms, spread (and, given ``building``,
+    its mean over the steps that built no compiled pass), extra peak MB."""
     row = {"workload": workload.name, "grads_equal": bool(equal)}
     for name, seconds in times.items():
         row[name] = float(np.median(seconds) * 1e3)
-        # (a step that built a compiled pass, a one-time cost the main
-        # table reports, is left out of the mean)
-        kept = [t for t, built in zip(seconds, building[name]) if not built]
-        row[name + " mean"] = float(np.mean(kept or seconds) * 1e3)
         row[name + " spread"] = iqr_ms(seconds)
+        if building is not None:
+            # (a step that built a compiled pass, a one-time cost the main
+            # table reports, is left out of the mean)
+            kept = [t for t, built in zip(seconds, building[name]) if not built]
+            row[name + " mean"] = float(np.mean(kept or seconds) * 1e3)
     for name, step in steps.items():
         row[name + " MB"] = peak_mb(tf, step)
     return row
@@ -291,12 +299,15 @@ def _compiled_case(tf, layers, x, classes=10):
     return model.trainable_variables, (x, labels), losses
 
 
-def _c_mlp(tf):
-    import keras  # pylint: disable=import-outside-toplevel
-    x = tf.random.stateless_normal([64, 8], seed=[1, 2])
-    return _compiled_case(tf, lambda: [
-        keras.layers.Dense(256, activation="relu"),
-        keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)], x)
+def _c_mlp(n_in, width):
+    """An MLP n_in-width-width-10 at batch 64."""
+    def make(tf):
+        import keras  # pylint: disable=import-outside-toplevel
+        x = tf.random.stateless_normal([64, n_in], seed=[1, n_in])
+        return _compiled_case(tf, lambda: [
+            keras.layers.Dense(width, activation="relu"),
+            keras.layers.Dense(width, activation="relu"), keras.layers.Dense(10)], x)
+    return make
 
 
 def _c_text(tf):
@@ -330,14 +341,6 @@ def _c_lstm(tf):
     import keras  # pylint: disable=import-outside-toplevel
     x = tf.random.stateless_normal([32, 12, 16], seed=[1, 6])
     return _compiled_case(tf, lambda: [keras.layers.LSTM(32), keras.layers.Dense(10)], x)
-
-
-def _c_wide_mlp(tf):
-    import keras  # pylint: disable=import-outside-toplevel
-    x = tf.random.stateless_normal([64, 1024], seed=[1, 7])
-    return _compiled_case(tf, lambda: [
-        keras.layers.Dense(1024, activation="relu"),
-        keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(10)], x)
 
 
 def _c_generated(seed):
@@ -383,16 +386,8 @@ def _c_generated(seed):
 
 
 def _compiled_steps(tf, fasttape, params, batch, losses):
-    def plain(noise):
-        del noise
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(losses(*batch))
-        return tape.gradient(loss, params)
-
-    def dp(noise):
-        with fasttape.GradientTape() as tape:
-            per_example = losses(*batch)
-        return tape.dp_gradient(per_example, params, CLIP, noise)
+    steps = _steps(tf, fasttape, params, batch, losses, plain_tape=tf.GradientTape)
+    plain = steps["plain"]
 
     def noised(noise):
         grads = plain(noise)
@@ -400,9 +395,8 @@ def _compiled_steps(tf, fasttape, params, batch, losses):
             tf.shape(p), stddev=CLIP * noise / int(batch[0].shape[0]))
                 for g, p in zip(grads, params)]
 
-    vmap = _steps(tf, fasttape, params, batch, losses)["vmap fn"]
     return {"plain fn": tf.function(plain), "+noise fn": tf.function(noised),
-            "dp fn": tf.function(dp), "vmap fn": vmap}
+            "dp fn": tf.function(steps["dp"]), "vmap fn": steps["vmap fn"]}
 
 
 def run_dp_compiled_workload(tf, fasttape, workload, repeats, warmup):
@@ -423,13 +417,7 @@ def run_dp_compiled_workload(tf, fasttape, workload, repeats, warmup):
             # (the values, not only the dispatch: a step's outputs are ready)
             [getattr(g, "values", g).numpy() for g in out if g is not None]  # pylint: disable=expression-not-assigned
             times[name].append(time.perf_counter() - t0)
-    row = {"workload": workload.name, "grads_equal": bool(equal)}
-    for name, seconds in times.items():
-        row[name] = float(np.median(seconds) * 1e3)
-        row[name + " spread"] = iqr_ms(seconds)
-    for name, step in steps.items():
-        row[name + " MB"] = peak_mb(tf, step)
-    return row
+    return _row(tf, workload, equal, steps, times)
 
 
 def format_dp_compiled_table(rows):
@@ -455,14 +443,14 @@ def format_dp_compiled_table(rows):
 
 
 DP_COMPILED_WORKLOADS = [
-    DPWorkload("dpc_mlp", _c_mlp, "compiled DP step: MLP 8-256-256-10, batch 64"),
+    DPWorkload("dpc_mlp", _c_mlp(8, 256), "compiled DP step: MLP 8-256-256-10, batch 64"),
     DPWorkload("dpc_text", _c_text,
                "compiled DP step: Embedding(1000,64)+Dense, batch 32, T=16"),
     DPWorkload("dpc_layernorm", _c_layernorm,
                "compiled DP step: Dense+LayerNormalization, batch 64, T=16"),
     DPWorkload("dpc_conv", _c_conv, "compiled DP step: 2 Conv2D + Dense, batch 64"),
     DPWorkload("dpc_lstm", _c_lstm, "compiled DP step: LSTM(32) + Dense, batch 32"),
-    DPWorkload("dpc_wide_mlp", _c_wide_mlp,
+    DPWorkload("dpc_wide_mlp", _c_mlp(1024, 1024),
                "compiled DP step: MLP 1024-1024-1024-10, batch 64 (peak memory)"),
 ] + [DPWorkload(f"dpc_gen{s}", _c_generated(s),
                 f"compiled DP step: a model drawn from seed {s}")
