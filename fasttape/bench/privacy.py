@@ -454,5 +454,5 @@ DP_COMPILED_WORKLOADS = [
                "compiled DP step: MLP 1024-1024-1024-10, batch 64 (peak memory)"),
 ] + [DPWorkload(f"dpc_gen{s}", _c_generated(s),
                 f"compiled DP step: a model drawn from seed {s}")
-     for s in range(4)]
+     for s in range(8)]
 DP_COMPILED_BY_NAME = {w.name: w for w in DP_COMPILED_WORKLOADS}
