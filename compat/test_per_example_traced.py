@@ -204,6 +204,25 @@ def test_traced_unknown_batch_takes_rows():
         micro(*xs)
 
 
+@pytest.mark.parametrize("case", ["embedding_resource", "sequence_gram",
+                                  "folded_rows", "einsum_heads"])
+def test_traced_sequence_length_unknown_while_tracing(case):
+    """A batch known while tracing, a sequence length not (input_signature
+    [B, None, ...]): the rules that read it at run time, rows for the
+    others; the values are the loop's either way."""
+    xs, loss, variables = ALL[case](tf.float32)
+    ref = _reference(loss, xs, variables)
+    clip, expected = _expected_dp(ref, B)
+    spec = [tf.TensorSpec([B, None] + x.shape[2:].as_list(), x.dtype) for x in xs]
+    per_example, norms, dp = tf.function(
+        _step(loss, variables, clip, []), input_signature=spec)(*xs)
+    for g, r in zip(per_example, ref):
+        _close(g, r, tf.float32)
+    _close(norms, _ref_norms(ref), tf.float32)
+    for g, e in zip(dp, expected):
+        _close(g, e, tf.float32)
+
+
 def test_traced_step_retraces_on_a_new_batch_size():
     xs, loss, variables = ALL["conv_same"](tf.float32)
     ref = _reference(loss, xs, variables)

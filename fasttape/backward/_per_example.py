@@ -221,12 +221,11 @@ def _check_mixing(what, entry, shapes, batch):
     inputs = getattr(payload, "inputs", None)
     if inputs is None or (batch is not None and batch < 2):
         return
-    # (a batch unknown while tracing: an unknown leading axis is taken
-    # for the batch)
+    # (while tracing, a leading axis unknown then may be the batch's)
     if op_type in _BATCH_NORMS:
         if _norm_rules.attr(payload, "is_training"):
             shape = shapes.get(entry.input_ids[0])
-            if shape and shape[0] == batch:
+            if shape and shape[0] in (batch, None):
                 raise _mixing_error(what, entry, batch)
         return
     if op_type not in _REDUCERS or len(inputs) < 2 or inputs[1] is None:
@@ -234,7 +233,7 @@ def _check_mixing(what, entry, shapes, batch):
     shape = shapes.get(entry.input_ids[0])
     if shape is None and inputs[0] is not None and inputs[0].shape.rank is not None:
         shape = tuple(inputs[0].shape.as_list())
-    if not shape or shape[0] != batch:
+    if not shape or shape[0] not in (batch, None):
         return
     value = _value(inputs[1])
     if value is None:       # axes computed while tracing: maybe the batch's

@@ -628,8 +628,9 @@ class _Gather:
 
     def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
         ids = payload.inputs[1]
-        b = ids.shape[0]
-        t = ids.shape.num_elements() // b if b else 0
+        b, n = ids.shape[0], ids.shape.num_elements()
+        # (n None: a length unknown while tracing; the sort below)
+        t = n // b if b and n is not None else 0
         if 0 < t <= _GHOST_GATHER_MAX and None not in g.shape:
             # the ghost norm: sum over t, t' of example i's positions with
             # equal ids of <g_it, g_it'> ([B, T, T], no sort, no scatter)
