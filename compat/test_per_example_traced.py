@@ -145,6 +145,13 @@ def test_traced_noise_seeded_and_unseeded(mode):
     step1 = flat(by_tensor(*xs, tf.constant([7, 1])))
     np.testing.assert_array_equal(step1, flat(by_tensor(*xs, tf.constant([7, 1]))))
     assert not np.allclose(step1, flat(by_tensor(*xs, tf.constant([7, 2]))))
+    # a seed beside a step counter (a variable, as an optimizer's iterations)
+    step = tf.Variable(0, dtype=tf.int64)
+    by_step = tf.function(lambda x, y: dp(x, y, seed=(7, step)), **MODES[mode])
+    at0 = flat(by_step(*xs))
+    np.testing.assert_array_equal(at0, flat(by_step(*xs)))
+    step.assign_add(1)
+    assert not np.allclose(at0, flat(by_step(*xs)))
     # normal noise of standard deviation C * multiplier / B on every value,
     # independent between the blocks of the large weight and the sources
     sigma = clip * multiplier / B

@@ -570,7 +570,8 @@ class GradientTape:
             divisor of B; microbatch j holds examples j*B/m ... (j+1)*B/m - 1
             and its gradient is their mean's, as in TF Privacy.
           seed: None, an int or a pair of ints (inside tf.function, also an
-            int tensor of either shape): the same seed gives the same
+            int tensor of either shape, or an int beside an int tensor or
+            variable such as a step counter): the same seed gives the same
             noise. Inside tf.function the noise is TF's stateless normal,
             drawn afresh at each call when unseeded.
 

@@ -43,6 +43,7 @@ from tensorflow.python.framework import random_seed
 from tensorflow.python.framework import tensor_shape
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import array_ops_stack
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gen_random_ops
 from tensorflow.python.ops import linalg_ops_impl
@@ -1334,9 +1335,9 @@ def _graph_noise(seed, flat_raw, ks, scale, count):
     them the losses reach); a larger one's is drawn and added into g's own
     buffer a block of rows at a time, each block drawn after the last one
     is added (no full-size noise is held, as eagerly). Keyed by
-    ``seed`` (an int, a pair of ints, or an int tensor of either shape, e.g.
-    a step counter beside a seed): the same noise at each call with that
-    seed. Unseeded, by a key drawn at each call of the function (a stateful
+    ``seed`` (an int, a pair of ints, an int tensor of either shape, or a
+    pair of an int and an int tensor or variable, e.g. a step counter beside
+    a seed): the same noise at each call with that seed. Unseeded, by a key drawn at each call of the function (a stateful
     op, which tf.random.set_seed makes reproducible): no noise is a
     constant of the trace."""
     if seed is None:
@@ -1351,6 +1352,9 @@ def _graph_noise(seed, flat_raw, ks, scale, count):
     elif isinstance(seed, (tuple, list)) and all(
             isinstance(x, (int, np.integer)) for x in seed):
         base = _norm_rules._const([int(x) for x in seed], dtypes.int64)
+    elif isinstance(seed, (tuple, list)):    # e.g. (seed, a step variable)
+        base = array_ops_stack.stack([math_ops.cast(ops.convert_to_tensor(x),
+                                              dtypes.int64) for x in seed])
     else:
         base = math_ops.cast(ops.convert_to_tensor(seed), dtypes.int64)
         if base.shape.rank == 0:
