@@ -532,7 +532,10 @@ class GradientTape:
           ValueError: if `losses` is not of shape [B], or mixes examples (an
             op on its path reduces over the batch axis).
           RuntimeError: on a used non-persistent tape (this call uses it up,
-            as gradient() does), or inside tf.function (eager only).
+            as gradient() does).
+
+        Inside tf.function (jit_compile too), on a tape recorded in the
+        function, the same rules build their ops into the function.
         """
         return _per_example.per_example_gradients(self, losses, sources)
 
@@ -567,8 +570,11 @@ class GradientTape:
           num_microbatches: None (B: one example per microbatch), or a
             divisor of B; microbatch j holds examples j*B/m ... (j+1)*B/m - 1
             and its gradient is their mean's, as in TF Privacy.
-          seed: None, an int or a pair of ints: the same seed gives the
-            same noise.
+          seed: None, an int or a pair of ints (inside tf.function, also an
+            int tensor of either shape, or an int beside an int tensor or
+            variable such as a step counter): the same seed gives the same
+            noise. Inside tf.function the noise is TF's stateless normal,
+            drawn afresh at each call when unseeded.
 
         Returns:
           A nested structure like `sources` of dense Tensors (None for a
