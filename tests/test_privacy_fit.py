@@ -205,8 +205,6 @@ def test_seeded_noise_repeats_and_differs_step_to_step():
     assert 0.3 < np.std(steps) / (CLIP / BATCH) < 3
 
 
-@pytest.mark.xfail(raises=RuntimeError, strict=True,
-                   reason="dp_gradient in tf.function lands with graph mode")
 @pytest.mark.parametrize("make", [_sequential, _functional, _subclassed])
 def test_compiled_fit_equals_the_reference_dp_step(make):
     model, _ = _fit(make, keras.optimizers.Adam(0.05), run_eagerly=False)
@@ -214,8 +212,6 @@ def test_compiled_fit_equals_the_reference_dp_step(make):
     _assert_same(model, want)
 
 
-@pytest.mark.xfail(raises=RuntimeError, strict=True,
-                   reason="dp_gradient in tf.function lands with graph mode")
 def test_compiled_fit_seeded_noise_repeats():
     def weights(seed):
         model, _ = _fit(_sequential, keras.optimizers.SGD(0.5),
