@@ -155,16 +155,23 @@ def _mixing_error(what, entry, batch):
         "with training=False).")
 
 
-def _check_mixing(what, entry, shapes, batch):
+def _check_mixing(what, entry, shapes, batch, separable=()):
     op_type = entry.op_type
     payload = entry.payload
     inputs = getattr(payload, "inputs", None)
     if inputs is None or batch < 2:
         return
     if op_type in _BATCH_NORMS:
-        if _norm_rules.attr(payload, "is_training"):
+        if _norm_rules.attr(payload, "is_training") and id(entry) not in separable:
+            # statistics over every axis but the channels': they mix the
+            # examples wherever the input may hold several (a batch
+            # folded into another axis too), unless _row_groups proved
+            # each channel within one example
             shape = shapes.get(entry.input_ids[0])
-            if shape is not None and shape[0] == batch:
+            if shape is None and inputs[0] is not None:
+                shape = tuple(inputs[0].shape.as_list())
+            if (shape is None or None in shape or shape[0] == batch
+                    or int(np.prod(shape)) % batch == 0):
                 raise _mixing_error(what, entry, batch)
         return
     if op_type not in _REDUCERS or len(inputs) < 2 or inputs[1] is None:
@@ -401,6 +408,7 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
     for entry in entries:
         for tid in entry.input_ids:
             consumers.setdefault(tid, []).append(entry)
+    groups = _row_groups(entries, shapes, consumers, batch)
     for entry in entries:
         ins = entry.input_ids
         if ins and ins[0] in alias and (
@@ -417,8 +425,9 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
             k = alias.get(tid)
             if k is not None:
                 uses[k].append((entry, pos))
-        _check_mixing(what, entry, shapes, batch)
-        if use_rules and not _keeps_axis0(entry, shapes, batch, alias):
+        _check_mixing(what, entry, shapes, batch, groups.separable)
+        if (use_rules and id(entry) not in groups.accepted
+                and not _keeps_axis0(entry, shapes, batch, alias)):
             use_rules = False
             logs.append(f"fasttape {what}: a {entry.op_type} op may move rows "
                         "across the batch axis: every source takes per-example "
@@ -445,6 +454,11 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
                 result.folded[k] = entry.payload
         else:
             payload = entry.payload if rule is not None else None
+        if rule is not None and id(entry) in groups.blocks:
+            payload = EagerOp(tuple(payload.attrs) + (
+                _norm_rules.BLOCKS_ATTR, groups.blocks[id(entry)]),
+                tuple(payload.inputs), payload.num_inputs)
+            result.folded[k] = entry.payload
         if rule is not None:
             result.ruled[k] = (payload, pos, rule, src_shape)
             result.op_types[k] = entry.op_type
@@ -1238,3 +1252,116 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
             g = _ex("AddV2", g, _noise(g.dtype, shape, seed, k, stddev, rng))
         out[k] = g
     return _pack(sources, flat_raw, out)
+
+
+class _Groups:
+    """Ops whose rows are not the examples one to one, but whose layout
+    the analysis proves (see _row_groups): ``accepted`` (ids of entries
+    _keeps_axis0 would refuse), ``blocks`` (id of a convolution's entry ->
+    its number of space-to-batch blocks), ``separable`` (ids of training
+    batch norms whose statistics never mix two examples)."""
+
+    def __init__(self):
+        self.accepted = set()
+        self.blocks = {}
+        self.separable = set()
+
+
+_CONVS = frozenset({"Conv2D", "DepthwiseConv2dNative"})
+_ROW_WISE_RESHAPES = frozenset({"ExpandDims", "Squeeze"})
+
+
+def _config(payload, i):
+    inputs = getattr(payload, "inputs", None) or ()
+    t = inputs[i] if i < len(inputs) else None
+    return None if t is None else t.numpy().tolist()
+
+
+def _row_groups(entries, shapes, consumers, batch):
+    """The layouts the analysis accepts beyond _keeps_axis0's:
+
+    - a dilated convolution as TF runs it: SpaceToBatchND (or an input off
+      the path), ExpandDims/Squeeze, Conv2D or DepthwiseConv2dNative,
+      ExpandDims/Squeeze, BatchToSpaceND, each tensor with one consumer:
+      row r of the convolution is example r % B (_norm_rules.BLOCKS_ATTR);
+    - a training batch norm (NCHW) over [1, C, ...] reshaped from [B, ...]
+      and reshaped back, as tf_keras' LayerNormalization runs (the batch
+      folded into the channels): each channel's statistics lie within one
+      example when an example's size is a multiple of a channel's."""
+    groups = _Groups()
+    if batch < 2:
+        return groups
+    producer = {}
+    for entry in entries:
+        for o in entry.output_ids:
+            producer[o] = entry
+
+    def only_use(tid):
+        users = consumers.get(tid, ())
+        return users[0] if len(users) == 1 else None
+
+    def back(tid):
+        """The producer of tid through row-wise reshapes (each tensor used
+        once), or None if tid is off the path."""
+        entry = producer.get(tid)
+        while entry is not None and entry.op_type in _ROW_WISE_RESHAPES:
+            if only_use(entry.output_ids[0]) is None:
+                return False
+            # (a new leading axis of size 1 before the convolution, or
+            # after it before BatchToSpaceND, fails the checks on the
+            # convolution's leading axis, nb B, or TF's own)
+            if entry.op_type == "ExpandDims" and _config(entry.payload, 1) == 0:
+                return False
+            entry = producer.get(entry.input_ids[0])
+        return entry
+
+    for entry in entries:
+        if entry.op_type == "BatchToSpaceND":
+            block = _config(entry.payload, 1)
+            if not block or only_use(entry.input_ids[0]) is None:
+                continue
+            nb = int(np.prod(block))
+            conv = back(entry.input_ids[0])
+            if (not conv or conv.op_type not in _CONVS
+                    or only_use(conv.output_ids[0]) is None):
+                continue
+            x = conv.payload.inputs[0]
+            if x is None or x.shape[0] != nb * batch:
+                continue
+            s2b = back(conv.input_ids[0])
+            if s2b is False or (s2b is not None and not (
+                    s2b.op_type == "SpaceToBatchND"
+                    and _config(s2b.payload, 1) == block
+                    and only_use(s2b.output_ids[0]) is not None)):
+                continue
+            groups.accepted.add(id(entry))
+            if s2b is not None:
+                groups.accepted.add(id(s2b))
+            groups.blocks[id(conv)] = nb
+        elif (entry.op_type in _BATCH_NORMS
+              and _norm_rules.attr(entry.payload, "is_training")
+              and _norm_rules._decoded(entry.payload, "data_format") == "NCHW"):  # pylint: disable=protected-access
+            into = producer.get(entry.input_ids[0])
+            x = entry.payload.inputs[0]
+            if (into is None or into.op_type != "Reshape" or x is None
+                    or only_use(entry.input_ids[0]) is None):
+                continue
+            shape = tuple(x.shape.as_list())
+            source = shapes.get(into.input_ids[0])
+            if source is None and into.payload.inputs[0] is not None:
+                source = tuple(into.payload.inputs[0].shape.as_list())
+            if (None in shape or not source or None in source
+                    or source[0] != batch or shape[0] != 1 or len(shape) < 2):
+                continue
+            size = int(np.prod(source[1:]))         # one example's
+            channel = int(np.prod(shape[2:]))       # one channel's
+            if size * batch != int(np.prod(shape)) or size % channel:
+                continue
+            users = [consumers.get(o, ()) for o in entry.output_ids]
+            out = users[0][0] if len(users[0]) == 1 else None
+            if (any(users[1:]) or out is None or out.op_type != "Reshape"
+                    or _leading(shapes.get(out.output_ids[0]) or ()) != batch):
+                continue
+            groups.accepted.update((id(into), id(out)))
+            groups.separable.add(id(entry))
+    return groups

@@ -670,3 +670,80 @@ def applies(rule, payload, pos, out_shape, src_shape, batch):
         return bool(rule.applies(payload, pos, out_shape, src_shape, batch))
     except (TypeError, ValueError, IndexError, AttributeError):
         return False
+
+
+# -- dilated convolutions run by space-to-batch -------------------------------
+
+# An attribute the analysis adds to a convolution's payload (a copy) whose
+# batch axis holds nb blocks of the B examples, block-major (TF runs a
+# dilated convolution as SpaceToBatchND, the convolution, BatchToSpaceND:
+# row r is example r % B): nb.
+BLOCKS_ATTR = "fasttape_interleaved_blocks"
+
+
+def _blocks(payload):
+    return attr(payload, BLOCKS_ATTR) or 1
+
+
+def _unblocked(t, nb):
+    """[nb*B, T, K] rows, block-major, -> [B, nb*T, K]: each example's rows
+    of every block together."""
+    t = array_ops.reshape(t, [nb, -1, t.shape[1], t.shape[2]])
+    t = array_ops.transpose(t, [1, 0, 2, 3])
+    return array_ops.reshape(t, [-1, nb * t.shape[2], t.shape[3]])
+
+
+def _tiled(w, nb):
+    """Per-example weights [B] for nb blocks of rows, block-major."""
+    return _ex("Tile", w, _const((nb,), dtypes.int32))
+
+
+@norm_rule("Conv2D")
+class _Conv2DBlocks(_Conv2D):
+    """The Conv2D rule, also on a dilated convolution's space-to-batch
+    blocks (BLOCKS_ATTR): example i's gradient sums its rows in every
+    block, the BatchMatMul rule on the patches of all of them."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        nb = _blocks(payload)
+        return super().applies(payload, pos, out_shape, src_shape, batch * nb) and (
+            nb == 1 or (out_shape[0] == batch * nb
+                        and payload.inputs[0].shape[0] == batch * nb))
+
+    def _flat(self, payload, g, src_shape, pos=1):
+        a, g = super()._flat(payload, g, src_shape, pos)
+        nb = _blocks(payload)
+        if nb == 1:
+            return a, g
+        return _unblocked(a, nb), _unblocked(g, nb)
+
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        nb = _blocks(payload)
+        if nb == 1 or self._from_memo(payload, pos, w, memo) is not None:
+            return super().weighted(payload, pos, g, w, src_shape, memo)
+        return super().weighted(payload, pos, g, _tiled(w, nb), src_shape, None)
+
+
+@norm_rule("DepthwiseConv2dNative")
+class _DepthwiseBlocks(_DepthwiseConv2D):
+    """The depthwise rule, also on a dilated convolution's space-to-batch
+    blocks (BLOCKS_ATTR): each row's gradient, summed over the blocks."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        nb = _blocks(payload)
+        return super().applies(payload, pos, out_shape, src_shape, batch * nb) and (
+            nb == 1 or payload.inputs[0].shape[0] == batch * nb)
+
+    def per_example(self, payload, pos, g, src_shape=None):
+        grads = super().per_example(payload, pos, g, src_shape)
+        nb = _blocks(payload)
+        if nb == 1:
+            return grads
+        return math_ops.reduce_sum(
+            array_ops.reshape(grads, [nb, -1] + list(src_shape)), axis=0)
+
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        nb = _blocks(payload)
+        if nb == 1 or self._from_memo(payload, pos, w, memo) is not None:
+            return super().weighted(payload, pos, g, w, src_shape, memo)
+        return super().weighted(payload, pos, g, _tiled(w, nb), src_shape, None)
