@@ -39,6 +39,21 @@ def _keras_model(kind, name):
                            L.DepthwiseConv2D(3, dilation_rate=2,
                                              depth_multiplier=2, dtype=name),
                            L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "conv3d":
+        return (4, 5, 4, 2), [L.Conv3D(3, (2, 3, 2), activation="tanh", dtype=name),
+                              # (8 positions: the ghost norm)
+                              L.Conv3D(8, 2, strides=2, padding="same", dtype=name),
+                              L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "conv_transpose":
+        return (4, 4, 2), [L.Conv2D(3, 1, activation="tanh", dtype=name),
+                           L.Conv2DTranspose(3, 3, strides=2, activation="tanh",
+                                             dtype=name),
+                           L.Conv2DTranspose(2, 2, padding="same", dtype=name),
+                           L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "conv1d_transpose":
+        return (5, 2), [L.Conv1DTranspose(3, 3, strides=2, activation="tanh",
+                                          dtype=name),
+                        L.Flatten(dtype=name), L.Dense(2, dtype=name)]
     raise KeyError(kind)
 
 
@@ -77,15 +92,51 @@ def _tf_keras_layernorm(dtype):
     return [tf.constant(x, dtype)], loss, model.trainable_variables
 
 
+def _tf_keras_batchnorm(dtype):
+    """tf_keras' BatchNormalization in inference after a Conv2D: one
+    FusedBatchNormV3 (is_training false) with gamma and beta as its scale
+    and offset (float32: TF's kernel; float64 runs other ops)."""
+    import tf_keras  # pylint: disable=import-outside-toplevel
+    tf_keras.utils.set_random_seed(0)
+    name = tf.as_dtype(dtype).name
+    bn = tf_keras.layers.BatchNormalization(dtype=name)
+    model = tf_keras.Sequential([
+        tf_keras.Input((5, 5, 2), dtype=name),
+        tf_keras.layers.Conv2D(3, 3, dtype=name), bn,
+        tf_keras.layers.Flatten(dtype=name),
+        tf_keras.layers.Dense(2, dtype=name)])
+    rng = np.random.default_rng(15)
+    bn.moving_mean.assign(rng.normal(size=3))
+    bn.moving_variance.assign(rng.uniform(0.5, 2.0, size=3))
+    x = rng.normal(size=(B, 5, 5, 2))
+
+    def loss(x):
+        return tf.reduce_sum(tf.square(model(x, training=False)), axis=-1)
+    return [tf.constant(x, dtype)], loss, model.trainable_variables
+
+
 CASES = {
+    "keras_conv3d": _keras_case("conv3d"),
+    "keras_conv_transpose": _keras_case("conv_transpose"),
+    "keras_conv1d_transpose": _keras_case("conv1d_transpose"),
+    "tf_keras_batchnorm": _tf_keras_batchnorm,
     "keras_conv_dilated": _keras_case("conv_dilated"),
     "keras_conv_dilated_wide": _keras_case("conv_dilated_wide"),
     "keras_conv1d_dilated": _keras_case("conv1d_dilated"),
     "keras_depthwise_dilated": _keras_case("depthwise_dilated"),
     "tf_keras_layernorm": _tf_keras_layernorm,
 }
-PAIRS = [(c, d) for c in sorted(CASES) for d in DTYPES]
-IDS = [f"{c}-{d.name}" for c, d in PAIRS]
+# A per-channel affine chain before the batch (Keras 3's BatchNormalization
+# in inference, tf_keras' in float64: gamma * rsqrt(variance + eps) read by
+# two ops, x * inv and mean * inv) has no op rule yet: its parameters take
+# exact per-example rows.
+_ROWS = pytest.mark.xfail(
+    reason="an affine chain read by two batch ops (unfused batch norm in "
+    "inference) takes per-example rows, no op rule", strict=True)
+PAIRS = [pytest.param(c, d, marks=[_ROWS] if (c, d) == (
+    "tf_keras_batchnorm", tf.float64) else [], id=f"{c}-{d.name}")
+         for c in sorted(CASES) for d in DTYPES]
+IDS = None
 
 
 def _fasttape(case, dtype, method, *args):
@@ -99,7 +150,7 @@ def _fasttape(case, dtype, method, *args):
     return got, ref, variables
 
 
-@pytest.mark.parametrize("case,dtype", PAIRS, ids=IDS)
+@pytest.mark.parametrize("case,dtype", PAIRS)
 def test_per_example_gradients_and_norms(case, dtype):
     got, ref, variables = _fasttape(case, dtype, "per_example_gradients")
     for g, r, v in zip(got, ref, variables):
@@ -109,7 +160,7 @@ def test_per_example_gradients_and_norms(case, dtype):
     _close(norms, _ref_norms(ref), dtype)
 
 
-@pytest.mark.parametrize("case,dtype", PAIRS, ids=IDS)
+@pytest.mark.parametrize("case,dtype", PAIRS)
 def test_dp_gradient(case, dtype):
     xs, loss, variables = CASES[case](dtype)
     ref = _reference(loss, xs, variables)

@@ -1267,7 +1267,7 @@ class _Groups:
         self.separable = set()
 
 
-_CONVS = frozenset({"Conv2D", "DepthwiseConv2dNative"})
+_CONVS = frozenset({"Conv2D", "DepthwiseConv2dNative", "Conv3D"})
 _ROW_WISE_RESHAPES = frozenset({"ExpandDims", "Squeeze"})
 
 

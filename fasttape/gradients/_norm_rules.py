@@ -747,3 +747,141 @@ class _DepthwiseBlocks(_DepthwiseConv2D):
         if nb == 1 or self._from_memo(payload, pos, w, memo) is not None:
             return super().weighted(payload, pos, g, w, src_shape, memo)
         return super().weighted(payload, pos, g, _tiled(w, nb), src_shape, None)
+
+
+# -- 3-D and transposed convolutions, batch norm in inference -----------------
+
+@norm_rule("Conv3D")
+class _Conv3D(_Conv2DBlocks):
+    """z = conv3d(x, K), NDHWC, SAME or VALID: the Conv2D rule on volume
+    patches [T, kd kh kw cin] (the kernel's layout)."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        nb = _blocks(payload)
+        return (pos == 1 and (_decoded(payload, "data_format") or "NDHWC") == "NDHWC"
+                and _decoded(payload, "padding") in ("SAME", "VALID")
+                and len(src_shape) == 5 and None not in src_shape
+                and len(out_shape) == 5 and out_shape[0] == batch * nb
+                and payload.inputs[0] is not None
+                and payload.inputs[0].shape[0] == batch * nb)
+
+    def _flat(self, payload, g, src_shape, pos=1):
+        x = payload.inputs[0]
+        kd, kh, kw, cin = src_shape[:4]
+        k = kd * kh * kw * cin
+        strides = list(attr(payload, "strides"))
+        dilations = list(attr(payload, "dilations") or [1] * 5)
+        padding = _decoded(payload, "padding")
+        if k * k * x.dtype.size > _MAX_PATCH_KERNEL_BYTES and dilations == [1] * 5:
+            patches = array_ops.extract_volume_patches(
+                x, [1, kd, kh, kw, 1], strides, padding)
+        else:
+            eye = _cached(("patches3d", kd, kh, kw, cin, x.dtype), lambda: array_ops.reshape(
+                linalg_ops_impl.eye(k, dtype=x.dtype), [kd, kh, kw, cin, k]))
+            patches = gen_nn_ops.conv3d(x, eye, strides=strides, padding=padding,
+                                        dilations=dilations, data_format="NDHWC")
+        b = array_ops.shape(x)[0]
+        a = array_ops.reshape(patches, [b, -1, k])
+        g = array_ops.reshape(g, [b, -1, g.shape[-1]])
+        nb = _blocks(payload)
+        if nb == 1:
+            return a, g
+        return _unblocked(a, nb), _unblocked(g, nb)
+
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        summed = self._from_memo(payload, pos, w, memo)
+        if summed is not None:
+            return _ex("Reshape", summed, _const(tuple(src_shape), dtypes.int32))
+        nb = _blocks(payload)
+        gw = (_scaled(g, w, memo) if nb == 1
+              else _ex("Mul", g, _bcast(_tiled(w, nb), 5)))
+        return gen_nn_ops.conv3d_backprop_filter_v2(
+            payload.inputs[0], _const(tuple(src_shape), dtypes.int32), gw,
+            strides=list(attr(payload, "strides")),
+            padding=_decoded(payload, "padding"),
+            dilations=list(attr(payload, "dilations") or [1] * 5),
+            data_format="NDHWC")
+
+
+@norm_rule("Conv2DBackpropInput")
+class _Conv2DTranspose(_Conv2D):
+    """y = conv2d_transpose(x, K) (Conv2DBackpropInput as a forward op:
+    Keras' Conv2DTranspose, and Conv1DTranspose through ExpandDims), NHWC,
+    SAME or VALID: example i's gradient of K [kh, kw, cy, cx] is
+    P(g_i)^T X_i, P(g_i) the patches [T, kh kw cy] of its output gradient
+    under the convolution that y transposes, X_i its input [T, cx]: the
+    BatchMatMul rule on those; the clipped sum by TF's kernel gradient."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        x = payload.inputs[2] if len(payload.inputs) > 2 else None
+        return (pos == 1 and (_decoded(payload, "data_format") or "NHWC") == "NHWC"
+                and _decoded(payload, "padding") in ("SAME", "VALID")
+                and len(src_shape) == 4 and None not in src_shape
+                and len(out_shape) == 4 and out_shape[0] == batch
+                and x is not None and x.shape[0] == batch
+                and out_shape[-1] == src_shape[2])
+
+    def _flat(self, payload, g, src_shape, pos=1):
+        # the patches of g under the forward convolution, against x
+        forward = EagerOp(payload.attrs, (g, None), 2)
+        return super()._flat(forward, payload.inputs[2], src_shape, pos)
+
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        summed = self._from_memo(payload, pos, w, memo)
+        if summed is not None:
+            return _ex("Reshape", summed, _const(tuple(src_shape), dtypes.int32))
+        return gen_nn_ops.conv2d_backprop_filter(
+            _scaled(g, w, memo), _const(tuple(src_shape), dtypes.int32),
+            payload.inputs[2], strides=list(attr(payload, "strides")),
+            padding=_decoded(payload, "padding"),
+            dilations=list(attr(payload, "dilations") or [1, 1, 1, 1]),
+            data_format="NHWC")
+
+
+@norm_rule("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
+class _FusedBatchNorm:
+    """y = scale * (x - mean) / sqrt(variance + eps) + offset in inference
+    (is_training false: mean and variance fixed; tf_keras'
+    BatchNormalization with training=False): example i's gradient of the
+    scale is its output gradient times the normalized x, of the offset its
+    output gradient, each summed over all but the channel axis ([B, C],
+    built: a per-channel parameter is small)."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        inputs = payload.inputs
+        return (pos in (1, 2) and not attr(payload, "is_training")
+                and (_decoded(payload, "data_format") or "NHWC") in (
+                    "NHWC", "NCHW", "NDHWC", "NCDHW")
+                and len(src_shape) == 1 and len(out_shape) >= 2
+                and out_shape[0] == batch
+                and (pos == 2 or all(t is not None for t in (
+                    inputs[0], inputs[3], inputs[4]))))
+
+    def per_example(self, payload, pos, g, src_shape=None):
+        rank = len(g.shape)
+        channel = 1 if _decoded(payload, "data_format") in ("NCHW", "NCDHW") else rank - 1
+        axes = [a for a in range(1, rank) if a != channel]
+        dtype = payload.inputs[3].dtype if payload.inputs[3] is not None else g.dtype
+        g = math_ops.cast(g, dtype)
+        if pos == 1:
+            x = math_ops.cast(payload.inputs[0], dtype)
+            shape = [1] * rank
+            shape[channel] = -1
+            mean = array_ops.reshape(payload.inputs[3], shape)
+            inv = math_ops.rsqrt(array_ops.reshape(payload.inputs[4], shape)
+                                 + attr(payload, "epsilon", 1e-4))
+            g = g * ((x - mean) * inv)
+        return math_ops.reduce_sum(g, axis=axes) if axes else g
+
+    def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
+        grads = self.per_example(payload, pos, g, src_shape)
+        if memo is not None:
+            memo[("per_example", id(payload), pos)] = (payload, grads)
+        return sq_rows(grads)
+
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        hit = None if memo is None else memo.get(("per_example", id(payload), pos))
+        grads = (hit[1] if hit is not None and hit[0] is payload
+                 else self.per_example(payload, pos, g, src_shape))
+        return _ex("Sum", _ex("Mul", grads, _bcast(math_ops.cast(w, grads.dtype), 2)),
+                   _const(0, dtypes.int32), "keep_dims", False)
