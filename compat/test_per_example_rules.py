@@ -54,6 +54,16 @@ def _keras_model(kind, name):
         return (5, 2), [L.Conv1DTranspose(3, 3, strides=2, activation="tanh",
                                           dtype=name),
                         L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "lstm":
+        return (4, 2), [L.LSTM(3, dtype=name), L.Dense(2, dtype=name)]
+    if kind == "simple_rnn":
+        return (5, 2), [L.SimpleRNN(3, dtype=name), L.Dense(2, dtype=name)]
+    if kind == "gru_sequences":
+        # a Dense first: the time-major Transpose and Unpack on the path
+        return (4, 2), [L.Dense(3, activation="tanh", dtype=name),
+                        L.GRU(3, return_sequences=True, dtype=name),
+                        L.GlobalAveragePooling1D(dtype=name),
+                        L.Dense(2, dtype=name)]
     raise KeyError(kind)
 
 
@@ -116,6 +126,9 @@ def _tf_keras_batchnorm(dtype):
 
 
 CASES = {
+    "keras_lstm": _keras_case("lstm"),
+    "keras_simple_rnn": _keras_case("simple_rnn"),
+    "keras_gru_sequences": _keras_case("gru_sequences"),
     "keras_conv3d": _keras_case("conv3d"),
     "keras_conv_transpose": _keras_case("conv_transpose"),
     "keras_conv1d_transpose": _keras_case("conv1d_transpose"),
@@ -133,10 +146,19 @@ CASES = {
 _ROWS = pytest.mark.xfail(
     reason="an affine chain read by two batch ops (unfused batch norm in "
     "inference) takes per-example rows, no op rule", strict=True)
+# Sources that still take rows: GRU's bias [2, 3 units] is split in two
+# (one Split of the source, two uses).
+ROWS = {"keras_gru_sequences": ("bias (2, 9)",)}
 PAIRS = [pytest.param(c, d, marks=[_ROWS] if (c, d) == (
     "tf_keras_batchnorm", tf.float64) else [], id=f"{c}-{d.name}")
          for c in sorted(CASES) for d in DTYPES]
 IDS = None
+
+
+def _assert_rows(tape, method, case):
+    what, rows = tape.summary().per_example_rows
+    assert what == method
+    assert tuple(name for name, _ in rows) == ROWS.get(case, ()), case
 
 
 def _fasttape(case, dtype, method, *args):
@@ -146,7 +168,7 @@ def _fasttape(case, dtype, method, *args):
         losses = loss(*xs)
     got = getattr(tape, method)(losses, variables, *args)
     # every source by its op rule: no per-example rows
-    assert tape.summary().per_example_rows == (method, ()), case
+    _assert_rows(tape, method, case)
     return got, ref, variables
 
 
@@ -172,7 +194,7 @@ def test_dp_gradient(case, dtype):
         with fasttape.GradientTape() as tape:
             losses = loss(*xs)
         got = tape.dp_gradient(losses, variables, clip)
-        assert tape.summary().per_example_rows == ("dp_gradient", ()), step
+        _assert_rows(tape, "dp_gradient", case)
         for g, e in zip(got, expected):
             _close(g, e, dtype)
 

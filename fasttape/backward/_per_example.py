@@ -31,6 +31,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.framework import random_seed
 from tensorflow.python.framework import tensor_shape
 from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import array_ops_stack
 from tensorflow.python.ops import linalg_ops_impl
 from tensorflow.python.ops import math_ops
 from tensorflow.python.ops import stateless_random_ops
@@ -80,6 +81,7 @@ class _Analysis:
         self.key = None         # its structural key (_ANALYSES), if it has one
         self.folded = {}        # k -> the payload a _fold_rows copy was made of
         self.entries = None     # the path's entries (core.plan), if kept
+        self.uses = {}          # k -> its uses' (payload, pos, rule, out id): _uses
 
 
 def _meta_shape(meta):
@@ -282,9 +284,10 @@ _MAX_ANALYSES = 64
 class _Layout:
     """An analysis with its ops as positions among the path's entries."""
 
-    __slots__ = ("ruled", "fallback", "logs")
+    __slots__ = ("ruled", "fallback", "logs", "uses")
 
-    def __init__(self, ruled, fallback, logs):
+    def __init__(self, ruled, fallback, logs, uses=None):
+        self.uses = uses or {}      # k -> ((j, pos, rule), ...): _uses
         self.ruled = ruled          # k -> (j, pos, rule, src_shape, fold, op_type, out_shape)
         self.fallback = fallback    # k -> op types
         self.logs = logs            # its DEBUG lines
@@ -351,8 +354,11 @@ def _layout(result, entries, logs):
             fold = tuple(payload.attrs[len(entries[j].payload.attrs):])
         ruled[k] = (j, pos, rule, src_shape, fold, result.op_types[k],
                     result.out_shapes[k])
+    uses = {k: tuple((at[id(p)], pos, rule) for p, pos, rule, _ in used)
+            for k, used in result.uses.items()
+            if all(id(p) in at for p, _, _, _ in used)}
     return _Layout(ruled, {k: tuple(v) for k, v in result.fallback.items()},
-                   tuple(logs))
+                   tuple(logs), uses)
 
 
 def _rebind(layout, entries, key):
@@ -369,6 +375,9 @@ def _rebind(layout, entries, key):
         result.out_ids[k] = entry.output_ids[0]
         result.out_shapes[k] = out_shape
     result.fallback = {k: list(v) for k, v in layout.fallback.items()}
+    result.uses = {k: [(entries[j].payload, pos, rule, entries[j].output_ids[0])
+                       for j, pos, rule in used]
+                   for k, used in layout.uses.items()}
     result.key = key
     return result
 
@@ -404,11 +413,14 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
                     shapes[o] = shapes[i]
                 elif o in shapes and i not in shapes:
                     shapes[i] = shapes[o]
+            elif entry.op_type in ("Transpose", "Unpack"):
+                _carry_shape(entry, shapes)
     consumers = {}
     for entry in entries:
         for tid in entry.input_ids:
             consumers.setdefault(tid, []).append(entry)
     groups = _row_groups(entries, shapes, consumers, batch)
+    followed, axes = _track_batch_axis(entries, shapes, batch, alias, consumers)
     for entry in entries:
         ins = entry.input_ids
         if ins and ins[0] in alias and (
@@ -427,7 +439,7 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
                 uses[k].append((entry, pos))
         _check_mixing(what, entry, shapes, batch, groups.separable)
         if (use_rules and id(entry) not in groups.accepted
-                and not _keeps_axis0(entry, shapes, batch, alias)):
+                and id(entry) not in followed and not _keeps_axis0(entry, shapes, batch, alias)):
             use_rules = False
             logs.append(f"fasttape {what}: a {entry.op_type} op may move rows "
                         "across the batch axis: every source takes per-example "
@@ -446,6 +458,9 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
         if use_rules and len(used) == 1 and None not in src_shape:
             entry, pos = used[0]
             rule = _norm_rules.candidate(entry.op_type, entry.payload)
+            if rule is not None and axes is not None and any(
+                    axes.get(t, 0) > 0 for t in entry.input_ids + entry.output_ids[:1]):
+                rule = None     # its batch is not on axis 0 (time-major)
         if rule is not None and entry.op_type == "MatMul":
             payload = _fold_rows(entry, shapes, consumers, batch)
             if payload is None:
@@ -466,6 +481,10 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
             result.out_shapes[k] = shapes.get(entry.output_ids[0])
         else:
             result.fallback[k] = sorted({e.op_type for e, _ in used})
+            if use_rules and len(used) > 1 and None not in src_shape:
+                uses = _uses(used, axes, batch)
+                if uses:
+                    result.uses[k] = uses
     return result
 
 
@@ -507,8 +526,9 @@ def _note_fallback(what, tape, flat_raw, analysis):
     use them (no rule, or a rule that declined): a DEBUG log line, and the
     tape's summary() (its last per-example call)."""
     rows = tuple((_source_name(flat_raw[k]), tuple(analysis.fallback[k]))
-                 for k in sorted(analysis.fallback))
+                 for k in sorted(analysis.fallback) if k not in analysis.uses)
     tape._per_example_rows = (what, rows)  # pylint: disable=protected-access
+    _note_rules(what, flat_raw, analysis)
     if rows:
         logging.debug(
             "fasttape %s: per-example rows (one backward pass per example) for "
@@ -570,8 +590,16 @@ def _ruled_pass(what, tape_state, losses, flat, analysis):
     return captured
 
 
-def _rows(tape, losses, flat_raw, keys, basis=None):
-    """{k: per-example (or per-basis-row) gradients of source k, or None}."""
+def _rows(tape, losses, flat_raw, keys, basis=None, uses=None):
+    """{k: per-example (or per-basis-row) gradients of source k, or None}.
+    ``uses``: the analysis' sources read by several ruled ops (_uses), whose
+    per-example gradients come from one pass to those ops' outputs."""
+    if uses and basis is None:
+        got = _per_example_of_uses(tape._tape, losses, {  # pylint: disable=protected-access
+            k: uses[k] for k in keys if k in uses},
+            {k: tuple(flat_raw[k].shape.as_list()) for k in keys})
+        rest = _rows(tape, losses, flat_raw, [k for k in keys if k not in got])
+        return {k: got[k] if k in got else rest.get(k) for k in keys}
     if not keys:
         return {}
     rows = _jacobians.gradient_rows(tape, losses, [flat_raw[k] for k in keys],
@@ -593,7 +621,8 @@ def per_example_gradients(tape, losses, sources):
                 rule.per_example(payload, pos, g, src_shape=src_shape),
                 [batch] + flat_raw[k].shape.as_list())
         _note_fallback("per_example_gradients", tape, flat_raw, analysis)
-        for k, rows in _rows(tape, losses, flat_raw, list(analysis.fallback)).items():
+        for k, rows in _rows(tape, losses, flat_raw, list(analysis.fallback),
+                             uses=analysis.uses).items():
             out[k] = rows
     finally:
         _end(tape, tape_state)
@@ -605,7 +634,8 @@ def _sq_norms(what, tape, tape_state, losses, flat, flat_raw, analysis):
     finish without another pass (ruled contexts, fallback rows)."""
     ruled = _ruled_pass(what, tape_state, losses, flat, analysis)
     _note_fallback(what, tape, flat_raw, analysis)
-    rows = _rows(tape, losses, flat_raw, list(analysis.fallback))
+    rows = _rows(tape, losses, flat_raw, list(analysis.fallback),
+                 uses=analysis.uses)
     total = None
     memo = {}
     for payload, pos, rule, src_shape, g in ruled.values():
@@ -1222,7 +1252,8 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
             if spec is None:
                 ruled = _ruled_pass("dp_gradient", tape_state, losses, flat,
                                     analysis)
-                rows = _rows(tape, losses, flat_raw, list(analysis.fallback))
+                rows = _rows(tape, losses, flat_raw, list(analysis.fallback),
+                             uses=analysis.uses)
                 spec = _dp_finish(tape_state, losses, flat_raw, analysis,
                                   ruled, rows, clip, m, noise, out)
         else:
@@ -1365,3 +1396,254 @@ def _row_groups(entries, shapes, consumers, batch):
             groups.accepted.update((id(into), id(out)))
             groups.separable.add(id(entry))
     return groups
+
+
+_TRACKED = frozenset({"Transpose", "Unpack", "Pack", "StridedSlice", "Split",
+                      "SplitV"})
+_ELEMENTWISE = (_SAME_SHAPE - {"Softmax", "LogSoftmax"}) | frozenset({
+    "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "Maximum", "Minimum",
+    "SquaredDifference", "Pow", "Select", "SelectV2", "ZerosLike",
+    "OnesLike", "TanhGrad", "SigmoidGrad"})
+
+
+def _track_batch_axis(entries, shapes, batch, alias, consumers):
+    """Where a recurrent layer runs time-major (Keras' RNNs: Transpose to
+    [T, B, ...], Unpack over time, a step's Split of its gates along the
+    features, Pack of the outputs and a StridedSlice of the last), the
+    batch axis is followed through these ops: (ids of the entries whose
+    move is followed, {tensor id: its batch axis}), or (empty, None) where
+    it is lost (a reduction, unpack or slice along it, an op other than
+    these and elementwise ones on a tensor whose batch is not on axis 0,
+    a result whose batch is not on axis 0). Inputs off the path are taken
+    to lead with the batch, as _keeps_axis0 takes them."""
+    axes = {}
+    followed = set()
+    none = (set(), None)
+
+    def axis_of(tid, t=None):
+        if tid in axes:
+            return axes[tid]
+        if tid in alias:
+            return -1                   # a source: no batch
+        shape = shapes.get(tid)
+        if shape is None and t is not None and t.dtype != dtypes.resource:
+            shape = tuple(t.shape.as_list())
+        return 0 if shape and shape[0] == batch else -1
+
+    for entry in entries:
+        payload = entry.payload
+        inputs = getattr(payload, "inputs", None) or ()
+        ins = [axis_of(tid, inputs[i] if i < len(inputs) else None)
+               for i, tid in enumerate(entry.input_ids)]
+        op = entry.op_type
+        data = ins[1] if op == "Split" and len(ins) > 1 else (ins[0] if ins else -1)
+        if op == "Pack" and len(set(ins)) > 1:
+            return none
+        if op in _TRACKED and data >= 0:
+            out = _moved_axis(entry, shapes, data, batch)
+            if out is None:
+                return none
+            followed.add(id(entry))
+        elif op in _TRACKED:
+            followed.add(id(entry))     # a tensor without the batch (a weight's)
+            out = -1
+        else:
+            batched = {a for a in ins if a >= 0}
+            if len(batched) > 1:
+                return none
+            # (no input with the batch: a Reshape of rows folded with time
+            # to [B, ...], taken to lead with it as inputs off the path)
+            out = batched.pop() if batched else (
+                0 if _leading(shapes.get(entry.output_ids[0]) or ()) == batch
+                else -1) if entry.output_ids else -1
+            if out > 0 and op not in _ELEMENTWISE:
+                return none
+        for o in entry.output_ids:
+            axes[o] = out
+    for entry in entries:
+        for o in entry.output_ids:
+            if o not in consumers and axes.get(o, 0) > 0:
+                return none
+    return followed, axes
+
+
+def _config_axis(entry, shapes):
+    """The axis of a Pack, Unpack, Split or SplitV, made non-negative where
+    the rank is known; None where it is not known."""
+    op = entry.op_type
+    payload = entry.payload
+    if op in ("Pack", "Unpack"):
+        axis = _norm_rules.attr(payload, "axis", 0)
+    else:
+        axis = _config(payload, 0 if op == "Split" else 2)
+    if not isinstance(axis, int):
+        return None
+    if axis >= 0:
+        return axis
+    data = entry.input_ids[1 if op == "Split" else 0] if entry.input_ids else None
+    inputs = getattr(payload, "inputs", None) or ()
+    t = inputs[1 if op == "Split" else 0] if len(inputs) > (1 if op == "Split" else 0) else None
+    shape = shapes.get(data)
+    if shape is None and t is not None:
+        shape = tuple(t.shape.as_list())
+    if shape is None and op in ("Split", "SplitV"):
+        # a split keeps the rank: any piece's
+        shape = next((shapes[o] for o in entry.output_ids if o in shapes), None)
+    if shape is None:
+        return None
+    return axis + len(shape) + (1 if op == "Pack" else 0)
+
+
+def _moved_axis(entry, shapes, axis, batch):
+    """The batch axis after a _TRACKED op, given it at ``axis`` of the
+    data input; None where the op may move rows across it."""
+    op = entry.op_type
+    payload = entry.payload
+    if op == "Transpose":
+        perm = _config(payload, 1)
+        return perm.index(axis) if perm and axis in perm else None
+    if op in ("Unpack", "Split", "SplitV", "Pack"):
+        a = _config_axis(entry, shapes)
+        if a is None or (a == axis and op != "Pack"):
+            return None
+        if op == "Unpack":
+            return axis - (a < axis)
+        if op == "Pack":
+            return axis + (a <= axis)
+        return axis
+    # StridedSlice: the batch axis whole, other axes sliced or shrunk
+    begin, end, strides = _config(payload, 1), _config(payload, 2), _config(payload, 3)
+    if begin is None or end is None or strides is None:
+        return None
+    def mask(name):
+        return int(_norm_rules.attr(payload, name, 0) or 0)
+    if mask("ellipsis_mask") or mask("new_axis_mask"):
+        return None
+    shrink = mask("shrink_axis_mask")
+    if axis < len(begin):
+        if (shrink >> axis) & 1 or strides[axis] != 1:
+            return None
+        if not ((mask("begin_mask") >> axis) & 1 or begin[axis] == 0):
+            return None
+        if not ((mask("end_mask") >> axis) & 1 or end[axis] >= batch):
+            return None
+    return axis - bin(shrink & ((1 << axis) - 1)).count("1")
+
+
+def _uses(used, axes, batch):
+    """For a source read by several ops that each have a rule (a recurrent
+    layer's kernel, recurrent kernel and bias, read once a time step):
+    [(payload, pos, rule, output id)] of every use, or None where one has
+    no rule, or its batch is not on axis 0, or its rows fold time."""
+    out = []
+    for entry, pos in used:
+        rule = _norm_rules.candidate(entry.op_type, entry.payload)
+        if rule is None:
+            return None
+        if axes is not None and any(
+                axes.get(t, 0) > 0 for t in entry.input_ids + entry.output_ids[:1]):
+            return None
+        if entry.op_type == "MatMul":
+            a = entry.payload.inputs[0]
+            if a is None or a.shape.rank != 2 or a.shape[0] != batch:
+                return None
+        out.append((entry.payload, pos, rule, entry.output_ids[0]))
+    return out
+
+
+def _stacked_matmuls(terms):
+    """sum_t a_t^T g_t per example, from MatMul uses [(payload, g)] sharing
+    their attrs: one product of the time steps stacked, [B, T, K] and
+    [B, T, N]."""
+    a = array_ops_stack.stack([p.inputs[0] for p, _ in terms], axis=1)
+    g = array_ops_stack.stack([g for _, g in terms], axis=1)
+    if _norm_rules.attr(terms[0][0], "transpose_b"):
+        return math_ops.matmul(g, a, transpose_a=True)
+    return math_ops.matmul(a, g, transpose_a=True)
+
+
+
+
+def _per_example_of_uses(tape_state, losses, uses, shapes):
+    """{k: [B] + source shape} for the sources of ``uses`` (k -> _uses):
+    one backward pass to every use's output, each use's rule, summed
+    (MatMuls by one product over their stacked steps); a source one of
+    whose rules declines is left out (rows)."""
+    batch = int(losses.shape[0])
+    out_ids = list(dict.fromkeys(o for used in uses.values() for *_, o in used))
+    if not out_ids:
+        return {}
+    grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
+    result = {}
+    for k, used in uses.items():
+        src = shapes[k]
+        matmuls, terms = {}, []
+        for payload, pos, rule, o in used:
+            g = grads.get(o)
+            if g is None:
+                continue
+            if type(g) is not ops.EagerTensor:
+                g = ops.convert_to_tensor(g)
+            saved = payload.inputs[pos]
+            seen = (tuple(saved.shape.as_list())
+                    if saved is not None and saved.dtype != dtypes.resource else src)
+            if not _norm_rules.applies(rule, payload, pos,
+                                       tuple(g.shape.as_list()), seen, batch):
+                break
+            if type(rule) is type(_norm_rules.NORM_RULES["MatMul"]) and pos == 1:
+                key = bool(_norm_rules.attr(payload, "transpose_b"))
+                matmuls.setdefault(key, []).append((payload, g))
+            else:
+                terms.append(rule.per_example(payload, pos, g, src_shape=seen))
+        else:
+            terms += [_stacked_matmuls(t) for t in matmuls.values()]
+            if terms:
+                terms = [array_ops.reshape(t, [batch] + list(src)) for t in terms]
+                result[k] = terms[0] if len(terms) == 1 else math_ops.add_n(terms)
+    return result
+
+
+def _note_rules(what, flat_raw, analysis):
+    """A DEBUG line naming the op rule of each source (and the sources read
+    by several ruled ops, summed over their uses)."""
+    if not logging.get_verbosity() <= logging.DEBUG:
+        return
+    ruled = [f"{_source_name(flat_raw[k])} ({analysis.op_types[k]})"
+             for k in sorted(analysis.ruled)]
+    ruled += [f"{_source_name(flat_raw[k])} ({', '.join(analysis.fallback[k])}: "
+              f"{len(used)} uses, summed)"
+              for k, used in sorted(analysis.uses.items())]
+    if ruled:
+        logging.debug("fasttape %s: op rules for %d source(s): %s", what,
+                      len(ruled), "; ".join(ruled))
+
+
+def _carry_shape(entry, shapes):
+    """The analysis' shapes across a Transpose or Unpack, either way (a
+    recurrent layer's time-major input, whose shapes no op saved)."""
+    i, outs = entry.input_ids[0], entry.output_ids
+    if entry.op_type == "Transpose":
+        perm = _config(entry.payload, 1)
+        if not perm:
+            return
+        if i in shapes and outs[0] not in shapes and len(shapes[i]) == len(perm):
+            shapes[outs[0]] = tuple(shapes[i][p] for p in perm)
+        elif outs[0] in shapes and i not in shapes and len(shapes[outs[0]]) == len(perm):
+            shape = [None] * len(perm)
+            for k, p in enumerate(perm):
+                shape[p] = shapes[outs[0]][k]
+            shapes[i] = tuple(shape)
+        return
+    axis = _norm_rules.attr(entry.payload, "axis", 0)
+    if not isinstance(axis, int):
+        return
+    if i in shapes:
+        shape = list(shapes[i])
+        a = axis % len(shape) if shape else 0
+        for o in outs:
+            shapes.setdefault(o, tuple(shape[:a] + shape[a + 1:]))
+        return
+    known = next((shapes[o] for o in outs if o in shapes), None)
+    if known is not None:
+        a = axis % (len(known) + 1)
+        shapes[i] = tuple(list(known[:a]) + [len(outs)] + list(known[a:]))
