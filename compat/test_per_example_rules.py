@@ -64,6 +64,14 @@ def _keras_model(kind, name):
                         L.GRU(3, return_sequences=True, dtype=name),
                         L.GlobalAveragePooling1D(dtype=name),
                         L.Dense(2, dtype=name)]
+    if kind == "batchnorm":
+        # 6 channels, as many as examples: gamma and beta hold no batch
+        return (5, 5, 2), [L.Conv2D(6, 3, dtype=name),
+                           L.BatchNormalization(dtype=name),
+                           L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "groupnorm":
+        return (3, 4), [L.Dense(4, dtype=name), L.GroupNormalization(2, dtype=name),
+                        L.Flatten(dtype=name), L.Dense(2, dtype=name)]
     raise KeyError(kind)
 
 
@@ -74,6 +82,12 @@ def _keras_case(kind):
         name = tf.as_dtype(dtype).name
         shape, layers = _keras_model(kind, name)
         model = keras.Sequential([keras.Input(shape, dtype=name)] + layers)
+        rng = np.random.default_rng(16)
+        for layer in layers:        # statistics of a model trained a while
+            if isinstance(layer, keras.layers.BatchNormalization):
+                layer.moving_mean.assign(rng.normal(size=layer.moving_mean.shape))
+                layer.moving_variance.assign(rng.uniform(0.5, 2.0, size=layer.moving_variance.shape))
+                layer.gamma.assign(rng.normal(size=layer.gamma.shape))
         x = np.random.default_rng(12).normal(size=(B,) + shape)
 
         def loss(x):
@@ -126,6 +140,8 @@ def _tf_keras_batchnorm(dtype):
 
 
 CASES = {
+    "keras_batchnorm_inference": _keras_case("batchnorm"),
+    "keras_groupnorm": _keras_case("groupnorm"),
     "keras_lstm": _keras_case("lstm"),
     "keras_simple_rnn": _keras_case("simple_rnn"),
     "keras_gru_sequences": _keras_case("gru_sequences"),
@@ -139,20 +155,11 @@ CASES = {
     "keras_depthwise_dilated": _keras_case("depthwise_dilated"),
     "tf_keras_layernorm": _tf_keras_layernorm,
 }
-# A per-channel affine chain before the batch (Keras 3's BatchNormalization
-# in inference, tf_keras' in float64: gamma * rsqrt(variance + eps) read by
-# two ops, x * inv and mean * inv) has no op rule yet: its parameters take
-# exact per-example rows.
-_ROWS = pytest.mark.xfail(
-    reason="an affine chain read by two batch ops (unfused batch norm in "
-    "inference) takes per-example rows, no op rule", strict=True)
 # Sources that still take rows: GRU's bias [2, 3 units] is split in two
 # (one Split of the source, two uses).
 ROWS = {"keras_gru_sequences": ("bias (2, 9)",)}
-PAIRS = [pytest.param(c, d, marks=[_ROWS] if (c, d) == (
-    "tf_keras_batchnorm", tf.float64) else [], id=f"{c}-{d.name}")
+PAIRS = [pytest.param(c, d, id=f"{c}-{d.name}")
          for c in sorted(CASES) for d in DTYPES]
-IDS = None
 
 
 def _assert_rows(tape, method, case):

@@ -81,7 +81,7 @@ class _Analysis:
         self.key = None         # its structural key (_ANALYSES), if it has one
         self.folded = {}        # k -> the payload a _fold_rows copy was made of
         self.entries = None     # the path's entries (core.plan), if kept
-        self.uses = {}          # k -> its uses' (payload, pos, rule, out id): _uses
+        self.uses = {}          # k -> the tree of its uses (_uses)
 
 
 def _meta_shape(meta):
@@ -287,7 +287,7 @@ class _Layout:
     __slots__ = ("ruled", "fallback", "logs", "uses")
 
     def __init__(self, ruled, fallback, logs, uses=None):
-        self.uses = uses or {}      # k -> ((j, pos, rule), ...): _uses
+        self.uses = uses or {}      # k -> _uses' tree, by positions: _uses_layout
         self.ruled = ruled          # k -> (j, pos, rule, src_shape, fold, op_type, out_shape)
         self.fallback = fallback    # k -> op types
         self.logs = logs            # its DEBUG lines
@@ -354,9 +354,8 @@ def _layout(result, entries, logs):
             fold = tuple(payload.attrs[len(entries[j].payload.attrs):])
         ruled[k] = (j, pos, rule, src_shape, fold, result.op_types[k],
                     result.out_shapes[k])
-    uses = {k: tuple((at[id(p)], pos, rule) for p, pos, rule, _ in used)
-            for k, used in result.uses.items()
-            if all(id(p) in at for p, _, _, _ in used)}
+    uses = {k: _uses_layout(node, at) for k, node in result.uses.items()}
+    uses = {k: node for k, node in uses.items() if node is not None}
     return _Layout(ruled, {k: tuple(v) for k, v in result.fallback.items()},
                    tuple(logs), uses)
 
@@ -375,9 +374,8 @@ def _rebind(layout, entries, key):
         result.out_ids[k] = entry.output_ids[0]
         result.out_shapes[k] = out_shape
     result.fallback = {k: list(v) for k, v in layout.fallback.items()}
-    result.uses = {k: [(entries[j].payload, pos, rule, entries[j].output_ids[0])
-                       for j, pos, rule in used]
-                   for k, used in layout.uses.items()}
+    result.uses = {k: _uses_rebound(node, entries)
+                   for k, node in layout.uses.items()}
     result.key = key
     return result
 
@@ -458,9 +456,10 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
         if use_rules and len(used) == 1 and None not in src_shape:
             entry, pos = used[0]
             rule = _norm_rules.candidate(entry.op_type, entry.payload)
-            if rule is not None and axes is not None and any(
-                    axes.get(t, 0) > 0 for t in entry.input_ids + entry.output_ids[:1]):
-                rule = None     # its batch is not on axis 0 (time-major)
+            if rule is not None and (axes is not None and any(
+                    axes.get(t, 0) > 0 for t in entry.input_ids + entry.output_ids[:1])
+                    or _chains(entry, pos, shapes)):
+                rule = None     # its batch not on axis 0 (time-major), or a chain
         if rule is not None and entry.op_type == "MatMul":
             payload = _fold_rows(entry, shapes, consumers, batch)
             if payload is None:
@@ -481,9 +480,9 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
             result.out_shapes[k] = shapes.get(entry.output_ids[0])
         else:
             result.fallback[k] = sorted({e.op_type for e, _ in used})
-            if use_rules and len(used) > 1 and None not in src_shape:
-                uses = _uses(used, axes, batch)
-                if uses:
+            if use_rules and None not in src_shape:
+                uses = _uses(used, axes, batch, shapes, consumers)
+                if uses and (len(used) > 1 or uses[0][0] == "chain"):
                     result.uses[k] = uses
     return result
 
@@ -1530,24 +1529,128 @@ def _moved_axis(entry, shapes, axis, batch):
     return axis - bin(shrink & ((1 << axis) - 1)).count("1")
 
 
-def _uses(used, axes, batch):
+_CHAIN = frozenset({"Mul", "Add", "AddV2", "Sub", "Neg", "Identity"})
+_MAX_USES = 1 << 14
+
+
+def _uses(used, axes, batch, shapes, consumers, depth=0, budget=None):
     """For a source read by several ops that each have a rule (a recurrent
-    layer's kernel, recurrent kernel and bias, read once a time step):
-    [(payload, pos, rule, output id)] of every use, or None where one has
-    no rule, or its batch is not on axis 0, or its rows fold time."""
+    layer's kernel, recurrent kernel and bias, read once a time step), or
+    through a chain of elementwise ops on tensors of its own shape that
+    hold no batch (Keras' BatchNormalization in inference: gamma times
+    rsqrt(variance + eps), read by x * inv and mean * inv): the tree of
+    its uses, each ("rule", payload, pos, rule, output id) or ("chain",
+    payload, pos, op type, in shape, its output's uses); None where a use
+    is neither, or its batch is not on axis 0, or its rows fold time."""
+    budget = budget if budget is not None else [_MAX_USES]
     out = []
     for entry, pos in used:
-        rule = _norm_rules.candidate(entry.op_type, entry.payload)
-        if rule is None:
+        budget[0] -= 1
+        if budget[0] < 0 or depth > 8:
             return None
+        o = entry.output_ids[0] if entry.output_ids else None
         if axes is not None and any(
                 axes.get(t, 0) > 0 for t in entry.input_ids + entry.output_ids[:1]):
+            return None
+        if _chains(entry, pos, shapes):
+            # an elementwise op whose output has the shape of the source's
+            # values: each example's gradient of its input is the op's
+            # VJP of its output's (the sum of the rules of its uses),
+            # whatever the other operand (the op is linear in this one)
+            chain = _chain_item(entry, pos, axes, batch, shapes, consumers,
+                                depth, budget)
+            if chain is None:
+                return None
+            out.append(chain)
+            continue
+        rule = _norm_rules.candidate(entry.op_type, entry.payload)
+        if rule is None:
             return None
         if entry.op_type == "MatMul":
             a = entry.payload.inputs[0]
             if a is None or a.shape.rank != 2 or a.shape[0] != batch:
                 return None
-        out.append((entry.payload, pos, rule, entry.output_ids[0]))
+        out.append(("rule", entry.payload, pos, rule, o))
+    return out
+
+
+def _in_shape(entry, pos, shapes):
+    inputs = getattr(entry.payload, "inputs", None) or ()
+    shape = shapes.get(entry.input_ids[pos])
+    if shape is None and pos < len(inputs) and inputs[pos] is not None:
+        shape = tuple(inputs[pos].shape.as_list())
+    return shape
+
+
+def _chains(entry, pos, shapes):
+    """Whether input ``pos`` of ``entry`` goes through it as a link of a
+    chain (_uses): an elementwise op of _CHAIN whose output has that
+    input's shape (known), the other operand broadcast into it."""
+    if (entry.op_type not in _CHAIN or type(entry.payload) is not EagerOp
+            or len(entry.output_ids) != 1):
+        return False
+    in_shape = _in_shape(entry, pos, shapes)
+    if not in_shape or None in in_shape:
+        return False
+    if len(entry.input_ids) == 2:
+        if entry.input_ids[0] == entry.input_ids[1]:
+            return False
+        other = _in_shape(entry, 1 - pos, shapes)
+        if other is None or len(other) > len(in_shape) or any(
+                d not in (1, e) for d, e in zip(reversed(other), reversed(in_shape))):
+            return False
+    out = shapes.get(entry.output_ids[0])
+    if out is None and entry.output_meta:
+        out = _meta_shape(entry.output_meta[0])
+    return out is not None and tuple(out) == tuple(in_shape)
+
+
+def _chain_item(entry, pos, axes, batch, shapes, consumers, depth, budget):
+    payload = entry.payload
+    inputs = getattr(payload, "inputs", None) or ()
+    if entry.op_type == "Mul" and (
+            len(inputs) != 2 or inputs[1 - pos] is None
+            or inputs[1 - pos].dtype == dtypes.resource):
+        return None
+    o = entry.output_ids[0]
+    users = consumers.get(o, ())
+    used = [(u, p) for u in users for p, i in enumerate(u.input_ids) if i == o]
+    if not used:
+        return None
+    children = _uses(used, axes, batch, shapes, consumers, depth + 1, budget)
+    if not children:
+        return None
+    return ("chain", payload, pos, entry.op_type,
+            tuple(_in_shape(entry, pos, shapes)), children)
+
+
+def _uses_layout(node, at):
+    """A _uses tree with each payload as its position among the entries,
+    or None if one is not theirs."""
+    out = []
+    for item in node:
+        j = at.get(id(item[1]))
+        if j is None:
+            return None
+        if item[0] == "rule":
+            out.append(("rule", j, item[2], item[3]))
+        else:
+            children = _uses_layout(item[5], at)
+            if children is None:
+                return None
+            out.append(("chain", j) + tuple(item[2:5]) + (children,))
+    return tuple(out)
+
+
+def _uses_rebound(node, entries):
+    out = []
+    for item in node:
+        entry = entries[item[1]]
+        if item[0] == "rule":
+            out.append(("rule", entry.payload, item[2], item[3], entry.output_ids[0]))
+        else:
+            out.append(("chain", entry.payload) + tuple(item[2:5])
+                       + (_uses_rebound(item[5], entries),))
     return out
 
 
@@ -1562,44 +1665,84 @@ def _stacked_matmuls(terms):
     return math_ops.matmul(a, g, transpose_a=True)
 
 
+class _Declined(Exception):
+    """A rule of a use declines its output gradient: the source takes rows."""
+
+
+def _leaves(node):
+    for item in node:
+        if item[0] == "rule":
+            yield item[4]
+        else:
+            yield from _leaves(item[5])
+
+
+def _chain_vjp(item, grads, shape):
+    """Each example's gradient of a chain op's input, from its output's
+    ([B] + the input's shape)."""
+    _, payload, pos, op, in_shape, children = item
+    g = grads
+    if op == "Mul":
+        other = payload.inputs[1 - pos]
+        g = g * math_ops.cast(other, g.dtype)
+    elif op == "Neg" or (op == "Sub" and pos == 1):
+        g = -g
+    return _norm_rules._to_source(g, in_shape)  # pylint: disable=protected-access
+
+
+def _node_value(node, shape, grads, batch):
+    """[B] + shape: each example's gradient of a tensor of that shape read
+    by the uses ``node``, from ``grads`` (output id -> output gradient);
+    None where no use is connected."""
+    matmuls, terms = {}, []
+    for item in node:
+        if item[0] == "chain":
+            out = _node_value(item[5], item[4], grads, batch)
+            if out is not None:
+                terms.append(_chain_vjp(item, out, shape))
+            continue
+        _, payload, pos, rule, o = item
+        g = grads.get(o)
+        if g is None:
+            continue
+        if type(g) is not ops.EagerTensor:
+            g = ops.convert_to_tensor(g)
+        saved = payload.inputs[pos]
+        seen = (tuple(saved.shape.as_list())
+                if saved is not None and saved.dtype != dtypes.resource else shape)
+        if not _norm_rules.applies(rule, payload, pos, tuple(g.shape.as_list()),
+                                   seen, batch):
+            raise _Declined()
+        if type(rule) is type(_norm_rules.NORM_RULES["MatMul"]) and pos == 1:
+            key = bool(_norm_rules.attr(payload, "transpose_b"))
+            matmuls.setdefault(key, []).append((payload, g))
+        else:
+            terms.append(rule.per_example(payload, pos, g, src_shape=seen))
+    terms += [_stacked_matmuls(t) for t in matmuls.values()]
+    if not terms:
+        return None
+    terms = [array_ops.reshape(t, [batch] + list(shape)) for t in terms]
+    return terms[0] if len(terms) == 1 else math_ops.add_n(terms)
 
 
 def _per_example_of_uses(tape_state, losses, uses, shapes):
     """{k: [B] + source shape} for the sources of ``uses`` (k -> _uses):
     one backward pass to every use's output, each use's rule, summed
-    (MatMuls by one product over their stacked steps); a source one of
-    whose rules declines is left out (rows)."""
+    (MatMuls by one product over their stacked steps; a chain back through
+    its ops); a source one of whose rules declines is left out (rows)."""
     batch = int(losses.shape[0])
-    out_ids = list(dict.fromkeys(o for used in uses.values() for *_, o in used))
+    out_ids = list(dict.fromkeys(o for node in uses.values() for o in _leaves(node)))
     if not out_ids:
         return {}
     grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
     result = {}
-    for k, used in uses.items():
-        src = shapes[k]
-        matmuls, terms = {}, []
-        for payload, pos, rule, o in used:
-            g = grads.get(o)
-            if g is None:
-                continue
-            if type(g) is not ops.EagerTensor:
-                g = ops.convert_to_tensor(g)
-            saved = payload.inputs[pos]
-            seen = (tuple(saved.shape.as_list())
-                    if saved is not None and saved.dtype != dtypes.resource else src)
-            if not _norm_rules.applies(rule, payload, pos,
-                                       tuple(g.shape.as_list()), seen, batch):
-                break
-            if type(rule) is type(_norm_rules.NORM_RULES["MatMul"]) and pos == 1:
-                key = bool(_norm_rules.attr(payload, "transpose_b"))
-                matmuls.setdefault(key, []).append((payload, g))
-            else:
-                terms.append(rule.per_example(payload, pos, g, src_shape=seen))
-        else:
-            terms += [_stacked_matmuls(t) for t in matmuls.values()]
-            if terms:
-                terms = [array_ops.reshape(t, [batch] + list(src)) for t in terms]
-                result[k] = terms[0] if len(terms) == 1 else math_ops.add_n(terms)
+    for k, node in uses.items():
+        try:
+            value = _node_value(node, shapes[k], grads, batch)
+        except _Declined:
+            continue
+        if value is not None:
+            result[k] = value
     return result
 
 
@@ -1611,8 +1754,8 @@ def _note_rules(what, flat_raw, analysis):
     ruled = [f"{_source_name(flat_raw[k])} ({analysis.op_types[k]})"
              for k in sorted(analysis.ruled)]
     ruled += [f"{_source_name(flat_raw[k])} ({', '.join(analysis.fallback[k])}: "
-              f"{len(used)} uses, summed)"
-              for k, used in sorted(analysis.uses.items())]
+              f"the rules of {len(list(_leaves(node)))} ops, summed)"
+              for k, node in sorted(analysis.uses.items())]
     if ruled:
         logging.debug("fasttape %s: op rules for %d source(s): %s", what,
                       len(ruled), "; ".join(ruled))
