@@ -155,9 +155,8 @@ CASES = {
     "keras_depthwise_dilated": _keras_case("depthwise_dilated"),
     "tf_keras_layernorm": _tf_keras_layernorm,
 }
-# Sources that still take rows: GRU's bias [2, 3 units] is split in two
-# (one Split of the source, two uses).
-ROWS = {"keras_gru_sequences": ("bias (2, 9)",)}
+# Sources that still take rows (none).
+ROWS = {}
 PAIRS = [pytest.param(c, d, id=f"{c}-{d.name}")
          for c in sorted(CASES) for d in DTYPES]
 

@@ -430,6 +430,9 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
             # reshaped value; its results are reshaped back to the source.
             for o in entry.output_ids:
                 alias[o] = alias[ins[0]]
+                if entry.op_type in _TRANSPARENT and o not in shapes:
+                    # (a read: the source's shape, for a chain of its uses)
+                    shapes[o] = tuple(flat_raw[alias[o]].shape.as_list())
             continue
         for pos, tid in enumerate(ins):
             k = alias.get(tid)
@@ -527,7 +530,13 @@ def _note_fallback(what, tape, flat_raw, analysis):
     rows = tuple((_source_name(flat_raw[k]), tuple(analysis.fallback[k]))
                  for k in sorted(analysis.fallback) if k not in analysis.uses)
     tape._per_example_rows = (what, rows)  # pylint: disable=protected-access
-    _note_rules(what, flat_raw, analysis)
+    tape._per_example_rules = (what, _rules_of(flat_raw, analysis))  # pylint: disable=protected-access
+    if logging.get_verbosity() <= logging.DEBUG:
+        ruled = [f"{name} ({how})" for name, how in tape._per_example_rules[1]  # pylint: disable=protected-access
+                 if how != "per-example rows"]
+        if ruled:
+            logging.debug("fasttape %s: op rules for %d source(s): %s", what,
+                          len(ruled), "; ".join(ruled))
     if rows:
         logging.debug(
             "fasttape %s: per-example rows (one backward pass per example) for "
@@ -1530,6 +1539,7 @@ def _moved_axis(entry, shapes, axis, batch):
 
 
 _CHAIN = frozenset({"Mul", "Add", "AddV2", "Sub", "Neg", "Identity"})
+_CHAIN_RESHAPES = frozenset({"Squeeze", "Reshape", "ExpandDims", "Identity"})
 _MAX_USES = 1 << 14
 
 
@@ -1582,27 +1592,55 @@ def _in_shape(entry, pos, shapes):
     return shape
 
 
-def _chains(entry, pos, shapes):
-    """Whether input ``pos`` of ``entry`` goes through it as a link of a
-    chain (_uses): an elementwise op of _CHAIN whose output has that
-    input's shape (known), the other operand broadcast into it."""
-    if (entry.op_type not in _CHAIN or type(entry.payload) is not EagerOp
-            or len(entry.output_ids) != 1):
-        return False
-    in_shape = _in_shape(entry, pos, shapes)
-    if not in_shape or None in in_shape:
-        return False
-    if len(entry.input_ids) == 2:
-        if entry.input_ids[0] == entry.input_ids[1]:
-            return False
-        other = _in_shape(entry, 1 - pos, shapes)
-        if other is None or len(other) > len(in_shape) or any(
-                d not in (1, e) for d, e in zip(reversed(other), reversed(in_shape))):
-            return False
+def _out_shapes(entry, pos, shapes, in_shape):
+    """The output shapes of a link of a chain (_uses) whose input ``pos``
+    has shape in_shape, or None where it is not one: an elementwise op of
+    _CHAIN whose output has that input's shape (the other operand
+    broadcast into it); a reshape; a Split into equal pieces."""
+    op = entry.op_type
+    if type(entry.payload) is not EagerOp:
+        return None
+    if op == "Split":
+        axis, n = _config(entry.payload, 0), len(entry.output_ids)
+        if pos != 1 or not isinstance(axis, int) or not n:
+            return None
+        axis %= len(in_shape)
+        if in_shape[axis] % n:
+            return None
+        return [tuple(d // n if a == axis else d for a, d in enumerate(in_shape))] * n
+    if len(entry.output_ids) != 1:
+        return None
     out = shapes.get(entry.output_ids[0])
     if out is None and entry.output_meta:
         out = _meta_shape(entry.output_meta[0])
-    return out is not None and tuple(out) == tuple(in_shape)
+    if op == "Squeeze" and out is None:
+        dims = _norm_rules.attr(entry.payload, "squeeze_dims") or []
+        dims = {d % len(in_shape) for d in dims}
+        out = tuple(d for a, d in enumerate(in_shape)
+                    if not (d == 1 and (not dims or a in dims)))
+    if out is None or None in out:
+        return None
+    out = tuple(out)
+    if op in _CHAIN_RESHAPES:
+        return [out] if pos == 0 and np.prod(out) == np.prod(in_shape) else None
+    if op not in _CHAIN or out != tuple(in_shape):
+        return None
+    if len(entry.input_ids) == 2:
+        if entry.input_ids[0] == entry.input_ids[1]:
+            return None
+        other = _in_shape(entry, 1 - pos, shapes)
+        if other is None or len(other) > len(in_shape) or any(
+                d not in (1, e) for d, e in zip(reversed(other), reversed(in_shape))):
+            return None
+    return [out]
+
+
+def _chains(entry, pos, shapes):
+    """Whether input ``pos`` of ``entry`` goes through it as a link of a
+    chain (_uses, _out_shapes)."""
+    in_shape = _in_shape(entry, pos, shapes)
+    return bool(in_shape) and None not in in_shape and _out_shapes(
+        entry, pos, shapes, in_shape) is not None
 
 
 def _chain_item(entry, pos, axes, batch, shapes, consumers, depth, budget):
@@ -1612,16 +1650,19 @@ def _chain_item(entry, pos, axes, batch, shapes, consumers, depth, budget):
             len(inputs) != 2 or inputs[1 - pos] is None
             or inputs[1 - pos].dtype == dtypes.resource):
         return None
-    o = entry.output_ids[0]
-    users = consumers.get(o, ())
-    used = [(u, p) for u in users for p, i in enumerate(u.input_ids) if i == o]
-    if not used:
+    in_shape = tuple(_in_shape(entry, pos, shapes))
+    outs = []
+    for o, shape in zip(entry.output_ids, _out_shapes(entry, pos, shapes, in_shape)):
+        used = [(u, p) for u in consumers.get(o, ())
+                for p, i in enumerate(u.input_ids) if i == o]
+        children = _uses(used, axes, batch, shapes, consumers, depth + 1,
+                         budget) if used else ()
+        if children is None:
+            return None
+        outs.append((shape, tuple(children)))
+    if not any(children for _, children in outs):
         return None
-    children = _uses(used, axes, batch, shapes, consumers, depth + 1, budget)
-    if not children:
-        return None
-    return ("chain", payload, pos, entry.op_type,
-            tuple(_in_shape(entry, pos, shapes)), children)
+    return ("chain", payload, pos, entry.op_type, in_shape, tuple(outs))
 
 
 def _uses_layout(node, at):
@@ -1634,11 +1675,14 @@ def _uses_layout(node, at):
             return None
         if item[0] == "rule":
             out.append(("rule", j, item[2], item[3]))
-        else:
-            children = _uses_layout(item[5], at)
+            continue
+        outs = []
+        for shape, children in item[5]:
+            children = _uses_layout(children, at)
             if children is None:
                 return None
-            out.append(("chain", j) + tuple(item[2:5]) + (children,))
+            outs.append((shape, children))
+        out.append(("chain", j) + tuple(item[2:5]) + (tuple(outs),))
     return tuple(out)
 
 
@@ -1649,8 +1693,9 @@ def _uses_rebound(node, entries):
         if item[0] == "rule":
             out.append(("rule", entry.payload, item[2], item[3], entry.output_ids[0]))
         else:
-            out.append(("chain", entry.payload) + tuple(item[2:5])
-                       + (_uses_rebound(item[5], entries),))
+            out.append(("chain", entry.payload) + tuple(item[2:5]) + (tuple(
+                (shape, _uses_rebound(children, entries))
+                for shape, children in item[5]),))
     return out
 
 
@@ -1674,17 +1719,25 @@ def _leaves(node):
         if item[0] == "rule":
             yield item[4]
         else:
-            yield from _leaves(item[5])
+            for _, children in item[5]:
+                yield from _leaves(children)
 
 
-def _chain_vjp(item, grads, shape):
-    """Each example's gradient of a chain op's input, from its output's
-    ([B] + the input's shape)."""
-    _, payload, pos, op, in_shape, children = item
-    g = grads
+def _chain_vjp(item, values, batch):
+    """Each example's gradient of a link's input ([B] + its shape), from
+    its outputs' (``values``, None for an output no rule reached)."""
+    _, payload, pos, op, in_shape, outs = item
+    if op == "Split":
+        axis = _config(payload, 0) % len(in_shape)
+        pieces = [v if v is not None else array_ops.zeros(
+            [batch] + list(shape), next(x for x in values if x is not None).dtype)
+                  for v, (shape, _) in zip(values, outs)]
+        return array_ops.concat(pieces, axis + 1)
+    g = values[0]
+    if op in _CHAIN_RESHAPES:
+        return array_ops.reshape(g, [batch] + list(in_shape))
     if op == "Mul":
-        other = payload.inputs[1 - pos]
-        g = g * math_ops.cast(other, g.dtype)
+        g = g * math_ops.cast(payload.inputs[1 - pos], g.dtype)
     elif op == "Neg" or (op == "Sub" and pos == 1):
         g = -g
     return _norm_rules._to_source(g, in_shape)  # pylint: disable=protected-access
@@ -1697,9 +1750,10 @@ def _node_value(node, shape, grads, batch):
     matmuls, terms = {}, []
     for item in node:
         if item[0] == "chain":
-            out = _node_value(item[5], item[4], grads, batch)
-            if out is not None:
-                terms.append(_chain_vjp(item, out, shape))
+            values = [_node_value(children, out, grads, batch)
+                      for out, children in item[5]]
+            if any(v is not None for v in values):
+                terms.append(_chain_vjp(item, values, batch))
             continue
         _, payload, pos, rule, o = item
         g = grads.get(o)
@@ -1746,19 +1800,23 @@ def _per_example_of_uses(tape_state, losses, uses, shapes):
     return result
 
 
-def _note_rules(what, flat_raw, analysis):
-    """A DEBUG line naming the op rule of each source (and the sources read
-    by several ruled ops, summed over their uses)."""
-    if not logging.get_verbosity() <= logging.DEBUG:
-        return
-    ruled = [f"{_source_name(flat_raw[k])} ({analysis.op_types[k]})"
-             for k in sorted(analysis.ruled)]
-    ruled += [f"{_source_name(flat_raw[k])} ({', '.join(analysis.fallback[k])}: "
-              f"the rules of {len(list(_leaves(node)))} ops, summed)"
-              for k, node in sorted(analysis.uses.items())]
-    if ruled:
-        logging.debug("fasttape %s: op rules for %d source(s): %s", what,
-                      len(ruled), "; ".join(ruled))
+def _rules_of(flat_raw, analysis):
+    """(name, how) for each connected source, in order: the op type of its
+    rule; the op types reading it and the number of ruled ops summed
+    (_uses); or "per-example rows"."""
+    out = []
+    for k in range(len(flat_raw)):
+        if k in analysis.ruled:
+            how = analysis.op_types[k]
+        elif k in analysis.uses:
+            how = (f"{', '.join(analysis.fallback[k])}: the rules of "
+                   f"{len(list(_leaves(analysis.uses[k])))} ops, summed")
+        elif k in analysis.fallback:
+            how = "per-example rows"
+        else:
+            continue
+        out.append((_source_name(flat_raw[k]), how))
+    return tuple(out)
 
 
 def _carry_shape(entry, shapes):
