@@ -245,3 +245,27 @@ def test_a_batch_norm_that_mixes_examples_is_refused(shape, data_format):
         losses = loss(x)
     with pytest.raises(ValueError, match="FusedBatchNorm.* mixes examples|mixes examples"):
         tape.per_example_norms(losses, [w])
+
+
+def test_summary_names_the_rule_of_each_source():
+    """tape.summary().per_example_rules: each source with the op type of
+    its rule, the ops whose rules were summed (a recurrent kernel), or
+    per-example rows (a tied weight)."""
+    xs, loss, variables = CASES["keras_simple_rnn"](tf.float32)
+    with fasttape.GradientTape() as tape:
+        losses = loss(*xs)
+    tape.per_example_norms(losses, variables)
+    what, rules = tape.summary().per_example_rules
+    assert what == "per_example_norms"
+    assert dict(rules) == {
+        "kernel (2, 3)": "MatMul: the rules of 5 ops, summed",
+        "recurrent_kernel (3, 3)": "MatMul: the rules of 5 ops, summed",
+        "bias (3,)": "BiasAdd: the rules of 5 ops, summed",
+        "kernel (3, 2)": "MatMul", "bias (2,)": "BiasAdd"}
+    w = tf.Variable(np.ones((3, 3)))
+    x = tf.constant(np.random.default_rng(17).normal(size=(B, 3)))
+    with fasttape.GradientTape() as tape:
+        losses = tf.reduce_sum(tf.tanh(x @ w) @ tf.transpose(w), axis=1)
+    tape.per_example_norms(losses, [w])
+    assert tape.summary().per_example_rules[1] == (
+        (f"{w.name} (3, 3)", "per-example rows"),)

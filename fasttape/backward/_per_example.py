@@ -5,14 +5,18 @@
 example. Then the ordinary backward pass of ``sum(losses)`` hands every op
 its output gradient with example i's cotangent at index i of the batch
 axis. For a source used by exactly one op that has a rule in
-gradients._norm_rules (MatMul, BatchMatMul, Einsum, Conv2D, a depthwise
-convolution, a bias or scale broadcast over the batch, Gather on a table),
-the rule reads that output
+gradients._norm_rules (MatMul, BatchMatMul, Einsum, 2-D, 3-D, depthwise,
+dilated and transposed convolutions, a batch norm in inference, a bias or
+scale broadcast over the batch, Gather on a table), the rule reads that output
 gradient and the op's saved inputs and gives each example's squared norm,
 its gradient, or the clipped sum (book-keeping: no second backward pass).
 The output gradients come from one ordinary backward pass of ``losses`` to
 the ruled ops' outputs (so a training loop's pass is compiled and replayed
-like gradient()'s, and no ruled op's own gradient is computed). Every other source
+like gradient()'s, and no ruled op's own gradient is computed). A source
+read by several ruled ops (a recurrent weight, once a time step), or through
+a chain of elementwise ops on values of its own shape (a batch norm's gamma
+in inference), gets its per-example gradient from one more pass to those
+ops' outputs (_uses). Every other source
 goes through per-example rows: one backward pass per example over the same
 trace (the Jacobian's machinery).
 """
