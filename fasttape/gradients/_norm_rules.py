@@ -698,8 +698,19 @@ def _tiled(w, nb):
     return _ex("Tile", w, _const((nb,), dtypes.int32))
 
 
+class _Blocked:
+    """The clipped sum of a rule on space-to-batch blocks: the per-example
+    weights tiled over the blocks (rows block-major)."""
+
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        nb = _blocks(payload)
+        if nb == 1 or self._from_memo(payload, pos, w, memo) is not None:
+            return super().weighted(payload, pos, g, w, src_shape, memo)
+        return super().weighted(payload, pos, g, _tiled(w, nb), src_shape, None)
+
+
 @norm_rule("Conv2D")
-class _Conv2DBlocks(_Conv2D):
+class _Conv2DBlocks(_Blocked, _Conv2D):
     """The Conv2D rule, also on a dilated convolution's space-to-batch
     blocks (BLOCKS_ATTR): example i's gradient sums its rows in every
     block, the BatchMatMul rule on the patches of all of them."""
@@ -717,15 +728,9 @@ class _Conv2DBlocks(_Conv2D):
             return a, g
         return _unblocked(a, nb), _unblocked(g, nb)
 
-    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
-        nb = _blocks(payload)
-        if nb == 1 or self._from_memo(payload, pos, w, memo) is not None:
-            return super().weighted(payload, pos, g, w, src_shape, memo)
-        return super().weighted(payload, pos, g, _tiled(w, nb), src_shape, None)
-
 
 @norm_rule("DepthwiseConv2dNative")
-class _DepthwiseBlocks(_DepthwiseConv2D):
+class _DepthwiseBlocks(_Blocked, _DepthwiseConv2D):
     """The depthwise rule, also on a dilated convolution's space-to-batch
     blocks (BLOCKS_ATTR): each row's gradient, summed over the blocks."""
 
@@ -741,12 +746,6 @@ class _DepthwiseBlocks(_DepthwiseConv2D):
             return grads
         return math_ops.reduce_sum(
             array_ops.reshape(grads, [nb, -1] + list(src_shape)), axis=0)
-
-    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
-        nb = _blocks(payload)
-        if nb == 1 or self._from_memo(payload, pos, w, memo) is not None:
-            return super().weighted(payload, pos, g, w, src_shape, memo)
-        return super().weighted(payload, pos, g, _tiled(w, nb), src_shape, None)
 
 
 # -- 3-D and transposed convolutions, batch norm in inference -----------------
@@ -873,15 +872,15 @@ class _FusedBatchNorm:
             g = g * ((x - mean) * inv)
         return math_ops.reduce_sum(g, axis=axes) if axes else g
 
-    def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
-        grads = self.per_example(payload, pos, g, src_shape)
-        if memo is not None:
-            memo[("per_example", id(payload), pos)] = (payload, grads)
-        return sq_rows(grads)
+    # built per example (as a depthwise kernel's), the clipped sum their
+    # weighted sum
+    sq_norms = _DepthwiseConv2D.sq_norms
+    _from_memo = _BatchMatMul._from_memo
 
     def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
-        hit = None if memo is None else memo.get(("per_example", id(payload), pos))
-        grads = (hit[1] if hit is not None and hit[0] is payload
-                 else self.per_example(payload, pos, g, src_shape))
+        summed = self._from_memo(payload, pos, w, memo)
+        if summed is not None:
+            return summed
+        grads = self.per_example(payload, pos, g, src_shape)
         return _ex("Sum", _ex("Mul", grads, _bcast(math_ops.cast(w, grads.dtype), 2)),
                    _const(0, dtypes.int32), "keep_dims", False)
