@@ -610,6 +610,8 @@ def _rows(tape, losses, flat_raw, keys, basis=None, uses=None):
         got = _per_example_of_uses(tape._tape, losses, {  # pylint: disable=protected-access
             k: uses[k] for k in keys if k in uses},
             {k: tuple(flat_raw[k].shape.as_list()) for k in keys})
+        for k in [k for k in uses if k not in got]:
+            del uses[k]     # a rule declined: rows (and so in the summary)
         rest = _rows(tape, losses, flat_raw, [k for k in keys if k not in got])
         return {k: got[k] if k in got else rest.get(k) for k in keys}
     if not keys:
