@@ -1729,15 +1729,14 @@ def _leaves(node):
                 yield from _leaves(children)
 
 
-def _chain_vjp(item, values, batch):
+def _chain_vjp(payload, pos, op, in_shape, out_shapes, values, batch):
     """Each example's gradient of a link's input ([B] + its shape), from
     its outputs' (``values``, None for an output no rule reached)."""
-    _, payload, pos, op, in_shape, outs = item
     if op == "Split":
         axis = _config(payload, 0) % len(in_shape)
-        pieces = [v if v is not None else array_ops.zeros(
-            [batch] + list(shape), next(x for x in values if x is not None).dtype)
-                  for v, (shape, _) in zip(values, outs)]
+        dtype = next(x for x in values if x is not None).dtype
+        pieces = [v if v is not None else array_ops.zeros([batch] + list(shape), dtype)
+                  for v, shape in zip(values, out_shapes)]
         return array_ops.concat(pieces, axis + 1)
     g = values[0]
     if op in _CHAIN_RESHAPES:
@@ -1749,19 +1748,25 @@ def _chain_vjp(item, values, batch):
     return _norm_rules._to_source(g, in_shape)  # pylint: disable=protected-access
 
 
-def _node_value(node, shape, grads, batch):
-    """[B] + shape: each example's gradient of a tensor of that shape read
-    by the uses ``node``, from ``grads`` (output id -> output gradient);
-    None where no use is connected."""
-    matmuls, terms = {}, []
+def _spec(node, shape, grads, batch, feed):
+    """A _uses tree as a hashable spec over feeds (``feed(tensor)`` -> its
+    index): each rule's payload and output gradient, each link's payload,
+    checked against the output gradients' shapes (_Declined); leaves no
+    gradient reached are left out; None where none is."""
+    out = []
     for item in node:
+        payload, pos = item[1], item[2]
+        ins = tuple(-1 if t is None or t.dtype == dtypes.resource else feed(t)
+                    for t in payload.inputs)
+        attrs = tuple(_hashable(a) for a in payload.attrs)
         if item[0] == "chain":
-            values = [_node_value(children, out, grads, batch)
-                      for out, children in item[5]]
-            if any(v is not None for v in values):
-                terms.append(_chain_vjp(item, values, batch))
+            outs = tuple((o_shape, _spec(children, o_shape, grads, batch, feed))
+                         for o_shape, children in item[5])
+            if any(c is not None for _, c in outs):
+                out.append(("chain", attrs, payload.num_inputs, ins, pos,
+                            item[3], item[4], outs))
             continue
-        _, payload, pos, rule, o = item
+        rule, o = item[3], item[4]
         g = grads.get(o)
         if g is None:
             continue
@@ -1773,14 +1778,33 @@ def _node_value(node, shape, grads, batch):
         if not _norm_rules.applies(rule, payload, pos, tuple(g.shape.as_list()),
                                    seen, batch):
             raise _Declined()
+        out.append(("rule", attrs, payload.num_inputs, ins, pos, rule, feed(g), seen))
+    return tuple(out) or None
+
+
+def _value(spec, shape, tensors, batch):
+    """[B] + shape from a _spec over ``tensors``: the sum of its uses'
+    per-example gradients (MatMuls by one product of their stacked steps);
+    eager, or traced (gradients._compiled.traced_call)."""
+    matmuls, terms = {}, []
+    for item in spec:
+        payload = EagerOp(item[1], tuple(None if i < 0 else tensors[i]
+                                         for i in item[3]), item[2])
+        pos = item[4]
+        if item[0] == "chain":
+            op, in_shape, outs = item[5], item[6], item[7]
+            values = [None if c is None else _value(c, o_shape, tensors, batch)
+                      for o_shape, c in outs]
+            terms.append(_chain_vjp(payload, pos, op, in_shape,
+                                    [o_shape for o_shape, _ in outs], values, batch))
+            continue
+        rule, g, seen = item[5], tensors[item[6]], item[7]
         if type(rule) is type(_norm_rules.NORM_RULES["MatMul"]) and pos == 1:
             key = bool(_norm_rules.attr(payload, "transpose_b"))
             matmuls.setdefault(key, []).append((payload, g))
         else:
             terms.append(rule.per_example(payload, pos, g, src_shape=seen))
     terms += [_stacked_matmuls(t) for t in matmuls.values()]
-    if not terms:
-        return None
     terms = [array_ops.reshape(t, [batch] + list(shape)) for t in terms]
     return terms[0] if len(terms) == 1 else math_ops.add_n(terms)
 
@@ -1789,21 +1813,42 @@ def _per_example_of_uses(tape_state, losses, uses, shapes):
     """{k: [B] + source shape} for the sources of ``uses`` (k -> _uses):
     one backward pass to every use's output, each use's rule, summed
     (MatMuls by one product over their stacked steps; a chain back through
-    its ops); a source one of whose rules declines is left out (rows)."""
+    its ops), in one traced function in a training loop; a source one of
+    whose rules declines is left out (rows)."""
     batch = int(losses.shape[0])
     out_ids = list(dict.fromkeys(o for node in uses.values() for o in _leaves(node)))
     if not out_ids:
         return {}
     grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
-    result = {}
+    feeds, index = [], {}
+
+    def feed(t):
+        i = index.get(id(t))
+        if i is None:
+            i = index[id(t)] = len(feeds)
+            feeds.append(t)
+        return i
+    specs = []
     for k, node in uses.items():
         try:
-            value = _node_value(node, shapes[k], grads, batch)
+            spec = _spec(node, shapes[k], grads, batch, feed)
         except _Declined:
             continue
-        if value is not None:
-            result[k] = value
-    return result
+        if spec is not None:
+            specs.append((k, shapes[k], spec))
+    if not specs:
+        return {}
+    specs = tuple(specs)
+    try:
+        hash(specs)
+    except TypeError:       # an attr value that cannot be a key
+        values = [_value(spec, shape, feeds, batch) for _, shape, spec in specs]
+    else:
+        values = _compiled.traced_call(
+            ("dp_uses", specs, batch),
+            lambda *t: [_value(spec, shape, t, batch) for _, shape, spec in specs],
+            feeds)
+    return {k: v for (k, _, _), v in zip(specs, values)}
 
 
 def _rules_of(flat_raw, analysis):
