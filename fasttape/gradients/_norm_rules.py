@@ -29,6 +29,7 @@ import numpy as np
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import array_ops_stack
 from tensorflow.python.ops import gen_nn_ops
 from tensorflow.python.ops import linalg_ops_impl
 from tensorflow.python.ops import math_ops
@@ -674,6 +675,10 @@ def applies(rule, payload, pos, out_shape, src_shape, batch):
 
 # -- dilated convolutions run by space-to-batch -------------------------------
 
+# Up to this batch size, a convolution with many input channels to few
+# outputs builds its per-example kernel gradients one example at a time.
+_MAX_LOOPED = 128
+
 # An attribute the analysis adds to a convolution's payload (a copy) whose
 # batch axis holds nb blocks of the B examples, block-major (TF runs a
 # dilated convolution as SpaceToBatchND, the convolution, BatchToSpaceND:
@@ -727,6 +732,50 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         if nb == 1:
             return a, g
         return _unblocked(a, nb), _unblocked(g, nb)
+
+    def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
+        looped = self._looped(payload, g, src_shape)
+        if looped is None:
+            return super().sq_norms(payload, pos, g, src_shape, memo)
+        if memo is not None:
+            memo[("per_example", id(payload), pos)] = (payload, looped)
+        return sq_rows(looped)
+
+    def per_example(self, payload, pos, g, src_shape=None):
+        looped = self._looped(payload, g, src_shape)
+        if looped is not None:
+            return looped
+        return super().per_example(payload, pos, g, src_shape)
+
+    def _looped(self, payload, g, src_shape):
+        """Each example's kernel gradient by TF's own kernel gradient of its
+        rows (of every block), where patches would cost more: many input
+        channels to few outputs (an identity-kernel convolution of K^2
+        per position against K N), many positions (no ghost norm), a
+        batch of at most _MAX_LOOPED examples, no dilation; else None."""
+        x = payload.inputs[0]
+        nb = _blocks(payload)
+        if len(src_shape) != 4 or x.shape.rank != 4:
+            return None         # (Conv3D's patches)
+        kh, kw, cin, cout = src_shape
+        k = kh * kw * cin
+        if (x.shape[0] is None or None in g.shape[1:3]
+                or list(attr(payload, "dilations") or [1] * 4) != [1] * 4):
+            return None
+        b = x.shape[0] // nb
+        t = g.shape[1] * g.shape[2] * nb
+        if b > _MAX_LOOPED or t * t < k * cout or k <= 2 * cout:
+            return None
+        xs = array_ops.reshape(x, [nb, b] + x.shape.as_list()[1:])
+        gs = array_ops.reshape(g, [nb, b] + g.shape.as_list()[1:])
+        sizes = _const(tuple(src_shape), dtypes.int32)
+        strides = list(attr(payload, "strides"))
+        padding = _decoded(payload, "padding")
+        grads = [gen_nn_ops.conv2d_backprop_filter(
+            xi, sizes, gi, strides=strides, padding=padding, data_format="NHWC")
+                 for xi, gi in zip(array_ops_stack.unstack(xs, axis=1),
+                                   array_ops_stack.unstack(gs, axis=1))]
+        return array_ops_stack.stack(grads)
 
 
 @norm_rule("DepthwiseConv2dNative")
