@@ -75,6 +75,7 @@ class _TapeSummary:
     consumed: bool
     memory: dict[str, int] | None
     per_example_rows: tuple[str, tuple[tuple[str, tuple[str, ...]], ...]] | None
+    per_example_rules: tuple[str, tuple[tuple[str, str], ...]] | None
     @property
     def num_ops(self) -> int: ...
     @property

@@ -91,6 +91,7 @@ class GradientTape:
         # (method, ((source name, op types), ...)) of the last
         # per-example call: the sources it took per-example rows for
         self._per_example_rows = None
+        self._per_example_rules = None
 
     def __enter__(self):
         self._push_tape()
@@ -202,7 +203,8 @@ class GradientTape:
           is what the tape adds to memory), and the watched tensors and
           variables; after per_example_gradients, per_example_norms or
           dp_gradient, the sources that call took per-example rows for (no
-          op rule covers them) and the op types using them.
+          op rule covers them) and the op types using them, and the rule
+          (or rows) that covered each source (``per_example_rules``).
           ``print(tape.summary())`` shows it as a table.
         """
         result = _inspect_tape.summary(self._tape)
@@ -212,7 +214,8 @@ class GradientTape:
                                          memory=self._budget_store.summary())
         if self._per_example_rows is not None:
             result = dataclasses.replace(result,
-                                         per_example_rows=self._per_example_rows)
+                                         per_example_rows=self._per_example_rows,
+                                         per_example_rules=self._per_example_rules)
         return result
 
     def to_dot(self, targets=None, sources=None):

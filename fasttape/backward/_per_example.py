@@ -5,14 +5,18 @@
 example. Then the ordinary backward pass of ``sum(losses)`` hands every op
 its output gradient with example i's cotangent at index i of the batch
 axis. For a source used by exactly one op that has a rule in
-gradients._norm_rules (MatMul, BatchMatMul, Einsum, Conv2D, a depthwise
-convolution, a bias or scale broadcast over the batch, Gather on a table),
-the rule reads that output
+gradients._norm_rules (MatMul, BatchMatMul, Einsum, 2-D, 3-D, depthwise,
+dilated and transposed convolutions, a batch norm in inference, a bias or
+scale broadcast over the batch, Gather on a table), the rule reads that output
 gradient and the op's saved inputs and gives each example's squared norm,
 its gradient, or the clipped sum (book-keeping: no second backward pass).
 The output gradients come from one ordinary backward pass of ``losses`` to
 the ruled ops' outputs (so a training loop's pass is compiled and replayed
-like gradient()'s, and no ruled op's own gradient is computed). Every other source
+like gradient()'s, and no ruled op's own gradient is computed). A source
+read by several ruled ops (a recurrent weight, once a time step), or through
+a chain of elementwise ops on values of its own shape (a batch norm's gamma
+in inference), gets its per-example gradient from one more pass to those
+ops' outputs (_uses). Every other source
 goes through per-example rows: one backward pass per example over the same
 trace (the Jacobian's machinery).
 
@@ -98,6 +102,7 @@ class _Analysis:
         self.key = None         # its structural key (_ANALYSES), if it has one
         self.folded = {}        # k -> the payload a _fold_rows copy was made of
         self.entries = None     # the path's entries (core.plan), if kept
+        self.uses = {}          # k -> the tree of its uses (_uses)
 
 
 def _meta_shape(meta):
@@ -216,7 +221,7 @@ def _mixing_error(what, entry, batch):
         "with training=False).")
 
 
-def _check_mixing(what, entry, shapes, batch):
+def _check_mixing(what, entry, shapes, batch, separable=()):
     op_type = entry.op_type
     payload = entry.payload
     inputs = getattr(payload, "inputs", None)
@@ -224,9 +229,18 @@ def _check_mixing(what, entry, shapes, batch):
         return
     # (while tracing, a leading axis unknown then may be the batch's)
     if op_type in _BATCH_NORMS:
-        if _norm_rules.attr(payload, "is_training"):
+        if _norm_rules.attr(payload, "is_training") and id(entry) not in separable:
+            # statistics over every axis but the channels': they mix the
+            # examples wherever the input may hold several (a batch
+            # folded into another axis too), unless _row_groups proved
+            # each channel within one example
             shape = shapes.get(entry.input_ids[0])
-            if shape and shape[0] in (batch, None):
+            if (shape is None and inputs[0] is not None
+                    and inputs[0].shape.rank is not None):
+                shape = tuple(inputs[0].shape.as_list())
+            # a batch unknown while tracing: any folded batch may mix
+            if (shape is None or None in shape or batch is None
+                    or shape[0] == batch or int(np.prod(shape)) % batch == 0):
                 raise _mixing_error(what, entry, batch)
         return
     if op_type not in _REDUCERS or len(inputs) < 2 or inputs[1] is None:
@@ -341,9 +355,10 @@ _MAX_ANALYSES = 64
 class _Layout:
     """An analysis with its ops as positions among the path's entries."""
 
-    __slots__ = ("ruled", "fallback", "logs")
+    __slots__ = ("ruled", "fallback", "logs", "uses")
 
-    def __init__(self, ruled, fallback, logs):
+    def __init__(self, ruled, fallback, logs, uses=None):
+        self.uses = uses or {}      # k -> _uses' tree, by positions: _uses_layout
         self.ruled = ruled          # k -> (j, pos, rule, src_shape, fold, op_type, out_shape)
         self.fallback = fallback    # k -> op types
         self.logs = logs            # its DEBUG lines
@@ -423,8 +438,10 @@ def _layout(result, entries, logs):
             fold = tuple(payload.attrs[len(entries[j].payload.attrs):])
         ruled[k] = (j, pos, rule, src_shape, fold, result.op_types[k],
                     result.out_shapes[k])
+    uses = {k: _uses_layout(node, at) for k, node in result.uses.items()}
+    uses = {k: node for k, node in uses.items() if node is not None}
     return _Layout(ruled, {k: tuple(v) for k, v in result.fallback.items()},
-                   tuple(logs))
+                   tuple(logs), uses)
 
 
 def _rebind(layout, entries, key):
@@ -441,6 +458,8 @@ def _rebind(layout, entries, key):
         result.out_ids[k] = entry.output_ids[0]
         result.out_shapes[k] = out_shape
     result.fallback = {k: list(v) for k, v in layout.fallback.items()}
+    result.uses = {k: _uses_rebound(node, entries)
+                   for k, node in layout.uses.items()}
     result.key = key
     return result
 
@@ -476,10 +495,14 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
                     shapes[o] = shapes[i]
                 elif o in shapes and i not in shapes:
                     shapes[i] = shapes[o]
+            elif entry.op_type in ("Transpose", "Unpack"):
+                _carry_shape(entry, shapes)
     consumers = {}
     for entry in entries:
         for tid in entry.input_ids:
             consumers.setdefault(tid, []).append(entry)
+    groups = _row_groups(entries, shapes, consumers, batch)
+    followed, axes = _track_batch_axis(entries, shapes, batch, alias, consumers)
     for entry in entries:
         ins = entry.input_ids
         if ins and ins[0] in alias and (
@@ -491,13 +514,17 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
             # reshaped value; its results are reshaped back to the source.
             for o in entry.output_ids:
                 alias[o] = alias[ins[0]]
+                if entry.op_type in _TRANSPARENT and o not in shapes:
+                    # (a read: the source's shape, for a chain of its uses)
+                    shapes[o] = tuple(flat_raw[alias[o]].shape.as_list())
             continue
         for pos, tid in enumerate(ins):
             k = alias.get(tid)
             if k is not None:
                 uses[k].append((entry, pos))
-        _check_mixing(what, entry, shapes, batch)
-        if use_rules and not _keeps_axis0(entry, shapes, batch, alias):
+        _check_mixing(what, entry, shapes, batch, groups.separable)
+        if (use_rules and id(entry) not in groups.accepted
+                and id(entry) not in followed and not _keeps_axis0(entry, shapes, batch, alias)):
             use_rules = False
             logs.append(f"fasttape {what}: a {entry.op_type} op may move rows "
                         "across the batch axis: every source takes per-example "
@@ -516,6 +543,10 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
         if use_rules and len(used) == 1 and None not in src_shape:
             entry, pos = used[0]
             rule = _norm_rules.candidate(entry.op_type, entry.payload)
+            if rule is not None and (axes is not None and any(
+                    axes.get(t, 0) > 0 for t in entry.input_ids + entry.output_ids[:1])
+                    or _chains(entry, pos, shapes)):
+                rule = None     # its batch not on axis 0 (time-major), or a chain
         if rule is not None and entry.op_type == "MatMul":
             payload = _fold_rows(entry, shapes, consumers, batch)
             if payload is None:
@@ -524,6 +555,11 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
                 result.folded[k] = entry.payload
         else:
             payload = entry.payload if rule is not None else None
+        if rule is not None and id(entry) in groups.blocks:
+            payload = EagerOp(tuple(payload.attrs) + (
+                _norm_rules.BLOCKS_ATTR, groups.blocks[id(entry)]),
+                tuple(payload.inputs), payload.num_inputs)
+            result.folded[k] = entry.payload
         if rule is not None:
             result.ruled[k] = (payload, pos, rule, src_shape)
             result.op_types[k] = entry.op_type
@@ -531,6 +567,10 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
             result.out_shapes[k] = shapes.get(entry.output_ids[0])
         else:
             result.fallback[k] = sorted({e.op_type for e, _ in used})
+            if use_rules and None not in src_shape:
+                uses = _uses(used, axes, batch, shapes, consumers)
+                if uses and (len(used) > 1 or uses[0][0] == "chain"):
+                    result.uses[k] = uses
     return result
 
 
@@ -572,8 +612,15 @@ def _note_fallback(what, tape, flat_raw, analysis):
     use them (no rule, or a rule that declined): a DEBUG log line, and the
     tape's summary() (its last per-example call)."""
     rows = tuple((_source_name(flat_raw[k]), tuple(analysis.fallback[k]))
-                 for k in sorted(analysis.fallback))
+                 for k in sorted(analysis.fallback) if k not in analysis.uses)
     tape._per_example_rows = (what, rows)  # pylint: disable=protected-access
+    tape._per_example_rules = (what, _rules_of(flat_raw, analysis))  # pylint: disable=protected-access
+    if logging.get_verbosity() <= logging.DEBUG:
+        ruled = [f"{name} ({how})" for name, how in tape._per_example_rules[1]  # pylint: disable=protected-access
+                 if how != "per-example rows"]
+        if ruled:
+            logging.debug("fasttape %s: op rules for %d source(s): %s", what,
+                          len(ruled), "; ".join(ruled))
     if rows:
         logging.debug(
             "fasttape %s: per-example rows (one backward pass per example) for "
@@ -635,8 +682,18 @@ def _ruled_pass(what, tape_state, losses, flat, analysis):
     return captured
 
 
-def _rows(tape, losses, flat_raw, keys, basis=None):
-    """{k: per-example (or per-basis-row) gradients of source k, or None}."""
+def _rows(tape, losses, flat_raw, keys, basis=None, uses=None):
+    """{k: per-example (or per-basis-row) gradients of source k, or None}.
+    ``uses``: the analysis' sources read by several ruled ops (_uses), whose
+    per-example gradients come from one pass to those ops' outputs."""
+    if uses and basis is None:
+        got = _per_example_of_uses(tape._tape, losses, {  # pylint: disable=protected-access
+            k: uses[k] for k in keys if k in uses},
+            {k: tuple(flat_raw[k].shape.as_list()) for k in keys})
+        for k in [k for k in uses if k not in got]:
+            del uses[k]     # a rule declined: rows (and so in the summary)
+        rest = _rows(tape, losses, flat_raw, [k for k in keys if k not in got])
+        return {k: got[k] if k in got else rest.get(k) for k in keys}
     if not keys:
         return {}
     if not context.executing_eagerly():
@@ -693,7 +750,8 @@ def per_example_gradients(tape, losses, sources):
                 rule.per_example(payload, pos, g, src_shape=src_shape),
                 [batch] + flat_raw[k].shape.as_list())
         _note_fallback("per_example_gradients", tape, flat_raw, analysis)
-        for k, rows in _rows(tape, losses, flat_raw, list(analysis.fallback)).items():
+        for k, rows in _rows(tape, losses, flat_raw, list(analysis.fallback),
+                             uses=analysis.uses).items():
             out[k] = rows
     finally:
         _end(tape, tape_state)
@@ -705,7 +763,8 @@ def _sq_norms(what, tape, tape_state, losses, flat, flat_raw, analysis):
     finish without another pass (ruled contexts, fallback rows)."""
     ruled = _ruled_pass(what, tape_state, losses, flat, analysis)
     _note_fallback(what, tape, flat_raw, analysis)
-    rows = _rows(tape, losses, flat_raw, list(analysis.fallback))
+    rows = _rows(tape, losses, flat_raw, list(analysis.fallback),
+                 uses=analysis.uses)
     total = None
     memo = {}
     for payload, pos, rule, src_shape, g in ruled.values():
@@ -1491,7 +1550,8 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
             if spec is None:
                 ruled = _ruled_pass("dp_gradient", tape_state, losses, flat,
                                     analysis)
-                rows = _rows(tape, losses, flat_raw, list(analysis.fallback))
+                rows = _rows(tape, losses, flat_raw, list(analysis.fallback),
+                             uses=analysis.uses)
                 spec = _dp_finish(tape_state, losses, flat_raw, analysis,
                                   ruled, rows, clip, m, noise, out)
         else:
@@ -1521,3 +1581,608 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
             g = _ex("AddV2", g, _noise(g.dtype, shape, seed, k, stddev, rng))
         out[k] = g
     return _pack(sources, flat_raw, out)
+
+
+class _Groups:
+    """Ops whose rows are not the examples one to one, but whose layout
+    the analysis proves (see _row_groups): ``accepted`` (ids of entries
+    _keeps_axis0 would refuse), ``blocks`` (id of a convolution's entry ->
+    its number of space-to-batch blocks), ``separable`` (ids of training
+    batch norms whose statistics never mix two examples)."""
+
+    def __init__(self):
+        self.accepted = set()
+        self.blocks = {}
+        self.separable = set()
+
+
+_CONVS = frozenset({"Conv2D", "DepthwiseConv2dNative", "Conv3D"})
+_ROW_WISE_RESHAPES = frozenset({"ExpandDims", "Squeeze"})
+
+
+def _config(payload, i):
+    inputs = getattr(payload, "inputs", None) or ()
+    t = inputs[i] if i < len(inputs) else None
+    # while tracing, a constant's value, else None (the analysis declines)
+    return None if t is None else _value(t)
+
+
+def _row_groups(entries, shapes, consumers, batch):
+    """The layouts the analysis accepts beyond _keeps_axis0's:
+
+    - a dilated convolution as TF runs it: SpaceToBatchND (or an input off
+      the path), ExpandDims/Squeeze, Conv2D or DepthwiseConv2dNative,
+      ExpandDims/Squeeze, BatchToSpaceND, each tensor with one consumer:
+      row r of the convolution is example r % B (_norm_rules.BLOCKS_ATTR);
+    - a training batch norm (NCHW) over [1, C, ...] reshaped from [B, ...]
+      and reshaped back, as tf_keras' LayerNormalization runs (the batch
+      folded into the channels): each channel's statistics lie within one
+      example when an example's size is a multiple of a channel's."""
+    groups = _Groups()
+    if batch is None or batch < 2:     # (unknown while tracing: rows)
+        return groups
+    producer = {}
+    for entry in entries:
+        for o in entry.output_ids:
+            producer[o] = entry
+
+    def only_use(tid):
+        users = consumers.get(tid, ())
+        return users[0] if len(users) == 1 else None
+
+    def back(tid):
+        """The producer of tid through row-wise reshapes (each tensor used
+        once), or None if tid is off the path."""
+        entry = producer.get(tid)
+        while entry is not None and entry.op_type in _ROW_WISE_RESHAPES:
+            if only_use(entry.output_ids[0]) is None:
+                return False
+            # (a new leading axis of size 1 before the convolution, or
+            # after it before BatchToSpaceND, fails the checks on the
+            # convolution's leading axis, nb B, or TF's own)
+            if entry.op_type == "ExpandDims" and _config(entry.payload, 1) == 0:
+                return False
+            entry = producer.get(entry.input_ids[0])
+        return entry
+
+    for entry in entries:
+        if entry.op_type == "BatchToSpaceND":
+            block = _config(entry.payload, 1)
+            if not block or only_use(entry.input_ids[0]) is None:
+                continue
+            nb = int(np.prod(block))
+            conv = back(entry.input_ids[0])
+            if (not conv or conv.op_type not in _CONVS
+                    or only_use(conv.output_ids[0]) is None):
+                continue
+            x = conv.payload.inputs[0]
+            if x is None or x.shape[0] != nb * batch:
+                continue
+            s2b = back(conv.input_ids[0])
+            if s2b is False or (s2b is not None and not (
+                    s2b.op_type == "SpaceToBatchND"
+                    and _config(s2b.payload, 1) == block
+                    and only_use(s2b.output_ids[0]) is not None)):
+                continue
+            groups.accepted.add(id(entry))
+            if s2b is not None:
+                groups.accepted.add(id(s2b))
+            groups.blocks[id(conv)] = nb
+        elif (entry.op_type in _BATCH_NORMS
+              and _norm_rules.attr(entry.payload, "is_training")
+              and _norm_rules._decoded(entry.payload, "data_format") == "NCHW"):  # pylint: disable=protected-access
+            into = producer.get(entry.input_ids[0])
+            x = entry.payload.inputs[0]
+            if (into is None or into.op_type != "Reshape" or x is None
+                    or only_use(entry.input_ids[0]) is None):
+                continue
+            shape = tuple(x.shape.as_list())
+            source = shapes.get(into.input_ids[0])
+            if source is None and into.payload.inputs[0] is not None:
+                source = tuple(into.payload.inputs[0].shape.as_list())
+            if (None in shape or not source or None in source
+                    or source[0] != batch or shape[0] != 1 or len(shape) < 2):
+                continue
+            size = int(np.prod(source[1:]))         # one example's
+            channel = int(np.prod(shape[2:]))       # one channel's
+            if size * batch != int(np.prod(shape)) or size % channel:
+                continue
+            users = [consumers.get(o, ()) for o in entry.output_ids]
+            out = users[0][0] if len(users[0]) == 1 else None
+            if (any(users[1:]) or out is None or out.op_type != "Reshape"
+                    or _leading(shapes.get(out.output_ids[0]) or ()) != batch):
+                continue
+            groups.accepted.update((id(into), id(out)))
+            groups.separable.add(id(entry))
+    return groups
+
+
+_TRACKED = frozenset({"Transpose", "Unpack", "Pack", "StridedSlice", "Split",
+                      "SplitV"})
+_ELEMENTWISE = (_SAME_SHAPE - {"Softmax", "LogSoftmax"}) | frozenset({
+    "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "Maximum", "Minimum",
+    "SquaredDifference", "Pow", "Select", "SelectV2", "ZerosLike",
+    "OnesLike", "TanhGrad", "SigmoidGrad"})
+
+
+def _track_batch_axis(entries, shapes, batch, alias, consumers):
+    """Where a recurrent layer runs time-major (Keras' RNNs: Transpose to
+    [T, B, ...], Unpack over time, a step's Split of its gates along the
+    features, Pack of the outputs and a StridedSlice of the last), the
+    batch axis is followed through these ops: (ids of the entries whose
+    move is followed, {tensor id: its batch axis}), or (empty, None) where
+    it is lost (a reduction, unpack or slice along it, an op other than
+    these and elementwise ones on a tensor whose batch is not on axis 0,
+    a result whose batch is not on axis 0). Inputs off the path are taken
+    to lead with the batch, as _keeps_axis0 takes them."""
+    axes = {}
+    followed = set()
+    none = (set(), None)
+    if batch is None:       # unknown while tracing: every source takes rows
+        return none
+
+    def axis_of(tid, t=None):
+        if tid in axes:
+            return axes[tid]
+        if tid in alias:
+            return -1                   # a source: no batch
+        shape = shapes.get(tid)
+        if shape is None and t is not None and t.dtype != dtypes.resource:
+            shape = tuple(t.shape.as_list())
+        return 0 if shape and shape[0] == batch else -1
+
+    for entry in entries:
+        payload = entry.payload
+        inputs = getattr(payload, "inputs", None) or ()
+        ins = [axis_of(tid, inputs[i] if i < len(inputs) else None)
+               for i, tid in enumerate(entry.input_ids)]
+        op = entry.op_type
+        data = ins[1] if op == "Split" and len(ins) > 1 else (ins[0] if ins else -1)
+        if op == "Pack" and len(set(ins)) > 1:
+            return none
+        if op in _TRACKED and data >= 0:
+            out = _moved_axis(entry, shapes, data, batch)
+            if out is None:
+                return none
+            followed.add(id(entry))
+        elif op in _TRACKED:
+            followed.add(id(entry))     # a tensor without the batch (a weight's)
+            out = -1
+        else:
+            batched = {a for a in ins if a >= 0}
+            if len(batched) > 1:
+                return none
+            # (no input with the batch: a Reshape of rows folded with time
+            # to [B, ...], taken to lead with it as inputs off the path)
+            out = batched.pop() if batched else (
+                0 if _leading(shapes.get(entry.output_ids[0]) or ()) == batch
+                else -1) if entry.output_ids else -1
+            if out > 0 and op not in _ELEMENTWISE:
+                return none
+        for o in entry.output_ids:
+            axes[o] = out
+    for entry in entries:
+        for o in entry.output_ids:
+            if o not in consumers and axes.get(o, 0) > 0:
+                return none
+    return followed, axes
+
+
+def _config_axis(entry, shapes):
+    """The axis of a Pack, Unpack, Split or SplitV, made non-negative where
+    the rank is known; None where it is not known."""
+    op = entry.op_type
+    payload = entry.payload
+    if op in ("Pack", "Unpack"):
+        axis = _norm_rules.attr(payload, "axis", 0)
+    else:
+        axis = _config(payload, 0 if op == "Split" else 2)
+    if not isinstance(axis, int):
+        return None
+    if axis >= 0:
+        return axis
+    data = entry.input_ids[1 if op == "Split" else 0] if entry.input_ids else None
+    inputs = getattr(payload, "inputs", None) or ()
+    t = inputs[1 if op == "Split" else 0] if len(inputs) > (1 if op == "Split" else 0) else None
+    shape = shapes.get(data)
+    if shape is None and t is not None:
+        shape = tuple(t.shape.as_list())
+    if shape is None and op in ("Split", "SplitV"):
+        # a split keeps the rank: any piece's
+        shape = next((shapes[o] for o in entry.output_ids if o in shapes), None)
+    if shape is None:
+        return None
+    return axis + len(shape) + (1 if op == "Pack" else 0)
+
+
+def _moved_axis(entry, shapes, axis, batch):
+    """The batch axis after a _TRACKED op, given it at ``axis`` of the
+    data input; None where the op may move rows across it."""
+    op = entry.op_type
+    payload = entry.payload
+    if op == "Transpose":
+        perm = _config(payload, 1)
+        return perm.index(axis) if perm and axis in perm else None
+    if op in ("Unpack", "Split", "SplitV", "Pack"):
+        a = _config_axis(entry, shapes)
+        if a is None or (a == axis and op != "Pack"):
+            return None
+        if op == "Unpack":
+            return axis - (a < axis)
+        if op == "Pack":
+            return axis + (a <= axis)
+        return axis
+    # StridedSlice: the batch axis whole, other axes sliced or shrunk
+    begin, end, strides = _config(payload, 1), _config(payload, 2), _config(payload, 3)
+    if begin is None or end is None or strides is None:
+        return None
+    def mask(name):
+        return int(_norm_rules.attr(payload, name, 0) or 0)
+    if mask("ellipsis_mask") or mask("new_axis_mask"):
+        return None
+    shrink = mask("shrink_axis_mask")
+    if axis < len(begin):
+        if (shrink >> axis) & 1 or strides[axis] != 1:
+            return None
+        if not ((mask("begin_mask") >> axis) & 1 or begin[axis] == 0):
+            return None
+        if not ((mask("end_mask") >> axis) & 1 or end[axis] >= batch):
+            return None
+    return axis - bin(shrink & ((1 << axis) - 1)).count("1")
+
+
+_CHAIN = frozenset({"Mul", "Add", "AddV2", "Sub", "Neg", "Identity"})
+_CHAIN_RESHAPES = frozenset({"Squeeze", "Reshape", "ExpandDims", "Identity"})
+_MAX_USES = 1 << 14
+
+
+def _uses(used, axes, batch, shapes, consumers, depth=0, budget=None):
+    """For a source read by several ops that each have a rule (a recurrent
+    layer's kernel, recurrent kernel and bias, read once a time step), or
+    through a chain of elementwise ops on tensors of its own shape that
+    hold no batch (Keras' BatchNormalization in inference: gamma times
+    rsqrt(variance + eps), read by x * inv and mean * inv): the tree of
+    its uses, each ("rule", payload, pos, rule, output id) or ("chain",
+    payload, pos, op type, in shape, its output's uses); None where a use
+    is neither, or its batch is not on axis 0, or its rows fold time."""
+    budget = budget if budget is not None else [_MAX_USES]
+    out = []
+    for entry, pos in used:
+        budget[0] -= 1
+        if budget[0] < 0 or depth > 8:
+            return None
+        o = entry.output_ids[0] if entry.output_ids else None
+        if axes is not None and any(
+                axes.get(t, 0) > 0 for t in entry.input_ids + entry.output_ids[:1]):
+            return None
+        if _chains(entry, pos, shapes):
+            # an elementwise op whose output has the shape of the source's
+            # values: each example's gradient of its input is the op's
+            # VJP of its output's (the sum of the rules of its uses),
+            # whatever the other operand (the op is linear in this one)
+            chain = _chain_item(entry, pos, axes, batch, shapes, consumers,
+                                depth, budget)
+            if chain is None:
+                return None
+            out.append(chain)
+            continue
+        rule = _norm_rules.candidate(entry.op_type, entry.payload)
+        if rule is None:
+            return None
+        if entry.op_type == "MatMul":
+            a = entry.payload.inputs[0]
+            if a is None or a.shape.rank != 2 or a.shape[0] != batch:
+                return None
+        out.append(("rule", entry.payload, pos, rule, o))
+    return out
+
+
+def _in_shape(entry, pos, shapes):
+    inputs = getattr(entry.payload, "inputs", None) or ()
+    shape = shapes.get(entry.input_ids[pos])
+    if shape is None and pos < len(inputs) and inputs[pos] is not None:
+        shape = tuple(inputs[pos].shape.as_list())
+    return shape
+
+
+def _out_shapes(entry, pos, shapes, in_shape):
+    """The output shapes of a link of a chain (_uses) whose input ``pos``
+    has shape in_shape, or None where it is not one: an elementwise op of
+    _CHAIN whose output has that input's shape (the other operand
+    broadcast into it); a reshape; a Split into equal pieces."""
+    op = entry.op_type
+    if type(entry.payload) is not EagerOp:
+        return None
+    if op == "Split":
+        axis, n = _config(entry.payload, 0), len(entry.output_ids)
+        if pos != 1 or not isinstance(axis, int) or not n:
+            return None
+        axis %= len(in_shape)
+        if in_shape[axis] % n:
+            return None
+        return [tuple(d // n if a == axis else d for a, d in enumerate(in_shape))] * n
+    if len(entry.output_ids) != 1:
+        return None
+    out = shapes.get(entry.output_ids[0])
+    if out is None and entry.output_meta:
+        out = _meta_shape(entry.output_meta[0])
+    if op == "Squeeze" and out is None:
+        dims = _norm_rules.attr(entry.payload, "squeeze_dims") or []
+        dims = {d % len(in_shape) for d in dims}
+        out = tuple(d for a, d in enumerate(in_shape)
+                    if not (d == 1 and (not dims or a in dims)))
+    if out is None or None in out:
+        return None
+    out = tuple(out)
+    if op in _CHAIN_RESHAPES:
+        return [out] if pos == 0 and np.prod(out) == np.prod(in_shape) else None
+    if op not in _CHAIN or out != tuple(in_shape):
+        return None
+    if len(entry.input_ids) == 2:
+        if entry.input_ids[0] == entry.input_ids[1]:
+            return None
+        other = _in_shape(entry, 1 - pos, shapes)
+        if other is None or len(other) > len(in_shape) or any(
+                d not in (1, e) for d, e in zip(reversed(other), reversed(in_shape))):
+            return None
+    return [out]
+
+
+def _chains(entry, pos, shapes):
+    """Whether input ``pos`` of ``entry`` goes through it as a link of a
+    chain (_uses, _out_shapes)."""
+    in_shape = _in_shape(entry, pos, shapes)
+    return bool(in_shape) and None not in in_shape and _out_shapes(
+        entry, pos, shapes, in_shape) is not None
+
+
+def _chain_item(entry, pos, axes, batch, shapes, consumers, depth, budget):
+    payload = entry.payload
+    inputs = getattr(payload, "inputs", None) or ()
+    if entry.op_type == "Mul" and (
+            len(inputs) != 2 or inputs[1 - pos] is None
+            or inputs[1 - pos].dtype == dtypes.resource):
+        return None
+    in_shape = tuple(_in_shape(entry, pos, shapes))
+    outs = []
+    for o, shape in zip(entry.output_ids, _out_shapes(entry, pos, shapes, in_shape)):
+        used = [(u, p) for u in consumers.get(o, ())
+                for p, i in enumerate(u.input_ids) if i == o]
+        children = _uses(used, axes, batch, shapes, consumers, depth + 1,
+                         budget) if used else ()
+        if children is None:
+            return None
+        outs.append((shape, tuple(children)))
+    if not any(children for _, children in outs):
+        return None
+    return ("chain", payload, pos, entry.op_type, in_shape, tuple(outs))
+
+
+def _uses_layout(node, at):
+    """A _uses tree with each payload as its position among the entries,
+    or None if one is not theirs."""
+    out = []
+    for item in node:
+        j = at.get(id(item[1]))
+        if j is None:
+            return None
+        if item[0] == "rule":
+            out.append(("rule", j, item[2], item[3]))
+            continue
+        outs = []
+        for shape, children in item[5]:
+            children = _uses_layout(children, at)
+            if children is None:
+                return None
+            outs.append((shape, children))
+        out.append(("chain", j) + tuple(item[2:5]) + (tuple(outs),))
+    return tuple(out)
+
+
+def _uses_rebound(node, entries):
+    out = []
+    for item in node:
+        entry = entries[item[1]]
+        if item[0] == "rule":
+            out.append(("rule", entry.payload, item[2], item[3], entry.output_ids[0]))
+        else:
+            out.append(("chain", entry.payload) + tuple(item[2:5]) + (tuple(
+                (shape, _uses_rebound(children, entries))
+                for shape, children in item[5]),))
+    return out
+
+
+def _stacked_matmuls(terms):
+    """sum_t a_t^T g_t per example, from MatMul uses [(payload, g)] sharing
+    their attrs: one product of the time steps stacked, [B, T, K] and
+    [B, T, N]."""
+    a = array_ops_stack.stack([p.inputs[0] for p, _ in terms], axis=1)
+    g = array_ops_stack.stack([g for _, g in terms], axis=1)
+    if _norm_rules.attr(terms[0][0], "transpose_b"):
+        return math_ops.matmul(g, a, transpose_a=True)
+    return math_ops.matmul(a, g, transpose_a=True)
+
+
+class _Declined(Exception):
+    """A rule of a use declines its output gradient: the source takes rows."""
+
+
+def _leaves(node):
+    for item in node:
+        if item[0] == "rule":
+            yield item[4]
+        else:
+            for _, children in item[5]:
+                yield from _leaves(children)
+
+
+def _chain_vjp(payload, pos, op, in_shape, out_shapes, values, batch):
+    """Each example's gradient of a link's input ([B] + its shape), from
+    its outputs' (``values``, None for an output no rule reached)."""
+    if op == "Split":
+        axis = _config(payload, 0) % len(in_shape)
+        dtype = next(x for x in values if x is not None).dtype
+        pieces = [v if v is not None else array_ops.zeros([batch] + list(shape), dtype)
+                  for v, shape in zip(values, out_shapes)]
+        return array_ops.concat(pieces, axis + 1)
+    g = values[0]
+    if op in _CHAIN_RESHAPES:
+        return array_ops.reshape(g, [batch] + list(in_shape))
+    if op == "Mul":
+        g = g * math_ops.cast(payload.inputs[1 - pos], g.dtype)
+    elif op == "Neg" or (op == "Sub" and pos == 1):
+        g = -g
+    return _norm_rules._to_source(g, in_shape)  # pylint: disable=protected-access
+
+
+def _spec(node, shape, grads, batch, feed):
+    """A _uses tree as a hashable spec over feeds (``feed(tensor)`` -> its
+    index): each rule's payload and output gradient, each link's payload,
+    checked against the output gradients' shapes (_Declined); leaves no
+    gradient reached are left out; None where none is."""
+    out = []
+    for item in node:
+        payload, pos = item[1], item[2]
+        ins = tuple(-1 if t is None or t.dtype == dtypes.resource else feed(t)
+                    for t in payload.inputs)
+        attrs = tuple(_hashable(a) for a in payload.attrs)
+        if item[0] == "chain":
+            outs = tuple((o_shape, _spec(children, o_shape, grads, batch, feed))
+                         for o_shape, children in item[5])
+            if any(c is not None for _, c in outs):
+                out.append(("chain", attrs, payload.num_inputs, ins, pos,
+                            item[3], item[4], outs))
+            continue
+        rule, o = item[3], item[4]
+        g = grads.get(o)
+        if g is None:
+            continue
+        if type(g) is not ops.EagerTensor:
+            g = ops.convert_to_tensor(g)
+        saved = payload.inputs[pos]
+        seen = (tuple(saved.shape.as_list())
+                if saved is not None and saved.dtype != dtypes.resource else shape)
+        if not _norm_rules.applies(rule, payload, pos, tuple(g.shape.as_list()),
+                                   seen, batch):
+            raise _Declined()
+        out.append(("rule", attrs, payload.num_inputs, ins, pos, rule, feed(g), seen))
+    return tuple(out) or None
+
+
+def _uses_value(spec, shape, tensors, batch):
+    """[B] + shape from a _spec over ``tensors``: the sum of its uses'
+    per-example gradients (MatMuls by one product of their stacked steps);
+    eager, or traced (gradients._compiled.traced_call)."""
+    matmuls, terms = {}, []
+    for item in spec:
+        payload = EagerOp(item[1], tuple(None if i < 0 else tensors[i]
+                                         for i in item[3]), item[2])
+        pos = item[4]
+        if item[0] == "chain":
+            op, in_shape, outs = item[5], item[6], item[7]
+            values = [None if c is None else _uses_value(c, o_shape, tensors, batch)
+                      for o_shape, c in outs]
+            terms.append(_chain_vjp(payload, pos, op, in_shape,
+                                    [o_shape for o_shape, _ in outs], values, batch))
+            continue
+        rule, g, seen = item[5], tensors[item[6]], item[7]
+        if type(rule) is type(_norm_rules.NORM_RULES["MatMul"]) and pos == 1:
+            key = bool(_norm_rules.attr(payload, "transpose_b"))
+            matmuls.setdefault(key, []).append((payload, g))
+        else:
+            terms.append(rule.per_example(payload, pos, g, src_shape=seen))
+    terms += [_stacked_matmuls(t) for t in matmuls.values()]
+    terms = [array_ops.reshape(t, [batch] + list(shape)) for t in terms]
+    return terms[0] if len(terms) == 1 else math_ops.add_n(terms)
+
+
+def _per_example_of_uses(tape_state, losses, uses, shapes):
+    """{k: [B] + source shape} for the sources of ``uses`` (k -> _uses):
+    one backward pass to every use's output, each use's rule, summed
+    (MatMuls by one product over their stacked steps; a chain back through
+    its ops), in one traced function in a training loop; a source one of
+    whose rules declines is left out (rows)."""
+    batch = int(losses.shape[0])
+    out_ids = list(dict.fromkeys(o for node in uses.values() for o in _leaves(node)))
+    if not out_ids:
+        return {}
+    grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
+    feeds, index = [], {}
+
+    def feed(t):
+        i = index.get(id(t))
+        if i is None:
+            i = index[id(t)] = len(feeds)
+            feeds.append(t)
+        return i
+    specs = []
+    for k, node in uses.items():
+        try:
+            spec = _spec(node, shapes[k], grads, batch, feed)
+        except _Declined:
+            continue
+        if spec is not None:
+            specs.append((k, shapes[k], spec))
+    if not specs:
+        return {}
+    specs = tuple(specs)
+    try:
+        hash(specs)
+    except TypeError:       # an attr value that cannot be a key
+        values = [_uses_value(spec, shape, feeds, batch) for _, shape, spec in specs]
+    else:
+        values = _compiled.traced_call(
+            ("dp_uses", specs, batch),
+            lambda *t: [_uses_value(spec, shape, t, batch) for _, shape, spec in specs],
+            feeds)
+    return {k: v for (k, _, _), v in zip(specs, values)}
+
+
+def _rules_of(flat_raw, analysis):
+    """(name, how) for each connected source, in order: the op type of its
+    rule; the op types reading it and the number of ruled ops summed
+    (_uses); or "per-example rows"."""
+    out = []
+    for k in range(len(flat_raw)):
+        if k in analysis.ruled:
+            how = analysis.op_types[k]
+        elif k in analysis.uses:
+            how = (f"{', '.join(analysis.fallback[k])}: the rules of "
+                   f"{len(list(_leaves(analysis.uses[k])))} ops, summed")
+        elif k in analysis.fallback:
+            how = "per-example rows"
+        else:
+            continue
+        out.append((_source_name(flat_raw[k]), how))
+    return tuple(out)
+
+
+def _carry_shape(entry, shapes):
+    """The analysis' shapes across a Transpose or Unpack, either way (a
+    recurrent layer's time-major input, whose shapes no op saved)."""
+    i, outs = entry.input_ids[0], entry.output_ids
+    if entry.op_type == "Transpose":
+        perm = _config(entry.payload, 1)
+        if not perm:
+            return
+        if i in shapes and outs[0] not in shapes and len(shapes[i]) == len(perm):
+            shapes[outs[0]] = tuple(shapes[i][p] for p in perm)
+        elif outs[0] in shapes and i not in shapes and len(shapes[outs[0]]) == len(perm):
+            shape = [None] * len(perm)
+            for k, p in enumerate(perm):
+                shape[p] = shapes[outs[0]][k]
+            shapes[i] = tuple(shape)
+        return
+    axis = _norm_rules.attr(entry.payload, "axis", 0)
+    if not isinstance(axis, int):
+        return
+    if i in shapes:
+        shape = list(shapes[i])
+        a = axis % len(shape) if shape else 0
+        for o in outs:
+            shapes.setdefault(o, tuple(shape[:a] + shape[a + 1:]))
+        return
+    known = next((shapes[o] for o in outs if o in shapes), None)
+    if known is not None:
+        a = axis % (len(known) + 1)
+        shapes[i] = tuple(list(known[:a]) + [len(outs)] + list(known[a:]))

@@ -84,6 +84,10 @@ class TapeSummary:
     # backward pass per example: no op rule covers them), each as (name,
     # op types using it); None: no such call on this tape.
     per_example_rows: tuple = None
+    # ... and how it covered each source: the method, then (name, the op
+    # type of its rule, or the op types reading it and how many ruled ops
+    # were summed, or "per-example rows"); None: no such call.
+    per_example_rules: tuple = None
 
     @property
     def num_ops(self):
@@ -125,6 +129,7 @@ class TapeSummary:
             "consumed": self.consumed,
             "memory": self.memory,
             "per_example_rows": self.per_example_rows,
+            "per_example_rules": self.per_example_rules,
         }
 
     def _per_example_line(self):

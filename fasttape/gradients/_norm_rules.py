@@ -29,6 +29,7 @@ import numpy as np
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import array_ops_stack
 from tensorflow.python.ops import gen_nn_ops
 from tensorflow.python.ops import linalg_ops_impl
 from tensorflow.python.ops import math_ops
@@ -680,3 +681,265 @@ def applies(rule, payload, pos, out_shape, src_shape, batch):
         return bool(rule.applies(payload, pos, out_shape, src_shape, batch))
     except (TypeError, ValueError, IndexError, AttributeError):
         return False
+
+
+# -- dilated convolutions run by space-to-batch -------------------------------
+
+# Up to this batch size, a convolution with many input channels to few
+# outputs builds its per-example kernel gradients one example at a time.
+_MAX_LOOPED = 128
+
+# An attribute the analysis adds to a convolution's payload (a copy) whose
+# batch axis holds nb blocks of the B examples, block-major (TF runs a
+# dilated convolution as SpaceToBatchND, the convolution, BatchToSpaceND:
+# row r is example r % B): nb.
+BLOCKS_ATTR = "fasttape_interleaved_blocks"
+
+
+def _blocks(payload):
+    return attr(payload, BLOCKS_ATTR) or 1
+
+
+def _unblocked(t, nb):
+    """[nb*B, T, K] rows, block-major, -> [B, nb*T, K]: each example's rows
+    of every block together."""
+    t = array_ops.reshape(t, [nb, -1, t.shape[1], t.shape[2]])
+    t = array_ops.transpose(t, [1, 0, 2, 3])
+    return array_ops.reshape(t, [-1, nb * t.shape[2], t.shape[3]])
+
+
+def _tiled(w, nb):
+    """Per-example weights [B] for nb blocks of rows, block-major."""
+    return _ex("Tile", w, _const((nb,), dtypes.int32))
+
+
+class _Blocked:
+    """The clipped sum of a rule on space-to-batch blocks: the per-example
+    weights tiled over the blocks (rows block-major)."""
+
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        nb = _blocks(payload)
+        if nb == 1 or self._from_memo(payload, pos, w, memo) is not None:
+            return super().weighted(payload, pos, g, w, src_shape, memo)
+        return super().weighted(payload, pos, g, _tiled(w, nb), src_shape, None)
+
+
+@norm_rule("Conv2D")
+class _Conv2DBlocks(_Blocked, _Conv2D):
+    """The Conv2D rule, also on a dilated convolution's space-to-batch
+    blocks (BLOCKS_ATTR): example i's gradient sums its rows in every
+    block, the BatchMatMul rule on the patches of all of them."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        nb = _blocks(payload)
+        return super().applies(payload, pos, out_shape, src_shape, batch * nb) and (
+            nb == 1 or (out_shape[0] == batch * nb
+                        and payload.inputs[0].shape[0] == batch * nb))
+
+    def _flat(self, payload, g, src_shape, pos=1):
+        a, g = super()._flat(payload, g, src_shape, pos)
+        nb = _blocks(payload)
+        if nb == 1:
+            return a, g
+        return _unblocked(a, nb), _unblocked(g, nb)
+
+    def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
+        looped = self._looped(payload, g, src_shape)
+        if looped is None:
+            return super().sq_norms(payload, pos, g, src_shape, memo)
+        if memo is not None:
+            memo[("per_example", id(payload), pos)] = (payload, looped)
+        return sq_rows(looped)
+
+    def per_example(self, payload, pos, g, src_shape=None):
+        looped = self._looped(payload, g, src_shape)
+        if looped is not None:
+            return looped
+        return super().per_example(payload, pos, g, src_shape)
+
+    def _looped(self, payload, g, src_shape):
+        """Each example's kernel gradient by TF's own kernel gradient of its
+        rows (of every block), where patches would cost more: many input
+        channels to few outputs (an identity-kernel convolution of K^2
+        per position against K N), many positions (no ghost norm), a
+        batch of at most _MAX_LOOPED examples, no dilation; else None."""
+        x = payload.inputs[0]
+        nb = _blocks(payload)
+        if len(src_shape) != 4 or x.shape.rank != 4:
+            return None         # (Conv3D's patches)
+        kh, kw, cin, cout = src_shape
+        k = kh * kw * cin
+        if (x.shape[0] is None or None in g.shape[1:3]
+                or list(attr(payload, "dilations") or [1] * 4) != [1] * 4):
+            return None
+        b = x.shape[0] // nb
+        t = g.shape[1] * g.shape[2] * nb
+        if b > _MAX_LOOPED or t * t < k * cout or k <= 2 * cout:
+            return None
+        xs = array_ops.reshape(x, [nb, b] + x.shape.as_list()[1:])
+        gs = array_ops.reshape(g, [nb, b] + g.shape.as_list()[1:])
+        sizes = _const(tuple(src_shape), dtypes.int32)
+        strides = list(attr(payload, "strides"))
+        padding = _decoded(payload, "padding")
+        grads = [gen_nn_ops.conv2d_backprop_filter(
+            xi, sizes, gi, strides=strides, padding=padding, data_format="NHWC")
+                 for xi, gi in zip(array_ops_stack.unstack(xs, axis=1),
+                                   array_ops_stack.unstack(gs, axis=1))]
+        return array_ops_stack.stack(grads)
+
+
+@norm_rule("DepthwiseConv2dNative")
+class _DepthwiseBlocks(_Blocked, _DepthwiseConv2D):
+    """The depthwise rule, also on a dilated convolution's space-to-batch
+    blocks (BLOCKS_ATTR): each row's gradient, summed over the blocks."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        nb = _blocks(payload)
+        return super().applies(payload, pos, out_shape, src_shape, batch * nb) and (
+            nb == 1 or payload.inputs[0].shape[0] == batch * nb)
+
+    def per_example(self, payload, pos, g, src_shape=None):
+        grads = super().per_example(payload, pos, g, src_shape)
+        nb = _blocks(payload)
+        if nb == 1:
+            return grads
+        return math_ops.reduce_sum(
+            array_ops.reshape(grads, [nb, -1] + list(src_shape)), axis=0)
+
+
+# -- 3-D and transposed convolutions, batch norm in inference -----------------
+
+@norm_rule("Conv3D")
+class _Conv3D(_Conv2DBlocks):
+    """z = conv3d(x, K), NDHWC, SAME or VALID: the Conv2D rule on volume
+    patches [T, kd kh kw cin] (the kernel's layout)."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        nb = _blocks(payload)
+        return (pos == 1 and (_decoded(payload, "data_format") or "NDHWC") == "NDHWC"
+                and _decoded(payload, "padding") in ("SAME", "VALID")
+                and len(src_shape) == 5 and None not in src_shape
+                and len(out_shape) == 5 and out_shape[0] == batch * nb
+                and payload.inputs[0] is not None
+                and payload.inputs[0].shape[0] == batch * nb)
+
+    def _flat(self, payload, g, src_shape, pos=1):
+        x = payload.inputs[0]
+        kd, kh, kw, cin = src_shape[:4]
+        k = kd * kh * kw * cin
+        strides = list(attr(payload, "strides"))
+        dilations = list(attr(payload, "dilations") or [1] * 5)
+        padding = _decoded(payload, "padding")
+        if k * k * x.dtype.size > _MAX_PATCH_KERNEL_BYTES and dilations == [1] * 5:
+            patches = array_ops.extract_volume_patches(
+                x, [1, kd, kh, kw, 1], strides, padding)
+        else:
+            eye = _cached(("patches3d", kd, kh, kw, cin, x.dtype), lambda: array_ops.reshape(
+                linalg_ops_impl.eye(k, dtype=x.dtype), [kd, kh, kw, cin, k]))
+            patches = gen_nn_ops.conv3d(x, eye, strides=strides, padding=padding,
+                                        dilations=dilations, data_format="NDHWC")
+        b = array_ops.shape(x)[0]
+        a = array_ops.reshape(patches, [b, -1, k])
+        g = array_ops.reshape(g, [b, -1, g.shape[-1]])
+        nb = _blocks(payload)
+        if nb == 1:
+            return a, g
+        return _unblocked(a, nb), _unblocked(g, nb)
+
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        summed = self._from_memo(payload, pos, w, memo)
+        if summed is not None:
+            return _ex("Reshape", summed, _const(tuple(src_shape), dtypes.int32))
+        nb = _blocks(payload)
+        gw = (_scaled(g, w, memo) if nb == 1
+              else _ex("Mul", g, _bcast(_tiled(w, nb), 5)))
+        return gen_nn_ops.conv3d_backprop_filter_v2(
+            payload.inputs[0], _const(tuple(src_shape), dtypes.int32), gw,
+            strides=list(attr(payload, "strides")),
+            padding=_decoded(payload, "padding"),
+            dilations=list(attr(payload, "dilations") or [1] * 5),
+            data_format="NDHWC")
+
+
+@norm_rule("Conv2DBackpropInput")
+class _Conv2DTranspose(_Conv2D):
+    """y = conv2d_transpose(x, K) (Conv2DBackpropInput as a forward op:
+    Keras' Conv2DTranspose, and Conv1DTranspose through ExpandDims), NHWC,
+    SAME or VALID: example i's gradient of K [kh, kw, cy, cx] is
+    P(g_i)^T X_i, P(g_i) the patches [T, kh kw cy] of its output gradient
+    under the convolution that y transposes, X_i its input [T, cx]: the
+    BatchMatMul rule on those; the clipped sum by TF's kernel gradient."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        x = payload.inputs[2] if len(payload.inputs) > 2 else None
+        return (pos == 1 and (_decoded(payload, "data_format") or "NHWC") == "NHWC"
+                and _decoded(payload, "padding") in ("SAME", "VALID")
+                and len(src_shape) == 4 and None not in src_shape
+                and len(out_shape) == 4 and out_shape[0] == batch
+                and x is not None and x.shape[0] == batch
+                and out_shape[-1] == src_shape[2])
+
+    def _flat(self, payload, g, src_shape, pos=1):
+        # the patches of g under the forward convolution, against x
+        forward = EagerOp(payload.attrs, (g, None), 2)
+        return super()._flat(forward, payload.inputs[2], src_shape, pos)
+
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        summed = self._from_memo(payload, pos, w, memo)
+        if summed is not None:
+            return _ex("Reshape", summed, _const(tuple(src_shape), dtypes.int32))
+        return gen_nn_ops.conv2d_backprop_filter(
+            _scaled(g, w, memo), _const(tuple(src_shape), dtypes.int32),
+            payload.inputs[2], strides=list(attr(payload, "strides")),
+            padding=_decoded(payload, "padding"),
+            dilations=list(attr(payload, "dilations") or [1, 1, 1, 1]),
+            data_format="NHWC")
+
+
+@norm_rule("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
+class _FusedBatchNorm:
+    """y = scale * (x - mean) / sqrt(variance + eps) + offset in inference
+    (is_training false: mean and variance fixed; tf_keras'
+    BatchNormalization with training=False): example i's gradient of the
+    scale is its output gradient times the normalized x, of the offset its
+    output gradient, each summed over all but the channel axis ([B, C],
+    built: a per-channel parameter is small)."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        inputs = payload.inputs
+        return (pos in (1, 2) and not attr(payload, "is_training")
+                and (_decoded(payload, "data_format") or "NHWC") in (
+                    "NHWC", "NCHW", "NDHWC", "NCDHW")
+                and len(src_shape) == 1 and len(out_shape) >= 2
+                and out_shape[0] == batch
+                and (pos == 2 or all(t is not None for t in (
+                    inputs[0], inputs[3], inputs[4]))))
+
+    def per_example(self, payload, pos, g, src_shape=None):
+        rank = len(g.shape)
+        channel = 1 if _decoded(payload, "data_format") in ("NCHW", "NCDHW") else rank - 1
+        axes = [a for a in range(1, rank) if a != channel]
+        dtype = payload.inputs[3].dtype if payload.inputs[3] is not None else g.dtype
+        g = math_ops.cast(g, dtype)
+        if pos == 1:
+            x = math_ops.cast(payload.inputs[0], dtype)
+            shape = [1] * rank
+            shape[channel] = -1
+            mean = array_ops.reshape(payload.inputs[3], shape)
+            inv = math_ops.rsqrt(array_ops.reshape(payload.inputs[4], shape)
+                                 + attr(payload, "epsilon", 1e-4))
+            g = g * ((x - mean) * inv)
+        return math_ops.reduce_sum(g, axis=axes) if axes else g
+
+    # built per example (as a depthwise kernel's), the clipped sum their
+    # weighted sum
+    sq_norms = _DepthwiseConv2D.sq_norms
+    _from_memo = _BatchMatMul._from_memo
+
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        summed = self._from_memo(payload, pos, w, memo)
+        if summed is not None:
+            return summed
+        grads = self.per_example(payload, pos, g, src_shape)
+        return _ex("Sum", _ex("Mul", grads, _bcast(math_ops.cast(w, grads.dtype), 2)),
+                   _const(0, dtypes.int32), "keep_dims", False)

@@ -1,0 +1,271 @@
+"""Per-example op rules for dilated, 1-D/3-D and transposed convolutions
+and batch norms (BatchNormalization in inference, tf_keras'
+LayerNormalization's fused form): per_example_gradients, per_example_norms
+and dp_gradient against B single-example tf.GradientTape's, each with its
+rule and no per-example rows."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import fasttape
+from compat.test_per_example import B, DTYPES, _close, _ref_norms, _reference
+
+
+def _keras_model(kind, name):
+    import keras  # pylint: disable=import-outside-toplevel
+    L = keras.layers
+    if kind == "conv_dilated":
+        # the second convolution's input is on the path: SpaceToBatchND too
+        return (8, 8, 2), [L.Conv2D(3, 3, activation="tanh", dtype=name),
+                           L.Conv2D(2, 2, dilation_rate=2, padding="same",
+                                    activation="tanh", dtype=name),
+                           L.Conv2D(2, 3, dilation_rate=(2, 1), dtype=name),
+                           L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "conv_dilated_wide":
+        # (few positions, many channels: the ghost norm, and the clipped
+        # sum by TF's kernel gradient of the reweighted blocks)
+        return (5, 5, 16), [L.Conv2D(16, 3, dilation_rate=2, padding="same",
+                                     dtype=name),
+                            L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "conv1d_dilated":        # WaveNet-style, causal
+        return (11, 2), [L.Conv1D(3, 2, dilation_rate=2, padding="causal",
+                                  activation="tanh", dtype=name),
+                         L.Conv1D(2, 2, dilation_rate=4, padding="causal",
+                                  dtype=name),
+                         L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "depthwise_dilated":
+        return (9, 9, 2), [L.Conv2D(2, 1, activation="tanh", dtype=name),
+                           L.DepthwiseConv2D(3, dilation_rate=2,
+                                             depth_multiplier=2, dtype=name),
+                           L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "conv3d":
+        return (4, 5, 4, 2), [L.Conv3D(3, (2, 3, 2), activation="tanh", dtype=name),
+                              # (8 positions: the ghost norm)
+                              L.Conv3D(8, 2, strides=2, padding="same", dtype=name),
+                              L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "conv_transpose":
+        return (4, 4, 2), [L.Conv2D(3, 1, activation="tanh", dtype=name),
+                           L.Conv2DTranspose(3, 3, strides=2, activation="tanh",
+                                             dtype=name),
+                           L.Conv2DTranspose(2, 2, padding="same", dtype=name),
+                           L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "conv1d_transpose":
+        return (5, 2), [L.Conv1DTranspose(3, 3, strides=2, activation="tanh",
+                                          dtype=name),
+                        L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "lstm":
+        return (4, 2), [L.LSTM(3, dtype=name), L.Dense(2, dtype=name)]
+    if kind == "simple_rnn":
+        return (5, 2), [L.SimpleRNN(3, dtype=name), L.Dense(2, dtype=name)]
+    if kind == "gru_sequences":
+        # a Dense first: the time-major Transpose and Unpack on the path
+        return (4, 2), [L.Dense(3, activation="tanh", dtype=name),
+                        L.GRU(3, return_sequences=True, dtype=name),
+                        L.GlobalAveragePooling1D(dtype=name),
+                        L.Dense(2, dtype=name)]
+    if kind == "batchnorm":
+        # 6 channels, as many as examples: gamma and beta hold no batch
+        return (5, 5, 2), [L.Conv2D(6, 3, dtype=name),
+                           L.BatchNormalization(dtype=name),
+                           L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "groupnorm":
+        return (3, 4), [L.Dense(4, dtype=name), L.GroupNormalization(2, dtype=name),
+                        L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    raise KeyError(kind)
+
+
+def _keras_case(kind):
+    def build(dtype):
+        import keras  # pylint: disable=import-outside-toplevel
+        keras.utils.set_random_seed(0)
+        name = tf.as_dtype(dtype).name
+        shape, layers = _keras_model(kind, name)
+        model = keras.Sequential([keras.Input(shape, dtype=name)] + layers)
+        rng = np.random.default_rng(16)
+        for layer in layers:        # statistics of a model trained a while
+            if isinstance(layer, keras.layers.BatchNormalization):
+                layer.moving_mean.assign(rng.normal(size=layer.moving_mean.shape))
+                layer.moving_variance.assign(rng.uniform(0.5, 2.0, size=layer.moving_variance.shape))
+                layer.gamma.assign(rng.normal(size=layer.gamma.shape))
+        x = np.random.default_rng(12).normal(size=(B,) + shape)
+
+        def loss(x):
+            return tf.reduce_sum(tf.square(model(x)), axis=-1)
+        return [tf.constant(x, dtype)], loss, model.trainable_variables
+    return build
+
+
+def _tf_keras_layernorm(dtype):
+    """tf_keras' LayerNormalization after a Dense on a sequence: a fused
+    batch norm in training mode over [1, B*T, d, 1] (NCHW), then gamma and
+    beta."""
+    import tf_keras  # pylint: disable=import-outside-toplevel
+    tf_keras.utils.set_random_seed(0)
+    name = tf.as_dtype(dtype).name
+    model = tf_keras.Sequential([
+        tf_keras.Input((3, 4), dtype=name),
+        tf_keras.layers.Dense(5, dtype=name),
+        tf_keras.layers.LayerNormalization(dtype=name),
+        tf_keras.layers.Flatten(dtype=name),
+        tf_keras.layers.Dense(2, dtype=name)])
+    x = np.random.default_rng(13).normal(size=(B, 3, 4))
+
+    def loss(x):
+        return tf.reduce_sum(tf.square(model(x, training=True)), axis=-1)
+    return [tf.constant(x, dtype)], loss, model.trainable_variables
+
+
+def _tf_keras_batchnorm(dtype):
+    """tf_keras' BatchNormalization in inference after a Conv2D: one
+    FusedBatchNormV3 (is_training false) with gamma and beta as its scale
+    and offset (float32: TF's kernel; float64 runs other ops)."""
+    import tf_keras  # pylint: disable=import-outside-toplevel
+    tf_keras.utils.set_random_seed(0)
+    name = tf.as_dtype(dtype).name
+    bn = tf_keras.layers.BatchNormalization(dtype=name)
+    model = tf_keras.Sequential([
+        tf_keras.Input((5, 5, 2), dtype=name),
+        tf_keras.layers.Conv2D(3, 3, dtype=name), bn,
+        tf_keras.layers.Flatten(dtype=name),
+        tf_keras.layers.Dense(2, dtype=name)])
+    rng = np.random.default_rng(15)
+    bn.moving_mean.assign(rng.normal(size=3))
+    bn.moving_variance.assign(rng.uniform(0.5, 2.0, size=3))
+    x = rng.normal(size=(B, 5, 5, 2))
+
+    def loss(x):
+        return tf.reduce_sum(tf.square(model(x, training=False)), axis=-1)
+    return [tf.constant(x, dtype)], loss, model.trainable_variables
+
+
+CASES = {
+    "keras_batchnorm_inference": _keras_case("batchnorm"),
+    "keras_groupnorm": _keras_case("groupnorm"),
+    "keras_lstm": _keras_case("lstm"),
+    "keras_simple_rnn": _keras_case("simple_rnn"),
+    "keras_gru_sequences": _keras_case("gru_sequences"),
+    "keras_conv3d": _keras_case("conv3d"),
+    "keras_conv_transpose": _keras_case("conv_transpose"),
+    "keras_conv1d_transpose": _keras_case("conv1d_transpose"),
+    "tf_keras_batchnorm": _tf_keras_batchnorm,
+    "keras_conv_dilated": _keras_case("conv_dilated"),
+    "keras_conv_dilated_wide": _keras_case("conv_dilated_wide"),
+    "keras_conv1d_dilated": _keras_case("conv1d_dilated"),
+    "keras_depthwise_dilated": _keras_case("depthwise_dilated"),
+    "tf_keras_layernorm": _tf_keras_layernorm,
+}
+# Sources that still take rows (none).
+ROWS = {}
+PAIRS = [pytest.param(c, d, id=f"{c}-{d.name}")
+         for c in sorted(CASES) for d in DTYPES]
+
+
+def _assert_rows(tape, method, case):
+    what, rows = tape.summary().per_example_rows
+    assert what == method
+    assert tuple(name for name, _ in rows) == ROWS.get(case, ()), case
+
+
+def _fasttape(case, dtype, method, *args):
+    xs, loss, variables = CASES[case](dtype)
+    ref = _reference(loss, xs, variables)
+    with fasttape.GradientTape() as tape:
+        losses = loss(*xs)
+    got = getattr(tape, method)(losses, variables, *args)
+    # every source by its op rule: no per-example rows
+    _assert_rows(tape, method, case)
+    return got, ref, variables
+
+
+@pytest.mark.parametrize("case,dtype", PAIRS)
+def test_per_example_gradients_and_norms(case, dtype):
+    got, ref, variables = _fasttape(case, dtype, "per_example_gradients")
+    for g, r, v in zip(got, ref, variables):
+        assert g.shape == [B] + v.shape
+        _close(g, r, dtype)
+    norms, ref, _ = _fasttape(case, dtype, "per_example_norms")
+    _close(norms, _ref_norms(ref), dtype)
+
+
+@pytest.mark.parametrize("case,dtype", PAIRS)
+def test_dp_gradient(case, dtype):
+    xs, loss, variables = CASES[case](dtype)
+    ref = _reference(loss, xs, variables)
+    norms = _ref_norms(ref)
+    clip = float(np.median(norms.numpy()))     # some clipped, some not
+    scale = clip / tf.maximum(norms, clip)
+    expected = [tf.tensordot(scale, g, 1) / B for g in ref]
+    for step in range(2):       # the second: the fused, remembered pass
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        got = tape.dp_gradient(losses, variables, clip)
+        _assert_rows(tape, "dp_gradient", case)
+        for g, e in zip(got, expected):
+            _close(g, e, dtype)
+
+
+def _folded_batch_norm(shape, data_format):
+    """A training batch norm over x [B, 3, 4] reshaped to ``shape`` and
+    back: whether it mixes examples depends on its channels."""
+    rng = np.random.default_rng(14)
+    x = tf.constant(rng.normal(size=(B, 3, 4)), tf.float32)
+    w = tf.Variable(rng.normal(size=(4, 4)), dtype=tf.float32)
+
+    def loss(x):
+        h = tf.reshape(tf.matmul(x, w), shape)
+        channels = h.shape[1] if data_format == "NCHW" else h.shape[-1]
+        ones = tf.ones([channels])      # (float32 only: TF's kernel)
+        zeros = tf.zeros([channels])
+        y, _, _ = tf.compat.v1.nn.fused_batch_norm(
+            h, ones, zeros, data_format=data_format, is_training=True)
+        return tf.reduce_sum(tf.sin(tf.reshape(y, [-1, 3, 4])), axis=[1, 2])
+    return x, w, loss
+
+
+def test_a_batch_norm_folded_per_row_does_not_mix():
+    """Each channel one row of one example (tf_keras' LayerNormalization's
+    layout): its own rule, the loop's values."""
+    x, w, loss = _folded_batch_norm([1, -1, 4, 1], "NCHW")
+    with fasttape.GradientTape() as tape:
+        losses = loss(x)
+    got = tape.per_example_gradients(losses, [w])
+    assert tape.summary().per_example_rows == ("per_example_gradients", ())
+    _close(got[0], _reference(loss, [x], [w])[0], tf.float32)
+
+
+@pytest.mark.parametrize("shape,data_format", [
+    ([1, -1, 4, 1], "NHWC"),        # one channel over every example
+    ([1, -1, 8, 1], "NCHW"),        # channels across two examples
+    ([-1, 4, 1, 1], "NCHW"),        # the batch on the statistics' axis
+], ids=["nhwc", "nchw-straddling", "nchw-batch"])
+def test_a_batch_norm_that_mixes_examples_is_refused(shape, data_format):
+    x, w, loss = _folded_batch_norm(shape, data_format)
+    with fasttape.GradientTape() as tape:
+        losses = loss(x)
+    with pytest.raises(ValueError, match="FusedBatchNorm.* mixes examples|mixes examples"):
+        tape.per_example_norms(losses, [w])
+
+
+def test_summary_names_the_rule_of_each_source():
+    """tape.summary().per_example_rules: each source with the op type of
+    its rule, the ops whose rules were summed (a recurrent kernel), or
+    per-example rows (a tied weight)."""
+    xs, loss, variables = CASES["keras_simple_rnn"](tf.float32)
+    with fasttape.GradientTape() as tape:
+        losses = loss(*xs)
+    tape.per_example_norms(losses, variables)
+    what, rules = tape.summary().per_example_rules
+    assert what == "per_example_norms"
+    assert dict(rules) == {
+        "kernel (2, 3)": "MatMul: the rules of 5 ops, summed",
+        "recurrent_kernel (3, 3)": "MatMul: the rules of 5 ops, summed",
+        "bias (3,)": "BiasAdd: the rules of 5 ops, summed",
+        "kernel (3, 2)": "MatMul", "bias (2,)": "BiasAdd"}
+    w = tf.Variable(np.ones((3, 3)))
+    x = tf.constant(np.random.default_rng(17).normal(size=(B, 3)))
+    with fasttape.GradientTape() as tape:
+        losses = tf.reduce_sum(tf.tanh(x @ w) @ tf.transpose(w), axis=1)
+    tape.per_example_norms(losses, [w])
+    assert tape.summary().per_example_rules[1] == (
+        (f"{w.name} (3, 3)", "per-example rows"),)
