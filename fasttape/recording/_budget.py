@@ -39,6 +39,7 @@ import math
 import os
 import re
 import sys
+import warnings
 import weakref
 
 from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
@@ -110,6 +111,20 @@ def default_budget():
         return parse_budget(value)
     except ValueError as exc:
         raise ValueError(f"{ENV_VAR}: {exc}") from None
+
+
+class MemoryBudgetWarning(UserWarning):
+    """What a budgeted tape alone holds passed its budget by more than the
+    largest saved tensor: what it holds cannot be dropped (a tensor no
+    recorded op can re-make exactly, one a recomputation needs, a watched
+    one, or the tensors one backward step reads at once). Given once per
+    tape, at the first op that breaks the bound."""
+
+
+# The user's line of the running code, (filename, lineno, function) or None:
+# set by the diagnostics layer's frame finder when it is imported (this layer
+# may not import it).
+user_line = None
 
 
 # -- which ops can be re-run exactly -----------------------------------------------
@@ -332,6 +347,9 @@ class Store:
         self._devices = {}          # a recipe's device -> its name in a device scope
         self.dropped_by_type = {}   # op type (of the dropped tensor's recipe) -> count
         self.dropped_ids = set()    # (debug) ids of every tensor dropped
+        self.made_by = {}           # a leaf's tensor id -> the op type that made it
+        self.warned = None          # the MemoryBudgetWarning given (once), or None
+        self.over_tensor = None     # (then) the id of the tensor it named
 
     # -- recording ----------------------------------------------------------
 
@@ -347,8 +365,15 @@ class Store:
                 self._slot(t).aliased = True
         self.clock += 1
         clock = self.clock
-        if outputs and recomputable(op_type) and _plain(outputs) \
-                and _plain(inputs):
+        if not outputs:
+            pass
+        elif not (recomputable(op_type) and _plain(outputs) and _plain(inputs)):
+            # (A leaf: what made it is named if it is ever why the budget
+            # cannot be kept.)
+            made_by = self.made_by
+            for t in outputs:
+                made_by[t._id] = op_type  # pylint: disable=protected-access
+        else:
             in_slots = []
             n_in = 0
             for t in inputs:
@@ -507,12 +532,17 @@ class Store:
         what the program references (if it may matter), and drop down to the
         low water mark when what the tape alone holds passes the budget."""
         budget = self.budget
-        if self.sole_bytes <= budget and (
-                len(self.shared) <= _FEW
-                or self.sole_bytes + self.shared_bytes >= self._recheck_at):
+        total = self.sole_bytes + self.shared_bytes
+        if total > budget + self.largest or (self.sole_bytes <= budget and (
+                len(self.shared) <= _FEW or total >= self._recheck_at)):
+            # (Beyond the budget and the largest saved tensor, what the
+            # program let go of since the last re-check could break the
+            # bound: re-checked at every step there.)
             self._recheck()
         if self.sole_bytes > budget:
             self._drop_to(self.low)
+            if self.sole_bytes > budget + self.largest and self.warned is None:
+                self._warn()
         if self.debug:
             self._measure()
 
@@ -523,8 +553,61 @@ class Store:
         self._recheck()
         if self.sole_bytes > self.budget:
             self._drop_to(self.low)
+            if self.sole_bytes > self.budget + self.largest and self.warned is None:
+                self._warn()
         if self.debug:
             self._measure()
+
+    def _why_kept(self, s):
+        """Why s, resident and held by the tape alone, was not dropped."""
+        if s.recipe is None:
+            made = self.made_by.get(s.tid)
+            why = (f"made by {made}, which cannot be re-run exactly" if made
+                   else "not made by an op the tape recorded (a constant, a "
+                        "random or stateful op's output, what a function "
+                        "returned): it cannot be re-made")
+            if s.pinned:
+                readers = sorted({self.slots[r].recipe.op_type for r in s.readers or ()
+                                  if r in self.slots and self.slots[r].recipe})
+                why += (f"; kept: recomputing the dropped outputs of "
+                        f"{', '.join(readers) or 'an op'} needs it")
+            return why
+        if s.tid in self.watched:
+            return "watched (tape.watch)"
+        if s.tid in self._locked:
+            return "read by the gradient function or recomputation running now"
+        if not s.closure_ok:
+            return "a tensor it is recomputed from is gone"
+        return "not dropped"
+
+    def _warn(self):
+        """What the tape alone holds passed the budget by more than the
+        largest saved tensor, and nothing more can be dropped: say so once,
+        naming the largest tensor kept and the running op's user line."""
+        held = self.held_bytes()    # (counted afresh: the rare case)
+        if held <= self.budget + self.largest:
+            return
+        kept = [s for s in self.resident.values()
+                if self._sole(s) and self._why_kept(s) != "not dropped"]
+        if not kept:
+            return
+        s = max(kept, key=lambda x: (x.nbytes, -x.tid))
+        t = s.tensor
+        op = (s.recipe.op_type if s.recipe is not None
+              else self.made_by.get(s.tid, "an op the tape did not record"))
+        where = user_line() if user_line is not None else None
+        at = (f" (at {where[0]}:{where[1]}, in {where[2]})" if where else "")
+        phase = "recording" if self.position is None else "the backward pass"
+        msg = (f"fasttape memory budget: the tape alone holds {held} "
+               f"bytes, over its budget of {self.budget} by more than the "
+               f"largest saved tensor ({self.largest} bytes), during "
+               f"{phase}{at}; the largest tensor it cannot drop is the output "
+               f"of {op}, shape {tuple(t.shape)} {t.dtype.name} "
+               f"({s.nbytes} bytes): {self._why_kept(s)}. Raise the budget, "
+               f"or let go of such tensors.")
+        self.warned = MemoryBudgetWarning(msg)
+        self.over_tensor = s.tid
+        warnings.warn(self.warned, stacklevel=2)
 
     def _check_closure(self, s):
         """Can s be recomputed from what stays? Pin every leaf it needs;
@@ -645,21 +728,17 @@ class Store:
         return soonest
 
     def _measure(self):
-        # (debug) What only the tape holds, counted afresh, over the budget
-        # only by what cannot be dropped (leaves, watched tensors, what the
-        # running step reads) and by the last tensor that stepped over it.
-        held = kept = 0
-        locked, watched = self._locked, self.watched
+        # (debug) What only the tape holds, counted afresh, and by how much
+        # it is over the budget (the bound: by the largest saved tensor at
+        # most, or the tape warned).
+        held = 0
         for s in self.resident.values():
             if self._sole(s):
                 held += s.nbytes
-                if s.recipe is None or s.tid in locked or s.tid in watched \
-                        or not s.closure_ok:
-                    kept += s.nbytes
         if held > self.max_held:
             self.max_held = held
-        if held - max(self.budget, kept) > self.max_over:
-            self.max_over = held - max(self.budget, kept)
+        if held - self.budget > self.max_over:
+            self.max_over = held - self.budget
 
     def _drop(self, s):
         """Let go of s: swap it for its slot in every holder's saved tuple."""
