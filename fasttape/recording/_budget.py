@@ -192,10 +192,17 @@ def _plain(tensors):
 # device in a pass), and the gradient is the same bit for bit. A tensor
 # that only such reads keep (a matmul's output before its bias add) costs
 # nothing to drop. (ConcatV2: every input but the axis, whose value the
-# gradient reads.)
+# gradient reads. A slice's, a reduction's, a broadcast's, a cast's, a pad's
+# and an average pool's input, and a select's branches: shapes (and dtypes)
+# only, in TF's gradients and the fast rules.)
 _SHAPE_ONLY = {"Add": (0, 1), "AddV2": (0, 1), "Sub": (0, 1),
                "Reshape": (0,), "ExpandDims": (0,), "Squeeze": (0,),
-               "ConcatV2": None}
+               "ConcatV2": None,
+               # (Saved positions count the inputs, then the outputs.)
+               "StridedSlice": (0,), "Slice": (0, 3), "Sum": (0,),
+               "Mean": (0, 2), "Tile": (0,), "BroadcastTo": (0,),
+               "Cast": (0,), "AvgPool": (0,), "Pad": (0,), "PadV2": (0,),
+               "SelectV2": (1, 2, 3)}
 
 
 def shape_only(op_type, num_inputs):
@@ -589,7 +596,8 @@ class Store:
             return
         kept = [s for s in self.resident.values()
                 if self._sole(s) and self._why_kept(s) != "not dropped"]
-        if not kept:
+        if sum(s.nbytes for s in kept) <= self.budget + self.largest:
+            # (What cannot be dropped fits: the rest is being dropped.)
             return
         s = max(kept, key=lambda x: (x.nbytes, -x.tid))
         t = s.tensor
