@@ -357,6 +357,7 @@ class Store:
         self.made_by = {}           # a leaf's tensor id -> the op type that made it
         self.warned = None          # the MemoryBudgetWarning given (once), or None
         self.over_tensor = None     # (then) the id of the tensor it named
+        self.pass_key = None        # (backward) the pass's key in _PASS_WATER
 
     # -- recording ----------------------------------------------------------
 
@@ -553,12 +554,15 @@ class Store:
         if self.debug:
             self._measure()
 
-    def enforce(self):
+    def enforce(self, target=None):
         """Re-check every resident tensor, then drop candidates by DTR's score
         until what only the tape holds fits the budget (or no candidate is
-        left)."""
+        left); target: drop down to it (else the low water mark)."""
         self._recheck()
-        if self.sole_bytes > self.budget:
+        if target is not None and target < self.low:
+            if self.sole_bytes > target:
+                self._drop_to(target)
+        elif self.sole_bytes > self.budget:
             self._drop_to(self.low)
             if self.sole_bytes > self.budget + self.largest and self.warned is None:
                 self._warn()
@@ -1030,8 +1034,47 @@ def backward_vspace(tape_state, base, recorded=True):
     store.position = store.clock + 1
     # Recording is over and the program's own references to the tape's
     # tensors have mostly gone: what only the tape holds is known now.
-    store.enforce()
+    store.pass_key = (store.clock, store.budget, len(store.slots))
+    water = _PASS_WATER.get(store.pass_key)
+    store.enforce(None if water is None else water[0])
     return BudgetVSpace(base, store)
+
+
+# What a pass that repeats (a training step: known by the ops recorded, the
+# budget and the tensors known) must start from for its compiled replay to
+# fit: a compiled pass keeps its feeds (what the tape holds when it starts)
+# alive for the whole call, where the eager pass lets go of each after its
+# last reader, so a pass refused for holding too much starts, the next
+# time, from less (more dropped, then re-made inside the function).
+# (key) -> [bytes to start from, attempts]; bounded; emptied by clear_caches.
+_PASS_WATER = {}
+_PASS_WATER_MAX = 64
+_PASS_WATER_ATTEMPTS = 3
+
+
+def _lower_pass_water(store, excess):
+    """A compiled pass of this store's shape was refused, ``excess`` bytes
+    over what it may hold: start the next such pass lower (if allowed)."""
+    key = store.pass_key
+    if key is None:
+        return
+    got = _PASS_WATER.get(key)
+    attempts = 1 if got is None else got[1] + 1
+    start = got[0] if got is not None else store.low
+    target = max(start - excess - (store.budget >> 4), 0)
+    if attempts > _PASS_WATER_ATTEMPTS or start <= 0:
+        # (No lower: the last level stays; attempts stop growing it.)
+        if got is not None:
+            got[1] = _PASS_WATER_ATTEMPTS + 1
+        return
+    if got is None and len(_PASS_WATER) >= _PASS_WATER_MAX:
+        del _PASS_WATER[next(iter(_PASS_WATER))]
+    _PASS_WATER[key] = [int(target), attempts]
+
+
+def clear_caches():
+    """Forget what passes started from (fasttape.clear_caches())."""
+    _PASS_WATER.clear()
 
 
 class BudgetVSpace(VSpace):
@@ -1188,6 +1231,11 @@ class GraphRecompute:
                 try:
                     hash(attrs)
                 except TypeError:
+                    # (A convolution's or a pool's: list attrs. Not re-made
+                    # in a compiled pass: oneDNN's graph pass fuses it with
+                    # the ops after it, giving other bits than the eager
+                    # pass, and aborts the process where it has a control
+                    # input.)
                     return None
                 r = self._recipes[id(recipe)] = len(self._recipe_desc)
                 self._recipe_desc.append((
@@ -1225,6 +1273,7 @@ class GraphRecompute:
         held = self._held = self._held_at_start + peak
         over = held - store.budget
         if over > store.largest:
+            _lower_pass_water(store, over - store.largest)
             return (f"its recomputations would hold {peak} bytes besides the "
                     f"{held - peak} the tape holds: {over} over the budget")
         return None
@@ -1351,6 +1400,9 @@ class GraphRecompute:
                 # a tiny budget): the eager pass, which keeps what it
                 # re-made under the budget's score, does fewer.
                 self.too_many = True
+                # (Re-made from far back for lack of room: the next such
+                # pass starts from less, leaving its recomputations more.)
+                _lower_pass_water(self.store, self.store.budget >> 2)
                 raise RuntimeError(
                     f"a compiled pass would re-run {self.graph_ops}+ ops "
                     f"for {len(self._recipe_desc)} dropped recipes")
