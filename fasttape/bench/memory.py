@@ -307,7 +307,8 @@ def run_family_member(tf, fasttape, spec, repeats, warmup, peak=True):
     (held <= budget + the largest saved tensor), whether the gradients
     equal the unbudgeted ones bit for bit, the step time ratio (medians of
     alternating runs) and the allocator's peak over two steps against the
-    unbudgeted one's (after the timed steps: compiled passes in use)."""
+    unbudgeted one's (after the timed steps: compiled passes in use). The
+    steps are timed after STEADY untimed ones at least."""
     from fasttape.bench.family import build, describe  # pylint: disable=import-outside-toplevel
     params, loss = build(tf, spec)
     full, budgets = _budgets(fasttape, params, loss)
@@ -324,7 +325,9 @@ def run_family_member(tf, fasttape, spec, repeats, warmup, peak=True):
                                         for a, b in zip(reference, grads)),
                      "dropped": store.dropped,
                      "recomputed_ops": store.recomputed_ops})
-    for _ in range(warmup):
+    # (Steady steps: a repeating pass, budgeted or not, is compiled after
+    # its first few.)
+    for _ in range(max(warmup, STEADY)):
         for budget in budgets:
             _step(fasttape, params, loss, budget)
     times = {b: [] for b in budgets}
