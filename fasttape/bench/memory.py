@@ -210,6 +210,21 @@ def _peak_rss(name, budget, steady=False):
     return json.loads(out.strip().splitlines()[-1])["peak"]
 
 
+def _alternate(fasttape, params, loss, budgets, repeats, warmup):
+    """Step times per budget ({budget: [seconds]}): the budgets' steps
+    alternating, after ``warmup`` untimed rounds."""
+    for _ in range(warmup):
+        for budget in budgets:
+            _step(fasttape, params, loss, budget)
+    times = {b: [] for b in budgets}
+    for _ in range(repeats):
+        for budget in budgets:
+            t0 = time.perf_counter()
+            _step(fasttape, params, loss, budget)
+            times[budget].append(time.perf_counter() - t0)
+    return times
+
+
 def run_mem_workload(tf, fasttape, workload, repeats, warmup, rss=True):
     """Rows, one per budget (None, 50%, 25%)."""
     params, loss = workload.make(tf)
@@ -226,15 +241,7 @@ def run_mem_workload(tf, fasttape, workload, repeats, warmup, rss=True):
                      "held": held, "grads_equal": bool(equal),
                      "dropped": store.dropped, "recomputed_ops": store.recomputed_ops,
                      "dropped_by_type": dict(store.dropped_by_type)})
-    for _ in range(warmup):
-        for budget in budgets:
-            _step(fasttape, params, loss, budget)
-    times = {b: [] for b in budgets}
-    for _ in range(repeats):
-        for budget in budgets:
-            t0 = time.perf_counter()
-            _step(fasttape, params, loss, budget)
-            times[budget].append(time.perf_counter() - t0)
+    times = _alternate(fasttape, params, loss, budgets, repeats, warmup)
     base = times[None]
     for row in rows:
         seconds = times[row["budget"]]
@@ -327,15 +334,7 @@ def run_family_member(tf, fasttape, spec, repeats, warmup, peak=True):
                      "recomputed_ops": store.recomputed_ops})
     # (Steady steps: a repeating pass, budgeted or not, is compiled after
     # its first few.)
-    for _ in range(max(warmup, STEADY)):
-        for budget in budgets:
-            _step(fasttape, params, loss, budget)
-    times = {b: [] for b in budgets}
-    for _ in range(repeats):
-        for budget in budgets:
-            t0 = time.perf_counter()
-            _step(fasttape, params, loss, budget)
-            times[budget].append(time.perf_counter() - t0)
+    times = _alternate(fasttape, params, loss, budgets, repeats, max(warmup, STEADY))
     base = times[None]
     peaks = {b: _pool_peak(tf, fasttape, params, loss, b) for b in budgets} if peak else {}
     for row in rows:
