@@ -1132,3 +1132,20 @@ def test_family_exact_and_within_bound(spec):
             for _ in range(2):
                 store, grads = _family_step(params, loss, budget)
                 assert_same(expected, grads, exact=True)
+
+
+def test_family_bench_rows():
+    """The bench's mem_family rows for one small member: the bound kept,
+    gradients equal, a time ratio and the table's family summary."""
+    from fasttape.bench import memory  # pylint: disable=import-outside-toplevel
+    spec = {"dtype": "float32", "batch": 4, "width": 16, "seed": 2, "image": None,
+            "stem": [], "tokens": (8, 8), "blocks": ["dense", "recurrent"],
+            "activation": "tanh"}
+    rows = memory.run_family_member(tf, fasttape, spec, 1, 0)
+    assert [round(r["fraction"], 2) for r in rows] == [0.5, 0.25]
+    for r in rows:
+        assert r["bound"] and r["grads_equal"] and not r["warned"], r
+        assert r["ratio"] > 0 and r["dropped"] > 0
+    table = memory.format_family_table(rows)
+    assert "family at 50%: 1 members" in table and "bound kept on 1/1" in table, table
+    assert family.describe(spec)[:43] in table
