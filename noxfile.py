@@ -1,6 +1,8 @@
 """fasttape against each supported TensorFlow release.
 
-    pip install nox
+    pipx install nox             # nox in an environment of its own: its attrs>=24.1
+                                 # and dp-accounting's attrs<24 (the test extra)
+                                 # do not fit in one
     nox -l                       # the sessions
     nox -s tf-2.18               # one release: its tensorflow-cpu + tf_keras,
                                  # fasttape built from source, the parity subset

@@ -12,6 +12,8 @@ Where TF itself raises, the case checks that fasttape raises the same type
 """
 
 
+import threading
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -697,6 +699,201 @@ def test_custom_gradient_with_variable_inside_accumulator():
             y = f(x)
         return acc.jvp(y)
     fwd_parity(case)
+
+
+# A custom gradient's backward under an accumulator. TF's accumulator has no
+# forward function for a recorded custom gradient: it transposes the backward
+# function, so it calls it (once per accumulator that records the op) and
+# raises what it raises, even where the inner ops' JVPs have already given
+# the outputs their tangents (those win). The cases count the calls.
+
+class _BackwardFailed(Exception):
+    """Raised by a custom backward asked to fail."""
+
+
+def _counted_sin(calls, fail=False, connected=True):
+    """A custom-gradient sin whose backward appends to ``calls`` and, if
+    ``fail``, raises _BackwardFailed. Unconnected, the result reaches no
+    inner JVP: its tangent is the transposed backward's."""
+    @tf.custom_gradient
+    def counted_sin(x):
+        y = tf.sin(x) if connected else tf.stop_gradient(tf.sin(x))
+
+        def grad(dy):
+            calls.append(None)
+            if fail:
+                raise _BackwardFailed("raised by the custom backward")
+            return dy * 3.0 * tf.cos(x)
+        return y, grad
+    return counted_sin
+
+
+def _plain(FA, GT, f, x, v):
+    with FA(x, v) as acc:
+        y = f(x)
+    return acc.jvp(y)
+
+
+def _nested_accumulators(FA, GT, f, x, v):
+    with FA(x, v) as outer:
+        with FA(x, v * 2.) as inner:
+            y = f(x)
+        j = inner.jvp(y)
+    return j, outer.jvp(y), outer.jvp(j)
+
+
+def _accumulator_inside_tape(FA, GT, f, x, v):
+    with GT() as tape:
+        tape.watch(x)
+        with FA(x, v) as acc:
+            y = f(x)
+        j = acc.jvp(y)
+    return j, tape.gradient(j, x)
+
+
+def _tape_inside_accumulator(FA, GT, f, x, v):
+    with FA(x, v) as acc:
+        with GT() as tape:
+            tape.watch(x)
+            y = f(x)
+        g = tape.gradient(y, x)
+    return acc.jvp(y), g, acc.jvp(g)
+
+
+def _persistent_tape(FA, GT, f, x, v):
+    with GT(persistent=True) as tape:
+        tape.watch(x)
+        with FA(x, v) as acc:
+            y = f(x)
+        j = acc.jvp(y)
+    return j, tape.gradient(y, x), tape.gradient(j, x)
+
+
+def _tf_function(FA, GT, f, x, v):
+    g = tf.function(lambda t: f(t) * 2.)
+    results = []
+    for _ in range(2):  # traced, then the trace called again
+        with FA(x, v) as acc:
+            y = g(x)
+        results.append(acc.jvp(y))
+    return results
+
+
+@pytest.mark.parametrize("connected", [True, False],
+                         ids=["connected", "unconnected"])
+@pytest.mark.parametrize("nesting", [
+    _plain, _nested_accumulators, _accumulator_inside_tape,
+    _tape_inside_accumulator, _persistent_tape, _tf_function],
+    ids=lambda n: n.__name__.lstrip("_"))
+def test_custom_gradient_backward_calls_in_forward_mode(nesting, connected):
+    def case(FA, GT):
+        calls = []
+        result = nesting(FA, GT, _counted_sin(calls, connected=connected),
+                         const(3), const(3, seed=1))
+        return len(calls), result
+    expected = fwd_parity(case)
+    assert expected[0] >= 1, "TF never called the backward: the case tests nothing"
+
+
+def test_custom_gradient_with_variable_backward_calls_in_forward_mode():
+    v = tf.Variable([1., 2., 3.])
+
+    def case(FA, GT):
+        calls = []
+
+        @tf.custom_gradient
+        def f(x):
+            def grad(dy, variables=None):
+                calls.append(None)
+                return dy * v * 2., [dy * x * 0.5 for _ in variables]
+            return x * v, grad
+
+        x = const(3)
+        with FA(v, tf.constant([1., 0., -1.])) as acc:
+            y = f(x)
+        return len(calls), acc.jvp(y)
+    assert fwd_parity(case)[0] == 1
+
+
+def test_custom_backward_error_propagates_from_accumulator():
+    def case(FA, GT):
+        calls = []
+        y = _plain(FA, GT, _counted_sin(calls, fail=True), const(3),
+                   const(3, seed=1))
+        return len(calls), y
+    fwd_error(case, _BackwardFailed)
+
+
+def test_custom_backward_whose_ops_have_no_gradient():
+    """The transposition differentiates what the backward ran: an op there
+    without a registered gradient raises LookupError, as in TF, though the
+    forward's own JVP (x * 2) needs none."""
+    def case(FA, GT):
+        calls = []
+
+        @tf.custom_gradient
+        def f(x):
+            def grad(dy):
+                calls.append(None)
+                return tf.raw_ops.SoftsignGrad(gradients=dy, features=x)
+            return x * 2., grad
+
+        x = const(3)
+        with FA(x, const(3, seed=1)) as acc:
+            y = f(x)
+        return len(calls), acc.jvp(y)
+    fwd_error(case, LookupError)
+
+def test_custom_backward_error_in_persistent_tape():
+    """Caught where it is raised, the tape and the accumulator go on: the
+    failed op's outputs are not recorded (neither are they in TF's)."""
+    def case(FA, GT):
+        calls = []
+        f = _counted_sin(calls, fail=True)
+        x, v = const(3), const(3, seed=1)
+        with GT(persistent=True) as tape:
+            tape.watch(x)
+            with FA(x, v) as acc:
+                failed = attempt(f, x)
+                z = tf.sin(x) * 2.
+            jz = acc.jvp(z)
+        return (failed, len(calls), jz, tape.gradient(z, x),
+                tape.gradient(jz, x), attempt(_persistent_tape, FA, GT, f, x, v))
+    expected = fwd_parity(case)
+    assert expected[0] == expected[-1] == ("raised", "_BackwardFailed")
+
+
+def test_custom_backward_error_on_a_second_thread():
+    """The accumulator on a worker thread raises the backward's error while
+    the main thread computes gradients with a tape."""
+    def case(FA, GT):
+        calls = []
+        f = _counted_sin(calls, fail=True)
+        started, done = threading.Event(), threading.Event()
+        result = {}
+
+        def jvp():
+            started.wait(10)
+            result["jvp"] = attempt(_plain, FA, GT, f, const(3), const(3, seed=1))
+            done.set()
+
+        worker = threading.Thread(target=jvp)
+        worker.start()
+        x = const(3, seed=2)
+        steps = 0
+        try:
+            while not done.is_set() or steps < 3:
+                with GT() as tape:
+                    tape.watch(x)
+                    y = tf.reduce_sum(tf.sin(x) * x)
+                started.set()
+                grad = tape.gradient(y, x)
+                steps += 1
+        finally:
+            started.set()
+            worker.join()
+        return result["jvp"], len(calls), grad
+    assert fwd_parity(case)[0] == ("raised", "_BackwardFailed")
 
 
 def test_recompute_grad_inside_accumulator():

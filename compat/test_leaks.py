@@ -160,6 +160,29 @@ def forward_mode(GT, FA):
     return acc.jvp(y)
 
 
+def custom_gradient_forward_mode(GT, FA):
+    """The accumulator calls the custom backward; one that raises leaves
+    nothing behind either."""
+    def scaled(fail):
+        @tf.custom_gradient
+        def f(x):
+            def grad(dy):
+                if fail:
+                    raise ValueError("raised by the custom backward")
+                return dy * 3.0
+            return x * 2.0, grad
+        return f
+
+    x = _x(3)
+    with FA(x, tf.ones_like(x)) as acc:
+        y = scaled(False)(x)
+        try:
+            scaled(True)(x)
+        except ValueError:
+            pass
+    return acc.jvp(y)
+
+
 def forward_over_reverse(GT, FA):
     x, v = _x(3), _x(3, seed=1)
     with FA(x, v) as acc:
@@ -217,7 +240,8 @@ def changing_shapes_reseeded(GT, FA):
 SCENARIOS = [plain, persistent_nested, output_gradients, unconnected_zero,
              variables_gather, custom_gradient, function_inside_tape,
              tape_inside_function, jacobian_eager, jacobian_in_tape_scope,
-             jacobian_pfor_function, forward_mode, forward_over_reverse,
+             jacobian_pfor_function, forward_mode,
+             custom_gradient_forward_mode, forward_over_reverse,
              keras_step, repeated_steps, changing_shapes_reseeded]
 
 

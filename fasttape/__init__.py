@@ -32,12 +32,19 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
+# Public submodules, imported on first use as attributes (``fasttape.privacy``
+# after ``import fasttape``); not in __all__: they are modules, not names.
+_SUBMODULES = ("privacy",)
+
+
 def __getattr__(name):
+    import importlib
+    if name in _SUBMODULES:
+        return importlib.import_module(f"fasttape.{name}")
     try:
         module_name, attr = _LAZY[name]
     except KeyError:
         raise AttributeError(f"module 'fasttape' has no attribute {name!r}") from None
-    import importlib
     value = getattr(importlib.import_module(module_name), attr)
     globals()[name] = value
     return value
@@ -92,4 +99,4 @@ _install_moved_modules()
 
 
 def __dir__():
-    return sorted(list(globals()) + list(_LAZY))
+    return sorted(list(globals()) + list(_LAZY) + list(_SUBMODULES))

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
+from fasttape import privacy as privacy   # a public submodule (not in __all__)
+
 # Any where TensorFlow has no type information (types-tensorflow gives it).
 from tensorflow.python.framework.errors_impl import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
     InvalidArgumentError as _InvalidArgumentError)

@@ -29,6 +29,7 @@ from fasttape.recording._callback import is_trainable
 from fasttape.backward import _gradient
 from fasttape.backward import _jacobians
 from fasttape.backward import _per_example
+from fasttape.backward import _dp_replicas
 
 
 class GradientTape:
@@ -531,7 +532,10 @@ class GradientTape:
           ValueError: if `losses` is not of shape [B], or mixes examples (an
             op on its path reduces over the batch axis).
           RuntimeError: on a used non-persistent tape (this call uses it up,
-            as gradient() does), or inside tf.function (eager only).
+            as gradient() does).
+
+        Inside tf.function (jit_compile too), on a tape recorded in the
+        function, the same rules build their ops into the function.
         """
         return _per_example.per_example_gradients(self, losses, sources)
 
@@ -566,8 +570,11 @@ class GradientTape:
           num_microbatches: None (B: one example per microbatch), or a
             divisor of B; microbatch j holds examples j*B/m ... (j+1)*B/m - 1
             and its gradient is their mean's, as in TF Privacy.
-          seed: None, an int or a pair of ints: the same seed gives the
-            same noise.
+          seed: None, an int or a pair of ints (inside tf.function, also an
+            int tensor of either shape, or an int beside an int tensor or
+            variable such as a step counter): the same seed gives the same
+            noise. Inside tf.function the noise is TF's stateless normal,
+            drawn afresh at each call when unseeded.
 
         Returns:
           A nested structure like `sources` of dense Tensors (None for a
@@ -578,7 +585,18 @@ class GradientTape:
           ValueError: as per_example_gradients(), or for a num_microbatches
             that does not divide B.
           RuntimeError: as per_example_gradients().
+
+        In a replica of a tf.distribute strategy (``strategy.run``), each
+        replica clips its own examples, the clipped sums are summed across
+        replicas, the noise is added once and the division is by the
+        global number of microbatches: every replica gets the gradient of
+        the whole global batch (apply it without another cross-replica sum).
         """
+        ctx = _dp_replicas.replica_context()
+        if ctx is not None:
+            return _dp_replicas.dp_gradient(
+                ctx, self, losses, sources, l2_norm_clip, noise_multiplier,
+                num_microbatches, seed)
         return _per_example.dp_gradient(self, losses, sources, l2_norm_clip,
                                         noise_multiplier, num_microbatches,
                                         seed)

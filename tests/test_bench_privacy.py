@@ -71,3 +71,16 @@ def test_the_table_gives_ratios_of_medians_and_of_means(monkeypatch):
     last = privacy.format_dp_table([row]).splitlines()[1].split()
     assert last[-2:] == ["1.10", "1.10"]          # means: dp/plain, dp/vmap fn
     assert "0.80" in last                          # medians: dp/plain, dp/vmap fn
+
+
+def test_a_compiled_dp_row_times_every_arm_and_checks_the_gradients():
+    """dpc_*: TF's plain and noised steps, fasttape's dp_gradient and the
+    traced vectorized_map, each in tf.function; the DP step checked equal
+    to vectorized_map's without noise; extra peak memory per arm."""
+    row = privacy.run_dp_compiled_workload(
+        tf, fasttape, privacy.DP_COMPILED_BY_NAME["dpc_mlp"], repeats=2, warmup=0)
+    assert row["grads_equal"] is True
+    for arm in ("plain fn", "+noise fn", "dp fn", "vmap fn"):
+        assert row[arm] > 0, arm
+    lines = privacy.format_dp_compiled_table([row, dict(row, workload="dpc_gen9")])
+    assert "dpc_mlp" in lines and "generated models, dp fn / plain fn: median" in lines

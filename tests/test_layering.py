@@ -5,7 +5,7 @@ the ones below it, never one above), and no two modules import each other,
 directly or around a loop:
 
     public face   fasttape/__init__, __main__, tape, forwardprop, functional,
-                  _patch, bench/
+                  _patch, privacy, bench/
     backward      fasttape/backward/
     diagnostics   fasttape/diagnostics/
     recording     fasttape/recording/
@@ -42,7 +42,7 @@ def layer_of(module):
         return "core"
     if parts[1] in ("gradients", "recording", "diagnostics", "backward"):
         return parts[1]
-    return "public"   # tape, forwardprop, functional, _patch, __main__, bench
+    return "public"   # tape, forwardprop, functional, _patch, privacy, __main__, bench
 
 
 def _module_name(path):
@@ -252,4 +252,4 @@ def test_the_top_level_holds_only_the_public_face_and_the_core():
     top = {os.path.splitext(fn)[0] for fn in os.listdir(PACKAGE)
            if fn.endswith((".py", ".pyx", ".pxd", ".pyi"))}
     assert top <= {"__init__", "__main__", "tape", "forwardprop", "functional",
-                   "_patch", "_core"}, sorted(top)
+                   "_patch", "privacy", "_core"}, sorted(top)

@@ -92,7 +92,7 @@ def test_sdist_wheel_and_install_into_a_clean_venv(tmp_path):
         assert any(n.startswith(f"fasttape/{ext}.") and n.endswith((".so", ".pyd"))
                    for n in names), f"compiled {ext} missing from the wheel"
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
-    for typed in ("fasttape/__init__.pyi", "fasttape/py.typed"):
+    for typed in ("fasttape/__init__.pyi", "fasttape/privacy.pyi", "fasttape/py.typed"):
         assert typed in names, f"{typed} missing from the wheel (type checkers need it)"
     assert not [n for n in names if n.endswith((".cpp", ".c"))]
     # every module of the checkout (a subpackage, a module that MANIFEST.in

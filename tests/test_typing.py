@@ -32,6 +32,8 @@ swapped: int = fasttape.patch()
 was_on: bool = fasttape.explain_none(False)
 dot: str = tape.to_dot()
 held: int = tape.summary().held_bytes
+epsilon: float = fasttape.privacy.compute_epsilon(
+    noise_multiplier=1.1, batch_size=256, num_examples=60000, epochs=1, delta=1e-5)
 """
 
 
@@ -110,3 +112,20 @@ def test_the_stub_says_what_the_code_does():
                     not any(isinstance(d, ast.Name) and d.id == "property"
                             for d in fn.decorator_list):
                 assert _stub_params(fn) == _runtime_params(getattr(value, m)), (name, m)
+
+
+def test_the_privacy_stub_says_what_the_code_does():
+    """fasttape/privacy.pyi (a stub, so that mypy reads no further into
+    fasttape's untyped modules) has the module's public functions, each
+    with the runtime's parameters."""
+    import ast
+    from fasttape import privacy
+    with open(os.path.join(ROOT, "fasttape", "privacy.pyi"), encoding="utf-8") as f:
+        stub = {n.name: n for n in ast.parse(f.read()).body
+                if isinstance(n, ast.FunctionDef)}
+    public = {n for n, v in vars(privacy).items()
+              if callable(v) and not n.startswith("_")
+              and getattr(v, "__module__", None) == privacy.__name__}
+    assert public == set(stub)
+    for name in public:
+        assert _stub_params(stub[name]) == _runtime_params(getattr(privacy, name)), name

@@ -15,6 +15,17 @@ the ruled ops' outputs (so a training loop's pass is compiled and replayed
 like gradient()'s, and no ruled op's own gradient is computed). Every other source
 goes through per-example rows: one backward pass per example over the same
 trace (the Jacobian's machinery).
+
+Inside tf.function (a tape recorded while tracing) the same walk and the
+same rules run on the traced ops: each recorded tf.Operation is read as an
+eager op is (its attrs, inputs and outputs: _graph_entries), the backward
+pass to the ruled ops' outputs calls the gradient functions with the real
+ops, the rules and the post-pass build their ops into the function, and
+the sources without a rule take rows by TF's pfor over one backward pass
+(a while loop where pfor cannot vectorize an op): exact whatever the
+model. Noise there is TF's stateless normal, seeded by ``seed`` or, unseeded,
+by a seed drawn at each call (_graph_noise). A batch unknown while tracing
+(an input_signature with None) sends every source through rows.
 """
 
 from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
@@ -30,10 +41,15 @@ from tensorflow.python.framework import indexed_slices
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import random_seed
 from tensorflow.python.framework import tensor_shape
+from tensorflow.python.framework import tensor_util
 from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import array_ops_stack
+from tensorflow.python.ops import control_flow_util
+from tensorflow.python.ops import gen_random_ops
 from tensorflow.python.ops import linalg_ops_impl
 from tensorflow.python.ops import math_ops
 from tensorflow.python.ops import stateless_random_ops
+from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
 from tensorflow.python.platform import tf_logging as logging
 from tensorflow.python.util import nest
@@ -46,13 +62,15 @@ from fasttape.gradients import _compiled
 from fasttape.gradients import _norm_rules
 from fasttape.gradients._fast_grads import _cached, _const, _ex
 from fasttape.gradients._payloads import EagerOp
+from fasttape.gradients._payloads import GraphOp
 from fasttape.gradients._payloads import backward_signature
 from fasttape.recording import _recording
 from fasttape.recording._callback import output_meta
 
 _DT_RESOURCE = dtypes.resource.as_datatype_enum
-# Ops that pass a source on unchanged (a variable's read).
-_TRANSPARENT = frozenset({"ReadVariableOp", "Identity"})
+# Ops that pass a source on unchanged (a variable's read; while tracing,
+# TF's record of a tensor or handle captured by the function).
+_TRANSPARENT = frozenset({"ReadVariableOp", "Identity", "captured_value"})
 # Ops that reduce over axes given by their second input.
 _RESHAPES = frozenset({"Reshape", "ExpandDims", "Squeeze"})
 _REDUCERS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm"})
@@ -90,12 +108,8 @@ def _meta_shape(meta):
 
 def _start(tape, losses, sources, what):
     """Checks shared by the three methods; returns (tape state, batch size,
-    flat sources, flat handles)."""
-    if not context.executing_eagerly():
-        raise RuntimeError(
-            f"GradientTape.{what} is eager-only: call it outside tf.function "
-            "(inside one, compute per-example gradients with "
-            "tf.vectorized_map over single-example tapes).")
+    flat sources, flat handles). The batch size is None for a batch unknown
+    while tracing (every source then takes rows)."""
     if tape._tape is None:  # pylint: disable=protected-access
         raise RuntimeError(_gradient.CONSUMED)
     if tape._tape.budget is not None:  # pylint: disable=protected-access
@@ -110,7 +124,8 @@ def _start(tape, losses, sources, what):
     if losses is None or not hasattr(losses, "_id"):
         raise TypeError(f"GradientTape.{what}: `losses` must be a tensor of "
                         f"shape [batch], got {losses!r}")
-    if losses.shape.rank != 1 or losses.shape[0] is None:
+    if losses.shape.rank != 1 or (losses.shape[0] is None
+                                  and context.executing_eagerly()):
         raise ValueError(
             f"GradientTape.{what}: `losses` must have shape [batch] (one loss "
             f"per example, not reduced over the batch), got shape "
@@ -118,7 +133,53 @@ def _start(tape, losses, sources, what):
     flat_raw = nest.flatten(sources)
     flat = [_gradient.handle_or_self(s) for s in flat_raw]
     _gradient.check_tensors(flat, "sources")
-    return tape._tape, int(losses.shape[0]), flat_raw, flat  # pylint: disable=protected-access
+    batch = losses.shape[0]
+    return (tape._tape, None if batch is None else int(batch), flat_raw,  # pylint: disable=protected-access
+            flat)
+
+
+class _GraphEntry:
+    """A recorded graph op as the analysis and the rules read a recorded
+    eager op: its payload an EagerOp of the tf.Operation's attrs, inputs
+    and outputs. (Backprop never sees it: the passes run on the tape's own
+    entries, with the real op.)"""
+
+    __slots__ = ("op_type", "input_ids", "output_ids", "output_meta",
+                 "payload")
+
+    def __init__(self, entry):
+        self.op_type = entry.op_type
+        self.input_ids = entry.input_ids
+        self.output_ids = entry.output_ids
+        payload = entry.payload
+        if type(payload) is GraphOp:
+            op = payload.op
+            attrs = []
+            for name in sorted(op.node_def.attr):
+                attrs += [name, op.get_attr(name)]
+            outputs = tuple(op.outputs)
+            self.output_meta = tuple(
+                (tuple(t.shape.as_list()), t.dtype) if t.shape.rank is not None
+                else None for t in outputs)
+            payload = EagerOp(tuple(attrs), tuple(op.inputs) + outputs,
+                              len(op.inputs))
+        else:
+            self.output_meta = entry.output_meta
+        self.payload = payload
+
+
+def _graph_entries(entries):
+    return [_GraphEntry(e) for e in entries]
+
+
+def _value(t):
+    """A small config input's value (axes, a permutation) as a list or a
+    number: an eager tensor's, or a traced one's where it is a constant
+    while tracing; else None."""
+    if type(t) is ops.EagerTensor:
+        return t.numpy().tolist()
+    value = tensor_util.constant_value(t)
+    return None if value is None else value.tolist()
 
 
 def _pack(sources, flat_raw, out):
@@ -159,22 +220,26 @@ def _check_mixing(what, entry, shapes, batch):
     op_type = entry.op_type
     payload = entry.payload
     inputs = getattr(payload, "inputs", None)
-    if inputs is None or batch < 2:
+    if inputs is None or (batch is not None and batch < 2):
         return
+    # (while tracing, a leading axis unknown then may be the batch's)
     if op_type in _BATCH_NORMS:
         if _norm_rules.attr(payload, "is_training"):
             shape = shapes.get(entry.input_ids[0])
-            if shape is not None and shape[0] == batch:
+            if shape and shape[0] in (batch, None):
                 raise _mixing_error(what, entry, batch)
         return
     if op_type not in _REDUCERS or len(inputs) < 2 or inputs[1] is None:
         return
     shape = shapes.get(entry.input_ids[0])
-    if shape is None and inputs[0] is not None:
+    if shape is None and inputs[0] is not None and inputs[0].shape.rank is not None:
         shape = tuple(inputs[0].shape.as_list())
-    if not shape or shape[0] != batch:
+    if not shape or shape[0] not in (batch, None):
         return
-    axes = [int(a) % len(shape) for a in nest.flatten(inputs[1].numpy().tolist())]
+    value = _value(inputs[1])
+    if value is None:       # axes computed while tracing: maybe the batch's
+        raise _mixing_error(what, entry, batch)
+    axes = [int(a) % len(shape) for a in nest.flatten(value)]
     if 0 in axes:
         raise _mixing_error(what, entry, batch)
 
@@ -210,9 +275,10 @@ def _keeps_axis0(entry, shapes, batch, alias):
 
     def const(i):
         t = inputs[i] if i < len(inputs) else None
-        return None if t is None else t.numpy().tolist()
+        return None if t is None else _value(t)
     in_shape = shapes.get(ins[0]) if ins else None
-    if in_shape is None and inputs and inputs[0] is not None:
+    if in_shape is None and inputs and inputs[0] is not None and (
+            inputs[0].shape.rank is not None):
         in_shape = tuple(inputs[0].shape.as_list())
     out_shape = shapes.get(entry.output_ids[0]) if entry.output_ids else None
     if out_shape is None and entry.output_meta:
@@ -293,11 +359,24 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True,
     the values of the small config inputs the checks read, such as axes
     and permutations) takes that analysis, on this path's ops.
     ``keep_entries``: the path's entries are left in result.entries (they
-    hold its tensors: the caller drops them when done)."""
+    hold its tensors: the caller drops them when done).
+
+    While tracing: the traced ops (_graph_entries), analysed each time (a
+    trace runs once); with the batch unknown, every source takes rows."""
     core = tape_state.core
     source_ids = [t._id for t in flat]  # pylint: disable=protected-access
     code, entries = core.plan([losses._id], source_ids)  # pylint: disable=protected-access
     key = None
+    if not context.executing_eagerly():
+        logs = []
+        if batch is None and use_rules:
+            use_rules = False
+            logs.append(f"fasttape {what}: the batch size is unknown while "
+                        "tracing: every source takes per-example rows")
+            logging.debug(logs[-1])
+        result = _analyse_path(what, _graph_entries(entries), flat, flat_raw,
+                               batch, use_rules, logs)
+        return result
     signed = backward_signature(entries, _compiled.CONFIG_INPUTS,
                                 _compiled.config_inputs_of)
     if signed is not None:
@@ -384,7 +463,7 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
             if type(t) is ops.EagerTensor:
                 if t._datatype_enum() != _DT_RESOURCE:  # pylint: disable=protected-access
                     shapes[tid] = t._shape_tuple()  # pylint: disable=protected-access
-            elif t.dtype != dtypes.resource:
+            elif t.dtype != dtypes.resource and t.shape.rank is not None:
                 shapes[tid] = tuple(t.shape.as_list())
     # ... and across the ops that keep their input's shape (a BiasAdd after
     # a Dense's MatMul and Reshape saves neither)
@@ -530,9 +609,9 @@ def _ruled_pass(what, tape_state, losses, flat, analysis):
     them only what the outputs need). Returns {k: (payload, pos, rule,
     src_shape, g)}. A source whose rule declines (the output's shape, an
     attribute) moves to analysis.fallback."""
-    batch = int(losses.shape[0])
     if not analysis.ruled:
         return {}
+    batch = int(losses.shape[0])
     out_ids = list(dict.fromkeys(analysis.out_ids[k] for k in analysis.ruled))
     grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
     captured = {}
@@ -560,10 +639,45 @@ def _rows(tape, losses, flat_raw, keys, basis=None):
     """{k: per-example (or per-basis-row) gradients of source k, or None}."""
     if not keys:
         return {}
+    if not context.executing_eagerly():
+        return _graph_rows(tape, losses, flat_raw, keys, basis)
     rows = _jacobians.gradient_rows(tape, losses, [flat_raw[k] for k in keys],
                                     UnconnectedGradients.NONE, batch=False,
                                     basis=basis, release=False)
     return dict(zip(keys, rows))
+
+
+def _graph_rows(tape, losses, flat_raw, keys, basis=None):
+    """_rows while tracing: TF's pfor over one backward pass of the losses
+    seeded with row i of ``basis`` (default: the unit vectors, so row i is
+    example i's gradient), over the recorded trace; pfor runs the ops it
+    cannot vectorize in a while loop. Exact, at a batch unknown while
+    tracing too. A source no example reaches is None (as eagerly)."""
+    raw = [flat_raw[k] for k in keys]
+    flat = [_gradient.handle_or_self(s) for s in raw]
+    tape_state = tape._tape  # pylint: disable=protected-access
+    if basis is not None:
+        n = int(basis.shape[0])
+    elif losses.shape[0] is not None:
+        n = int(losses.shape[0])
+    else:
+        n = array_ops.shape(losses)[0]
+    connected = []
+
+    def loop_fn(i):
+        if basis is None:
+            seed = array_ops.one_hot(i, array_ops.shape(losses)[0],
+                                     dtype=losses.dtype)
+        else:
+            seed = array_ops.gather(basis, i)
+        grads = _gradient.compute(tape_state, [losses], flat, [seed], raw,
+                                  UnconnectedGradients.NONE, retain=True)
+        connected[:] = [g is not None for g in grads]
+        return [array_ops.zeros_like(s) if g is None
+                else ops.convert_to_tensor(g) for g, s in zip(grads, raw)]
+
+    rows = pfor_ops.pfor(loop_fn, n)
+    return {k: r if c else None for k, r, c in zip(keys, rows, connected)}
 
 
 def per_example_gradients(tape, losses, sources):
@@ -602,7 +716,7 @@ def _sq_norms(what, tape, tape_state, losses, flat, flat_raw, analysis):
             sq = _norm_rules.sq_rows(r)
             total = sq if total is None else total + math_ops.cast(sq, total.dtype)
     if total is None:
-        total = array_ops.zeros(losses.shape, losses.dtype)
+        total = array_ops.zeros_like(losses)
     return total, ruled, rows, memo
 
 
@@ -1167,6 +1281,162 @@ def _dp_finish(tape_state, losses, flat_raw, analysis, ruled, rows, clip, m,
     return spec
 
 
+def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
+               noise_multiplier, seed):
+    """dp_gradient while tracing: the ruled pass, the rows, and the eager
+    path's post-pass (_post_pass, the same rules) built into the function;
+    noise by _graph_noise. ``m`` None: the batch is unknown while tracing
+    (every example its own microbatch, m read at run time)."""
+    if m == batch:
+        analysis = _analyse("dp_gradient", tape_state, losses, flat, flat_raw,
+                            batch)
+        ruled = _ruled_pass("dp_gradient", tape_state, losses, flat, analysis)
+        rows = _rows(tape, losses, flat_raw, list(analysis.fallback))
+    else:
+        # (as eagerly: a microbatch's gradient goes through rows)
+        analysis = _analyse("dp_gradient", tape_state, losses, flat, flat_raw,
+                            batch, use_rules=False)
+        size = batch // m
+        basis = array_ops.repeat(
+            linalg_ops_impl.eye(m, dtype=losses.dtype), size, axis=1) / size
+        ruled, rows = {}, _rows(tape, losses, flat_raw,
+                                list(analysis.fallback), basis)
+    _note_fallback("dp_gradient", tape, flat_raw, analysis)
+    spec, feeds, _ = _post_plan(ruled, rows, flat_raw, {}, analysis.op_types)
+    out = [None] * len(flat)
+    if not spec[3]:
+        return out
+    dtype = flat_raw[spec[3][0][0]].dtype
+    count = (math_ops.cast(array_ops.shape(losses)[0], dtype) if m is None
+             else _norm_rules._const(m, dtype))
+    clip_t = _norm_rules._const(clip, dtype)
+    grads = _post_pass(spec, *feeds, clip_t, _norm_rules._ex("RealDiv", clip_t, count))
+    if noise_multiplier > 0:
+        add_noise = _graph_noise(seed, flat_raw, [k for k, _ in spec[3]],
+                                 clip * noise_multiplier, count)
+        grads = [add_noise(k, g) for (k, _), g in zip(spec[3], grads)]
+    for (k, _), g in zip(spec[3], grads):
+        out[k] = g
+    return out
+
+
+# TF's traced noise algorithm, named: on CPU "auto_select" is Philox too
+# in TF's kernel, but under XLA it compiled to a generator 5-10x slower
+# (a 70K-value draw: about 45 ms against 5-7 ms).
+_NOISE_ALG = "philox"
+
+
+def _graph_noise(seed, flat_raw, ks, scale, count):
+    """While tracing: add_noise(k, g), g plus source k's normal noise of
+    standard deviation scale / count, for the sources ``ks``, by TF's
+    stateless normal. The sources of up to _NOISE_CHUNK values take theirs
+    from one vector per dtype (one kernel), cut at offsets that depend on
+    the sources alone (a seed draws the same for a source whichever of
+    them the losses reach); a larger one's is drawn and added into g's own
+    buffer a block of rows at a time, each block drawn after the last one
+    is added (no full-size noise is held, as eagerly). Keyed by
+    ``seed`` (an int, a pair of ints, an int tensor of either shape, or a
+    pair of an int and an int tensor or variable, e.g. a step counter beside
+    a seed): the same noise at each call with that seed. Unseeded, by a key drawn at each call of the function (a stateful
+    op, which tf.random.set_seed makes reproducible): no noise is a
+    constant of the trace."""
+    if seed is None:
+        seed1, seed2 = random_seed.get_seed(None)
+        base = gen_random_ops.random_uniform_int(
+            _norm_rules._const([2], dtypes.int32),
+            _norm_rules._const(-(1 << 63), dtypes.int64),
+            _norm_rules._const((1 << 63) - 1, dtypes.int64),
+            seed=seed1 or 0, seed2=seed2 or 0)
+    elif isinstance(seed, (int, np.integer)):
+        base = _norm_rules._const([0, int(seed)], dtypes.int64)
+    elif isinstance(seed, (tuple, list)) and all(
+            isinstance(x, (int, np.integer)) for x in seed):
+        base = _norm_rules._const([int(x) for x in seed], dtypes.int64)
+    elif isinstance(seed, (tuple, list)):    # e.g. (seed, a step variable)
+        base = array_ops_stack.stack([math_ops.cast(ops.convert_to_tensor(x),
+                                              dtypes.int64) for x in seed])
+    else:
+        base = math_ops.cast(ops.convert_to_tensor(seed), dtypes.int64)
+        if base.shape.rank == 0:
+            base = _seed_pair(base)
+    if base.shape.rank != 1 or base.shape[0] not in (2, None):
+        raise ValueError(f"dp_gradient: `seed` must be an int or a pair of "
+                         f"ints (or such a tensor), got {seed!r}")
+
+    def key(first, second):
+        # the small sources' vector of dtype j: (0, j); block b of source
+        # k: (1 + k, b)
+        if not first and not second:
+            return base
+        return _norm_rules._ex("AddV2", base, _norm_rules._const(
+            [first, second], dtypes.int64))
+
+    stddevs = {}
+
+    def stddev(dtype):
+        if dtype not in stddevs:
+            stddevs[dtype] = _norm_rules._ex(
+                "RealDiv", _norm_rules._const(scale, dtype),
+                math_ops.cast(count, dtype))
+        return stddevs[dtype]
+
+    wanted = set(ks)
+    shapes = {k: tensor_shape.TensorShape(s.shape) for k, s in enumerate(flat_raw)}
+    by_dtype = {}
+    for k, s in enumerate(flat_raw):
+        n = shapes[k].num_elements()
+        if n is not None and n <= _NOISE_CHUNK:
+            by_dtype.setdefault(dtypes.as_dtype(s.dtype).base_dtype, []).append(k)
+    small = {}
+    for j, (dtype, members) in enumerate(sorted(by_dtype.items(),
+                                               key=lambda kv: kv[1][0])):
+        if not wanted.intersection(members):
+            continue
+        sizes = [shapes[k].num_elements() for k in members]
+        vector = stateless_random_ops.stateless_random_normal(
+            [sum(sizes)], seed=key(0, j), stddev=stddev(dtype), dtype=dtype,
+            alg=_NOISE_ALG)
+        parts = array_ops.split(vector, sizes) if len(sizes) > 1 else [vector]
+        for k, part in zip(members, parts):
+            if k in wanted:
+                small[k] = array_ops.reshape(part, shapes[k])
+
+    in_xla = control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
+
+    def add_noise(k, g):
+        if k in small:
+            return _norm_rules._ex("AddV2", g, small[k])
+        shape = shapes[k]
+        cols = int(shape[-1]) if shape.rank and shape[-1] else 1
+        rows = shape.num_elements() // cols
+        flat = _norm_rules._ex("Reshape", g, _norm_rules._const(
+            (rows, cols), dtypes.int32))
+        step = max(1, _NOISE_CHUNK // cols)
+        for b, first in enumerate(range(0, rows, step)):
+            last = min(rows, first + step)
+            with ops.control_dependencies([flat] if b else []):
+                block = stateless_random_ops.stateless_random_normal(
+                    [last - first, cols], seed=key(1 + k, b),
+                    stddev=stddev(g.dtype), dtype=g.dtype, alg=_NOISE_ALG)
+            if in_xla:      # (XLA places its buffers itself)
+                flat = _norm_rules._ex("TensorScatterAdd", flat, _norm_rules._const(
+                    [[i] for i in range(first, last)], dtypes.int32), block)
+            else:
+                # into g's own buffer (InplaceAdd aliases its input: g is
+                # the post-pass's own result, which nothing else reads)
+                flat = _norm_rules._ex("InplaceAdd", flat, _norm_rules._const(
+                    list(range(first, last)), dtypes.int32), block)
+        return _norm_rules._ex("Reshape", flat, _norm_rules._const(
+            tuple(shape.as_list()), dtypes.int32))
+    return add_noise
+
+
+def _seed_pair(x):
+    """[0, x] for a scalar int64 tensor x (an eager seed's layout)."""
+    return array_ops.concat([array_ops.zeros([1], dtypes.int64),
+                             array_ops.reshape(x, [1])], 0)
+
+
 def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
                 num_microbatches=None, seed=None):
     tape_state, batch, flat_raw, flat = _start(tape, losses, sources,
@@ -1177,11 +1447,24 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
         raise ValueError(
             f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
     m = batch if num_microbatches is None else int(num_microbatches)
-    if m < 1 or batch % m:
+    if batch is None and m is not None:
+        raise ValueError(
+            f"dp_gradient: num_microbatches ({num_microbatches}) needs the "
+            "batch size known while tracing (give the tf.function an "
+            "input_signature with a fixed batch, or leave num_microbatches "
+            "unset).")
+    if m is not None and (m < 1 or batch % m):
         raise ValueError(
             f"num_microbatches ({num_microbatches}) must divide the batch size "
             f"({batch}), as in TF Privacy.")
     clip = float(l2_norm_clip)
+    if not context.executing_eagerly():
+        try:
+            out = _dp_traced(tape, tape_state, losses, flat, flat_raw, batch,
+                             clip, m, float(noise_multiplier), seed)
+        finally:
+            _end(tape, tape_state)
+        return _pack(sources, flat_raw, out)
     stddev = clip * float(noise_multiplier) / m
     out = [None] * len(flat)
     rng = _noise_rng(seed) if stddev > 0 else None

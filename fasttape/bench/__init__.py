@@ -31,6 +31,8 @@ from fasttape.bench.timing import (  # noqa: F401
 from fasttape.bench.workloads import (  # noqa: F401
     BY_NAME, RECORDING_OPS, VARIABLE_STEPS, WORKLOADS, Workload)
 from fasttape.bench.privacy import DP_BY_NAME, format_dp_table, run_dp_workload
+from fasttape.bench.privacy import (DP_COMPILED_BY_NAME, format_dp_compiled_table,
+                                    run_dp_compiled_workload)
 from fasttape.bench.memory import (MEM_BY_NAME, MEM_FAMILY, format_family_table, format_mem_table,
                                    run_mem_family, run_mem_workload)
 
@@ -123,13 +125,18 @@ def main(argv=None):
         prog="python -m fasttape bench",
         description="fasttape.GradientTape against tf.GradientTape, side by side.")
     parser.add_argument("--workloads", nargs="+",
-                        choices=(sorted(BY_NAME) + sorted(DP_BY_NAME) + sorted(MEM_BY_NAME)
+                        choices=(sorted(BY_NAME) + sorted(DP_BY_NAME)
+                                 + sorted(DP_COMPILED_BY_NAME) + sorted(MEM_BY_NAME)
                                  + [MEM_FAMILY]),
                         default=[w.name for w in WORKLOADS],
                         help="default: all but the DP-SGD ones (dp_*), which "
                              "compare fasttape's dp_gradient with vectorized_map, "
+                             "the compiled DP-SGD ones (dpc_*: tf.function steps "
+                             "of Keras models, fasttape's dp_gradient against "
+                             "TF's plain step and vectorized_map), "
                              "and the memory-budget ones (mem_*), which compare "
-                             "budgets of 50%% and 25%% with none")
+                             "budgets of 50%% and 25%% with none (mem_family: "
+                             "generated models)")
     parser.add_argument("--repeats", type=_at_least(1), default=30,
                         help="timed steps per workload and tape (default 30; the "
                              "per-op recording workloads take 101 at least, "
@@ -156,6 +163,8 @@ def main(argv=None):
     profiler = cProfile.Profile() if args.profile else None
     dp_workloads = [DP_BY_NAME[name] for name in args.workloads
                     if name in DP_BY_NAME]
+    dpc_workloads = [DP_COMPILED_BY_NAME[name] for name in args.workloads
+                     if name in DP_COMPILED_BY_NAME]
     workloads = [BY_NAME[name] for name in args.workloads if name in BY_NAME]
     mem_workloads = [MEM_BY_NAME[name] for name in args.workloads
                      if name in MEM_BY_NAME]
@@ -174,7 +183,8 @@ def main(argv=None):
                 sorted({r["workload"] for r in family_rows
                         if not (r["grads_equal"] and r["bound"])})), file=sys.stderr)
             return 1
-        if not mem_workloads and not workloads and not dp_workloads:
+        if not mem_workloads and not workloads and not dp_workloads \
+                and not dpc_workloads:
             return 0
     if mem_workloads:
         mem_rows = [row for w in mem_workloads
@@ -192,6 +202,28 @@ def main(argv=None):
             print("ERROR: budgeted gradients differ from unbudgeted ones on: "
                   + ", ".join(sorted({r["workload"] for r in mem_rows
                                       if not r["grads_equal"]})), file=sys.stderr)
+            return 1
+        if not workloads and not dp_workloads and not dpc_workloads:
+            return 0
+    if dpc_workloads:
+        dpc_rows = []
+        for w in dpc_workloads:
+            dpc_rows.append(run_dp_compiled_workload(tf, fasttape, w, args.repeats,
+                                                     args.warmup))
+            print(format_dp_compiled_table(dpc_rows[-1:]).splitlines()[1], flush=True)
+        print()
+        print(format_dp_compiled_table(dpc_rows))
+        print("\nms per step of a Keras model in tf.function (gradients, no optimizer), "
+              "medians of alternating runs,\n± half the interquartile range. plain fn "
+              "= tf.GradientTape, the mean loss; +noise fn = the same plus\nTF's normal "
+              "noise on every gradient (the floor of any DP step); dp fn = fasttape's "
+              "dp_gradient\n(clip, sum, noise); vmap fn = vectorized_map over "
+              "single-example tf.GradientTape's. MB = extra peak\nmemory of one step "
+              "(TF's CPU allocator).\n")
+        if not all(r["grads_equal"] for r in dpc_rows):
+            print("ERROR: the compiled dp_gradient differs from vectorized_map on: "
+                  + ", ".join(r["workload"] for r in dpc_rows if not r["grads_equal"]),
+                  file=sys.stderr)
             return 1
         if not workloads and not dp_workloads:
             return 0

@@ -139,12 +139,13 @@ def peak_mb(tf, step):
     return (peak - base) / 2 ** 20
 
 
-def _steps(tf, fasttape, params, batch, losses):
-    """The four steps, each ``step(noise_multiplier) -> gradients``."""
+def _steps(tf, fasttape, params, batch, losses, plain_tape=None):
+    """The four steps, each ``step(noise_multiplier) -> gradients``; the
+    plain one on ``plain_tape`` (default fasttape's)."""
 
     def plain(noise):
         del noise
-        with fasttape.GradientTape() as tape:
+        with (plain_tape or fasttape.GradientTape)() as tape:
             loss = tf.reduce_mean(losses(*batch))
         return tape.gradient(loss, params)
 
@@ -206,14 +207,21 @@ def run_dp_workload(tf, fasttape, workload, repeats, warmup):
         steps["vmap eager"](NOISE)
         times["vmap eager"].append(time.perf_counter() - t0)
         building["vmap eager"].append(False)
+    return _row(tf, workload, equal, steps, times, building)
+
+
+def _row(tf, workload, equal, steps, times, building=None):
+    """A table row: per arm its median ms, spread (and, given ``building``,
+    its mean over the steps that built no compiled pass), extra peak MB."""
     row = {"workload": workload.name, "grads_equal": bool(equal)}
     for name, seconds in times.items():
         row[name] = float(np.median(seconds) * 1e3)
-        # (a step that built a compiled pass, a one-time cost the main
-        # table reports, is left out of the mean)
-        kept = [t for t, built in zip(seconds, building[name]) if not built]
-        row[name + " mean"] = float(np.mean(kept or seconds) * 1e3)
         row[name + " spread"] = iqr_ms(seconds)
+        if building is not None:
+            # (a step that built a compiled pass, a one-time cost the main
+            # table reports, is left out of the mean)
+            kept = [t for t, built in zip(seconds, building[name]) if not built]
+            row[name + " mean"] = float(np.mean(kept or seconds) * 1e3)
     for name, step in steps.items():
         row[name + " MB"] = peak_mb(tf, step)
     return row
@@ -257,3 +265,194 @@ DP_WORKLOADS = [
                "DP-SGD step: MLP 1024-1024-1024-10, batch 64 (time and peak memory)"),
 ]
 DP_BY_NAME = {w.name: w for w in DP_WORKLOADS}
+
+
+# -- compiled DP steps ---------------------------------------------------------
+# Keras 3 models, each step in tf.function, gradients only (no optimizer):
+#   plain fn   tf.GradientTape, the mean loss's gradient (a non-private step)
+#   +noise fn  the same, plus TF's normal noise on every gradient: the floor
+#              of any DP step (drawing the noise costs what it costs)
+#   dp fn      fasttape.GradientTape recorded in the function, dp_gradient
+#   vmap fn    vectorized_map over single-example tf.GradientTape's (as above)
+# timed side by side in one process, in rotated order each round; medians.
+
+COMPILED_BATCH = 64
+
+
+def _keras_model(tf, layers, input_shape, input_dtype="float32"):
+    import keras  # pylint: disable=import-outside-toplevel
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input(input_shape, dtype=input_dtype)] + layers)
+    return model
+
+
+def _compiled_case(tf, layers, x, classes=10):
+    """(params, batch, per-example losses) of a Keras model on batch x."""
+    model = _keras_model(tf, layers(), x.shape[1:],
+                         "int32" if x.dtype.is_integer else "float32")
+    rng = np.random.default_rng(20)
+    labels = tf.constant(rng.integers(0, classes, x.shape[0]))
+
+    def losses(x, labels):
+        logits = model(x)
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+    return model.trainable_variables, (x, labels), losses
+
+
+def _c_mlp(n_in, width):
+    """An MLP n_in-width-width-10 at batch 64."""
+    def make(tf):
+        import keras  # pylint: disable=import-outside-toplevel
+        x = tf.random.stateless_normal([64, n_in], seed=[1, n_in])
+        return _compiled_case(tf, lambda: [
+            keras.layers.Dense(width, activation="relu"),
+            keras.layers.Dense(width, activation="relu"), keras.layers.Dense(10)], x)
+    return make
+
+
+def _c_text(tf):
+    import keras  # pylint: disable=import-outside-toplevel
+    x = tf.random.stateless_uniform([32, 16], seed=[1, 3], maxval=1000,
+                                    dtype=tf.int32)
+    return _compiled_case(tf, lambda: [
+        keras.layers.Embedding(1000, 64), keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(10)], x)
+
+
+def _c_layernorm(tf):
+    import keras  # pylint: disable=import-outside-toplevel
+    x = tf.random.stateless_normal([64, 16, 32], seed=[1, 4])
+    return _compiled_case(tf, lambda: [
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.LayerNormalization(), keras.layers.Dense(64),
+        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(10)], x)
+
+
+def _c_conv(tf):
+    import keras  # pylint: disable=import-outside-toplevel
+    x = tf.random.stateless_normal([64, 16, 16, 3], seed=[1, 5])
+    return _compiled_case(tf, lambda: [
+        keras.layers.Conv2D(16, 3, activation="relu"), keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)], x)
+
+
+def _c_lstm(tf):
+    import keras  # pylint: disable=import-outside-toplevel
+    x = tf.random.stateless_normal([32, 12, 16], seed=[1, 6])
+    return _compiled_case(tf, lambda: [keras.layers.LSTM(32), keras.layers.Dense(10)], x)
+
+
+def _c_generated(seed):
+    """A model drawn from ``seed`` (kinds, widths, depths, batch): the
+    bench's held-out cases, not tuned to."""
+    def make(tf):
+        import keras  # pylint: disable=import-outside-toplevel
+        rng = np.random.default_rng(seed)
+        kind = ["mlp", "conv", "text", "sequence"][seed % 4]
+        batch = int(rng.choice([16, 32, 64, 128]))
+        width = int(rng.choice([32, 64, 128, 512]))
+        depth = int(rng.integers(1, 4))
+        act = str(rng.choice(["relu", "tanh", "gelu"]))
+        if kind == "mlp":
+            x = tf.random.stateless_normal([batch, int(rng.integers(4, 300))], seed=[seed, 1])
+            layers = lambda: [keras.layers.Dense(width, activation=act)
+                              for _ in range(depth)] + [keras.layers.Dense(10)]
+        elif kind == "conv":
+            size = int(rng.choice([8, 12, 24]))
+            x = tf.random.stateless_normal([batch, size, size, int(rng.integers(1, 4))],
+                                           seed=[seed, 1])
+            layers = lambda: [keras.layers.Conv2D(int(rng.choice([8, 16, 32])), 3,
+                                                  padding="same", activation=act)
+                              for _ in range(depth)] + [
+                keras.layers.Flatten(), keras.layers.Dense(10)]
+        elif kind == "text":
+            vocab, t = int(rng.choice([500, 5000, 20000])), int(rng.choice([8, 32, 64]))
+            x = tf.random.stateless_uniform([batch, t], seed=[seed, 1], maxval=vocab,
+                                            dtype=tf.int32)
+            layers = lambda: [keras.layers.Embedding(vocab, width),
+                              keras.layers.GlobalAveragePooling1D()] + [
+                keras.layers.Dense(width, activation=act) for _ in range(depth - 1)] + [
+                keras.layers.Dense(10)]
+        else:
+            x = tf.random.stateless_normal([batch, int(rng.choice([4, 16, 32])), 32],
+                                           seed=[seed, 1])
+            layers = lambda: [keras.layers.Dense(width, activation=act),
+                              keras.layers.LayerNormalization()] + [
+                keras.layers.Dense(width, activation=act) for _ in range(depth - 1)] + [
+                keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(10)]
+        return _compiled_case(tf, layers, x)
+    return make
+
+
+def _compiled_steps(tf, fasttape, params, batch, losses):
+    steps = _steps(tf, fasttape, params, batch, losses, plain_tape=tf.GradientTape)
+    plain = steps["plain"]
+
+    def noised(noise):
+        grads = plain(noise)
+        return [tf.convert_to_tensor(g) + tf.random.normal(
+            tf.shape(p), stddev=CLIP * noise / int(batch[0].shape[0]))
+                for g, p in zip(grads, params)]
+
+    return {"plain fn": tf.function(plain), "+noise fn": tf.function(noised),
+            "dp fn": tf.function(steps["dp"]), "vmap fn": steps["vmap fn"]}
+
+
+def run_dp_compiled_workload(tf, fasttape, workload, repeats, warmup):
+    """One row of compiled steps: median ms per arm, spreads, extra peak MB."""
+    params, batch, losses = workload.make(tf)
+    steps = _compiled_steps(tf, fasttape, params, batch, losses)
+    equal = check_equal(tf, steps["vmap fn"](0.0), steps["dp fn"](0.0))
+    for _ in range(warmup + 1):
+        for step in steps.values():
+            step(NOISE)
+    times = {name: [] for name in steps}
+    arms = tuple(steps)
+    for i in range(repeats):
+        k = i % len(arms)
+        for name in arms[k:] + arms[:k]:
+            t0 = time.perf_counter()
+            out = steps[name](NOISE)
+            # (the values, not only the dispatch: a step's outputs are ready)
+            [getattr(g, "values", g).numpy() for g in out if g is not None]  # pylint: disable=expression-not-assigned
+            times[name].append(time.perf_counter() - t0)
+    return _row(tf, workload, equal, steps, times)
+
+
+def format_dp_compiled_table(rows):
+    arms = ["plain fn", "+noise fn", "dp fn", "vmap fn"]
+    lines = [f"{'workload':<16}" + "".join(f"{a:>15}" for a in arms)
+             + f"{'dp/plain':>9}{'dp/+noise':>10}{'vmap/plain':>11}"
+             f"{'MB plain':>9}{'MB dp':>7}{'MB vmap':>8}"]
+    for r in rows:
+        cells = "".join(f"{with_spread(r[a], r[a + ' spread']):>15}" for a in arms)
+        mb = [r[a + " MB"] for a in ("plain fn", "dp fn", "vmap fn")]
+        mb_cells = "".join(f"{m:>{w}.1f}" if m is not None else f"{'-':>{w}}"
+                           for m, w in zip(mb, (9, 7, 8)))
+        lines.append(f"{r['workload']:<16}{cells}{r['dp fn'] / r['plain fn']:>9.2f}"
+                     f"{r['dp fn'] / r['+noise fn']:>10.2f}"
+                     f"{r['vmap fn'] / r['plain fn']:>11.2f}{mb_cells}")
+    gen = [r for r in rows if r["workload"].startswith("dpc_gen")]
+    for num, den in (("dp fn", "plain fn"), ("dp fn", "+noise fn")):
+        ratios = [r[num] / r[den] for r in gen]
+        if ratios:
+            lines.append(f"generated models, {num} / {den}: median "
+                         f"{np.median(ratios):.2f}, worst {max(ratios):.2f}")
+    return "\n".join(lines)
+
+
+DP_COMPILED_WORKLOADS = [
+    DPWorkload("dpc_mlp", _c_mlp(8, 256), "compiled DP step: MLP 8-256-256-10, batch 64"),
+    DPWorkload("dpc_text", _c_text,
+               "compiled DP step: Embedding(1000,64)+Dense, batch 32, T=16"),
+    DPWorkload("dpc_layernorm", _c_layernorm,
+               "compiled DP step: Dense+LayerNormalization, batch 64, T=16"),
+    DPWorkload("dpc_conv", _c_conv, "compiled DP step: 2 Conv2D + Dense, batch 64"),
+    DPWorkload("dpc_lstm", _c_lstm, "compiled DP step: LSTM(32) + Dense, batch 32"),
+    DPWorkload("dpc_wide_mlp", _c_mlp(1024, 1024),
+               "compiled DP step: MLP 1024-1024-1024-10, batch 64 (peak memory)"),
+] + [DPWorkload(f"dpc_gen{s}", _c_generated(s),
+                f"compiled DP step: a model drawn from seed {s}")
+     for s in range(8)]
+DP_COMPILED_BY_NAME = {w.name: w for w in DP_COMPILED_WORKLOADS}

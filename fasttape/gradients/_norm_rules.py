@@ -37,6 +37,7 @@ from tensorflow.python.ops import special_math_ops
 from tensorflow.python.eager import context
 from tensorflow.python.framework import constant_op
 from tensorflow.python.framework import op_def_registry
+from tensorflow.python.framework import tensor_util
 
 from fasttape.gradients import _fast_grads
 from fasttape.gradients._graph_ops import graph_op
@@ -75,6 +76,14 @@ def attr(payload, name, default=None):
         if attrs[i] == name:
             return attrs[i + 1]
     return default
+
+
+def value_of(t):
+    """A config input's value (an axis, a size) as numpy: an eager
+    tensor's, or a traced tensor's where it is a constant while tracing
+    (else None). Rules read config inputs through it: while tracing, their
+    payload's inputs are the traced op's (symbolic) tensors."""
+    return tensor_util.constant_value(t)
 
 
 def sq_rows(t, memo=None):
@@ -601,7 +610,7 @@ class _Gather:
             return False
         if len(payload.inputs) > 2:     # GatherV2's axis
             axis = payload.inputs[2]
-            if axis is None or int(axis) != 0:
+            if axis is None or value_of(axis) != 0:
                 return False
         ids = payload.inputs[1]
         return (len(ids.shape) >= 1 and ids.shape[0] == batch
@@ -619,8 +628,9 @@ class _Gather:
 
     def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
         ids = payload.inputs[1]
-        b = ids.shape[0]
-        t = ids.shape.num_elements() // b if b else 0
+        b, n = ids.shape[0], ids.shape.num_elements()
+        # (n None: a length unknown while tracing; the sort below)
+        t = n // b if b and n is not None else 0
         if 0 < t <= _GHOST_GATHER_MAX and None not in g.shape:
             # the ghost norm: sum over t, t' of example i's positions with
             # equal ids of <g_it, g_it'> ([B, T, T], no sort, no scatter)

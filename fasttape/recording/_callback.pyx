@@ -471,7 +471,7 @@ cdef int _record(ThreadState st, op_type, inputs, outputs, int kind, attrs, back
         for a in acc_list:
             if _acc_in_scope(st, a) \
                     and (<ForwardAccumulatorCore>a.core).should_record(ids, None) \
-                    and not _accumulated(a, outputs):
+                    and (kind == PY_BACKWARD or not _accumulated(a, outputs)):
                 if accs is None:
                     accs = [a]
                 else:
@@ -551,7 +551,12 @@ cdef bint _accumulated(a, list outputs) except -1:
     """Has accumulator ``a`` already pushed tangents through the op that made
     ``outputs``? (A TF accumulator's JVP makes fasttape's older ones take the
     op before TF's op callbacks and fasttape's recorder see it: see
-    accumulate_before_tf.)"""
+    accumulate_before_tf.) Not asked of a record_operation (PY_BACKWARD): TF
+    asks no JVP function for it, and it re-records outputs that already have
+    tangents (custom_gradient's identities), which TF's accumulator still
+    takes: it transposes the backward function, calling it and raising what
+    it raises, and the tangents the outputs had win
+    (ForwardAccumulatorCore.accumulate)."""
     core = a.core
     for t in outputs:
         if core.fetch_jvp(t._id) is not None:

@@ -1,0 +1,262 @@
+"""per_example_gradients, per_example_norms and dp_gradient inside
+tf.function and under jit_compile, on a tape recorded in the function:
+against a loop of B single-example tf.GradientTape's (eager), for every op
+rule and for the rows fallback; noise, mixing, an unknown batch,
+retracing, TF's leak checks."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import fasttape
+from fasttape.backward import _per_example
+from compat.test_per_example import ALL, B, _close, _mlp, _ref_norms, _reference
+
+MODES = {"function": {}, "jit": {"jit_compile": True}}
+
+# One case per rule (MatMul with AddV2 and BiasAdd; BatchMatMul with Mul;
+# Einsum; Conv2D; depthwise; Gather on a resource and on a read; MatMul
+# over rows folded with time), and the rows fallback (a tied weight).
+RULED = ["mlp", "sequence_gram", "einsum_heads", "conv_same",
+         "depthwise_valid_strided", "embedding_resource", "embedding_read",
+         "folded_rows"]
+
+
+def _expected_dp(ref, m):
+    """TF Privacy's clipped mean (noise 0) from per-example gradients, at a
+    clip norm between the microbatches' norms (some clipped, some not)."""
+    micro = [tf.reduce_mean(tf.reshape(g, [m, B // m] + g.shape[1:].as_list()), 1)
+             for g in ref]
+    norms = tf.sqrt(tf.add_n([tf.reduce_sum(tf.reshape(g, [m, -1]) ** 2, 1)
+                              for g in micro]))
+    clip = float(np.median(norms.numpy()))
+    scale = clip / tf.maximum(norms, clip)
+    return clip, [tf.tensordot(scale, g, 1) / m for g in micro]
+
+
+def _step(loss, variables, clip, rows_seen, microbatches=None):
+    def step(*xs):
+        with fasttape.GradientTape(persistent=True) as tape:
+            losses = loss(*xs)
+        per_example = tape.per_example_gradients(losses, variables)
+        norms = tape.per_example_norms(losses, variables)
+        dp = tape.dp_gradient(losses, variables, clip,
+                              num_microbatches=microbatches)
+        rows_seen.append(tape._per_example_rows)  # pylint: disable=protected-access
+        return per_example, norms, dp
+    return step
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", RULED + ["fallback"])
+def test_traced_equals_single_example_loop(case, mode):
+    xs, loss, variables = ALL[case](tf.float32)
+    ref = _reference(loss, xs, variables)
+    clip, expected = _expected_dp(ref, B)
+    rows_seen = []
+    per_example, norms, dp = tf.function(
+        _step(loss, variables, clip, rows_seen), **MODES[mode])(*xs)
+    for g, r, v in zip(per_example, ref, variables):
+        assert g.shape == [B] + v.shape
+        _close(g, r, tf.float32)
+    _close(norms, _ref_norms(ref), tf.float32)
+    for g, e in zip(dp, expected):
+        _close(g, e, tf.float32)
+    # the rules ran on the traced ops: rows only for the tied weight
+    what, rows = rows_seen[-1]
+    assert what == "dp_gradient"
+    if case == "fallback":
+        assert [name for name, _ in rows] == [f"{variables[1].name} (2, 2)"]
+    else:
+        assert rows == ()
+
+
+def test_traced_dp_step_holds_no_per_example_gradient():
+    """Where a rule applies, the traced DP step forms the clipped sums
+    directly: no op in it outputs a [B, ...weight shape] tensor."""
+    xs, loss, variables = _mlp(tf.float32)
+
+    @tf.function
+    def step(x, y):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x, y)
+        return tape.dp_gradient(losses, variables, 1.0, 1.0)
+
+    graph = step.get_concrete_function(*xs).graph
+    shapes = {tuple(t.shape.as_list()) for op in graph.get_operations()
+              for t in op.outputs if t.shape.rank is not None}
+    for v in variables:
+        if len(v.shape) == 2:
+            assert (B,) + tuple(v.shape) not in shapes, v.name
+
+
+@pytest.mark.parametrize("microbatches", [3, 1])
+def test_traced_microbatches(microbatches):
+    xs, loss, variables = ALL["mlp"](tf.float32)
+    ref = _reference(loss, xs, variables)
+    clip, expected = _expected_dp(ref, microbatches)
+
+    @tf.function
+    def step(*xs):
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        return tape.dp_gradient(losses, variables, clip,
+                                num_microbatches=microbatches)
+
+    for g, e in zip(step(*xs), expected):
+        _close(g, e, tf.float32)
+
+
+def _wide(dtype):
+    """A weight of more than _NOISE_CHUNK values (its noise drawn and added
+    a block of rows at a time) beside small ones (one vector)."""
+    rng = np.random.default_rng(14)
+    x, y = rng.normal(size=(B, 300)), rng.normal(size=(B, 3))
+    w1, b1 = (tf.Variable(rng.normal(size=s) * 0.05, dtype=dtype)
+              for s in ((300, 256), (256,)))
+    w2 = tf.Variable(rng.normal(size=(256, 3)) * 0.05, dtype=dtype)
+
+    def loss(x, y):
+        return tf.reduce_sum((tf.tanh(x @ w1 + b1) @ w2 - y) ** 2, axis=-1)
+    return [tf.constant(x, dtype), tf.constant(y, dtype)], loss, [w1, b1, w2]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_traced_noise_seeded_and_unseeded(mode):
+    xs, loss, variables = _wide(tf.float32)
+    assert variables[0].shape.num_elements() > _per_example._NOISE_CHUNK
+    clip, multiplier = 0.5, 2.0
+
+    def dp(x, y, seed=None, noise=multiplier):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x, y)
+        return tape.dp_gradient(losses, variables, clip, noise, seed=seed)
+
+    def flat(grads):
+        return np.concatenate([np.ravel(g) for g in grads])
+
+    unseeded = tf.function(dp, **MODES[mode])
+    seeded = tf.function(lambda x, y: dp(x, y, seed=7), **MODES[mode])
+    by_tensor = tf.function(lambda x, y, s: dp(x, y, seed=s), **MODES[mode])
+    clean = flat(tf.function(lambda x, y: dp(x, y, noise=0.0))(*xs))
+    first, second = flat(unseeded(*xs)), flat(unseeded(*xs))
+    assert not np.allclose(first, second)       # fresh noise at each call
+    np.testing.assert_array_equal(flat(seeded(*xs)), flat(seeded(*xs)))
+    step1 = flat(by_tensor(*xs, tf.constant([7, 1])))
+    np.testing.assert_array_equal(step1, flat(by_tensor(*xs, tf.constant([7, 1]))))
+    assert not np.allclose(step1, flat(by_tensor(*xs, tf.constant([7, 2]))))
+    # a seed beside a step counter (a variable, as an optimizer's iterations)
+    step = tf.Variable(0, dtype=tf.int64)
+    by_step = tf.function(lambda x, y: dp(x, y, seed=(7, step)), **MODES[mode])
+    at0 = flat(by_step(*xs))
+    np.testing.assert_array_equal(at0, flat(by_step(*xs)))
+    step.assign_add(1)
+    assert not np.allclose(at0, flat(by_step(*xs)))
+    # normal noise of standard deviation C * multiplier / B on every value,
+    # independent between the blocks of the large weight and the sources
+    sigma = clip * multiplier / B
+    noise = (first - clean) / sigma
+    assert abs(np.std(noise) - 1) < 0.02 and abs(np.mean(noise)) < 0.02
+    for part in (noise[:256 * 256], noise[256 * 256:300 * 256], noise[300 * 256:]):
+        assert abs(np.std(part) - 1) < 0.1
+    block = 256 * 256
+    assert abs(np.corrcoef(noise[:1000], noise[block:block + 1000])[0, 1]) < 0.15
+    assert abs(np.corrcoef(noise[:256], noise[300 * 256:300 * 256 + 256])[0, 1]) < 0.3
+
+
+def test_traced_batch_norm_in_training_raises_while_tracing():
+    import keras  # pylint: disable=import-outside-toplevel
+    x = tf.random.normal([B, 4])
+    dense, bn = keras.layers.Dense(3), keras.layers.BatchNormalization()
+    bn(dense(x), training=True)
+
+    @tf.function
+    def step(x):
+        with fasttape.GradientTape() as tape:
+            z = bn(dense(x), training=True)
+            losses = tf.reduce_sum(z * z, axis=-1)
+        return tape.dp_gradient(losses, dense.trainable_variables, 1.0)
+
+    with pytest.raises(ValueError, match="mixes examples: a (Mean|FusedBatchNorm[A-Za-z0-9]*) op .*batch axis"):
+        step(x)
+
+
+def test_traced_unknown_batch_takes_rows():
+    xs, loss, variables = _mlp(tf.float32)
+    ref = _reference(loss, xs, variables)
+    clip, expected = _expected_dp(ref, B)
+    rows_seen = []
+    spec = [tf.TensorSpec([None] + x.shape[1:].as_list(), x.dtype) for x in xs]
+    step = tf.function(_step(loss, variables, clip, rows_seen),
+                       input_signature=spec)
+    per_example, norms, dp = step(*xs)
+    for g, r in zip(per_example, ref):
+        _close(g, r, tf.float32)
+    _close(norms, _ref_norms(ref), tf.float32)
+    for g, e in zip(dp, expected):
+        _close(g, e, tf.float32)
+    assert len(rows_seen[-1][1]) == len(variables)
+    # the same function on another batch size
+    half = [x[:3] for x in xs]
+    for g, r in zip(step(*half)[0], ref):
+        _close(g, r[:3], tf.float32)
+
+    @tf.function(input_signature=spec)
+    def micro(*xs):
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        return tape.dp_gradient(losses, variables, 1.0, num_microbatches=2)
+
+    with pytest.raises(ValueError, match="num_microbatches .* batch size known"):
+        micro(*xs)
+
+
+@pytest.mark.parametrize("case", ["embedding_resource", "sequence_gram",
+                                  "folded_rows", "einsum_heads"])
+def test_traced_sequence_length_unknown_while_tracing(case):
+    """A batch known while tracing, a sequence length not (input_signature
+    [B, None, ...]): the rules that read it at run time, rows for the
+    others; the values are the loop's either way."""
+    xs, loss, variables = ALL[case](tf.float32)
+    ref = _reference(loss, xs, variables)
+    clip, expected = _expected_dp(ref, B)
+    spec = [tf.TensorSpec([B, None] + x.shape[2:].as_list(), x.dtype) for x in xs]
+    per_example, norms, dp = tf.function(
+        _step(loss, variables, clip, []), input_signature=spec)(*xs)
+    for g, r in zip(per_example, ref):
+        _close(g, r, tf.float32)
+    _close(norms, _ref_norms(ref), tf.float32)
+    for g, e in zip(dp, expected):
+        _close(g, e, tf.float32)
+
+
+def test_traced_step_retraces_on_a_new_batch_size():
+    xs, loss, variables = ALL["conv_same"](tf.float32)
+    ref = _reference(loss, xs, variables)
+    rows_seen = []
+    step = tf.function(_step(loss, variables, 1.0, rows_seen))
+    for n in (B, 4, B):
+        per_example, norms, _ = step(*[x[:n] for x in xs])
+        _close(per_example[0], ref[0][:n], tf.float32)
+        _close(norms, _ref_norms(ref)[:n], tf.float32)
+    assert len(rows_seen) == 2      # two traces: B and 4
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_traced_dp_step_leaks_nothing(mode):
+    """A compiled DP step, noise included (the unseeded key drawn in the
+    function), under TF's assert_no_new_tensors and
+    assert_no_garbage_created, and no reference cycle left per call. (The
+    inputs are captured: a tf.function called with a tensor keeps a
+    TensorSpec of its last call's argument, with TF's own tape too.)"""
+    from compat.harness import assert_leaks_nothing
+    xs, loss, variables = ALL["embedding_resource"](tf.float32)
+
+    @tf.function(**MODES[mode])
+    def step():
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        return tape.dp_gradient(losses, variables, 1.0, 1.0)
+
+    step()
+    assert_leaks_nothing(step)

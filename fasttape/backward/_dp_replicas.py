@@ -1,0 +1,55 @@
+"""dp_gradient in a replica of a tf.distribute strategy (MirroredStrategy).
+
+Each replica clips its own examples (_per_example.dp_gradient on its
+shard); the clipped sums are summed across replicas with one all-reduce;
+the noise is added once, by the first replica only, before the sum; and the
+division is by the global number of microbatches. So every replica gets the
+same gradient, equal to the one-device step on the whole batch (with the
+same seed, the same noise).
+"""
+
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import reduce_util
+from tensorflow.python.framework import constant_op
+from tensorflow.python.framework import tensor_util
+from tensorflow.python.ops import math_ops
+from tensorflow.python.util import nest
+
+from fasttape.backward import _per_example
+
+
+def replica_context():
+    """The replica context of a strategy with more than one replica, or None
+    (no strategy, the default one, or cross-replica context)."""
+    ctx = distribute_lib.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync <= 1:
+        return None
+    return ctx
+
+
+def dp_gradient(ctx, tape, losses, sources, l2_norm_clip, noise_multiplier,
+                num_microbatches, seed):
+    # Checked on every replica before any collective: an error raised by one
+    # replica alone would leave the others waiting in the all-reduce.
+    if noise_multiplier < 0:
+        raise ValueError(
+            f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
+    first = tensor_util.constant_value(ctx.replica_id_in_sync_group) == 0
+    local = _per_example.dp_gradient(
+        tape, losses, sources, l2_norm_clip,
+        noise_multiplier if first else 0.0, num_microbatches,
+        seed if first else None)
+    # its own microbatches (the batch, or num_microbatches, which
+    # _per_example checked divides it)
+    m_local = (int(losses.shape[0]) if num_microbatches is None
+               else int(num_microbatches))
+    m_global = ctx.all_reduce(reduce_util.ReduceOp.SUM,
+                              constant_op.constant(float(m_local)))
+    flat = nest.flatten(local)
+    present = [g for g in flat if g is not None]
+    # local is (clipped sum [+ noise]) / m_local: rescaled to / m_global
+    scaled = [g * math_ops.cast(m_local / m_global, g.dtype) for g in present]
+    summed = iter(ctx.all_reduce(reduce_util.ReduceOp.SUM, scaled)
+                  if scaled else [])
+    return nest.pack_sequence_as(
+        local, [None if g is None else next(summed) for g in flat])
