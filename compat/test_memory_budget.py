@@ -11,17 +11,26 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import fasttape
+from fasttape.bench import family
 from fasttape.recording import _budget
 import op_corpus as oc
 from harness import Raised, assert_leaks_nothing, assert_same, compare, compiled_mode
 
 TINY = 0   # bytes: every tensor that can be dropped is
+
+# Under TINY, what cannot be dropped passes the budget in most tests: the
+# warning that says so is tested on its own below.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::fasttape.recording._budget.MemoryBudgetWarning")
 
 
 @pytest.fixture(autouse=True)
@@ -350,6 +359,85 @@ def test_held_bytes_within_budget(name, fraction):
     assert store.max_over <= store.largest, (store.max_over, store.largest, budget)
 
 
+def _held_program(budget, keep_list):
+    """A chain of 40 tanh(y @ w) whose outputs the program keeps in a list
+    (keep_list) until the chain is done, then lets go of at once: the store
+    then holds them alone, without a byte more resident."""
+    rng = np.random.default_rng(0)
+    w = tf.Variable(rng.normal(0, 0.05, (64, 64)).astype("float32"))
+    x = tf.constant(rng.normal(size=(128, 64)).astype("float32"))
+    with fasttape.GradientTape(memory_budget=budget) as tape:
+        store = tape._tape.budget  # pylint: disable=protected-access
+        store.debug = True
+        y, kept = x, []
+        for _ in range(40):
+            y = tf.tanh(y @ w)
+            if keep_list:
+                kept.append(y)
+        kept = None
+        for _ in range(4):
+            y = y * 1.01
+        loss = tf.reduce_sum(y)
+    return store, tape.gradient(loss, w)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.25])
+def test_bound_holds_when_the_program_lets_go(fraction):
+    """Tensors the program referenced (so the tape did not count them) and
+    then let go of all at once count from the next op on: what the tape
+    alone holds stays within the budget plus the largest saved tensor at
+    every step, and no warning is needed."""
+    full, expected = _held_program(10 ** 12, True)
+    budget = int(full.max_held * fraction)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _budget.MemoryBudgetWarning)
+        store, grad = _held_program(budget, True)
+    assert_same(expected, grad, exact=True)
+    assert store.dropped > 0
+    assert store.max_held <= budget + store.largest, (store.max_held, budget, store.largest)
+
+
+def _unholdable(GradientTape, budget=None):
+    """A chain whose every step multiplies by a fresh random tensor (a leaf:
+    RandomUniform cannot be re-run) that the gradient of the product
+    saves: most of what the tape holds cannot be dropped."""
+    rng = np.random.default_rng(1)
+    w = tf.Variable(rng.normal(0, 0.05, (64, 64)).astype("float32"))
+    x = tf.constant(rng.normal(size=(128, 64)).astype("float32"))
+    tf.random.set_seed(3)
+    kwargs = {} if budget is None else {"memory_budget": budget}
+    with GradientTape(**kwargs) as tape:
+        y = x
+        for _ in range(12):
+            y = tf.tanh(y @ w) * tf.random.uniform((128, 64))  # the line named
+        loss = tf.reduce_sum(y)
+    return tape, tape.gradient(loss, w)
+
+
+def test_unholdable_model_warns_naming_the_tensor():
+    """Where what the tape cannot drop passes the budget by more than the
+    largest saved tensor, the tape says so once, at the op that breaks the
+    bound, naming the tensor (its op, shape and dtype) and the user's
+    line; the gradients are still exact."""
+    _, expected = _unholdable(fasttape.GradientTape)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tape, grad = _unholdable(fasttape.GradientTape, budget=100_000)
+    assert_same(expected, grad, exact=True)
+    mine = [w for w in caught if issubclass(w.category, _budget.MemoryBudgetWarning)]
+    assert len(mine) == 1, [str(w.message) for w in caught]
+    msg = str(mine[0].message)
+    assert "(128, 64) float32" in msg and "during recording" in msg, msg
+    assert "not made by an op the tape recorded" in msg, msg
+    assert "recomputing the dropped outputs of Mul needs it" in msg, msg
+    assert f"{os.path.basename(__file__)}:" in msg and "_unholdable" in msg, msg
+    assert tape._budget_store.warned is mine[0].message  # pylint: disable=protected-access
+    # A budget it can keep: no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _budget.MemoryBudgetWarning)
+        _unholdable(fasttape.GradientTape, budget=10 ** 9)
+
+
 # -- what is never dropped ------------------------------------------------------------
 
 def test_never_dropped_categories():
@@ -502,6 +590,44 @@ def test_compiled_budgeted_pass_within_budget(monkeypatch):
         assert _compiled.CACHE.stats["over_budget"] >= 1
     for g in grads + more:
         assert_same(expected, g, exact=True)
+
+
+def _attention_net(tf_):
+    """Attention and layer norms whose 50% budget's first compiled pass
+    holds too much (its feeds, the tape's 90% of the budget, alive for the
+    whole call, and what it re-makes for the gradients that read it)."""
+    return family.build(tf_, {
+        "dtype": "float32", "batch": 32, "width": 16, "seed": 11,
+        "image": None, "stem": [], "tokens": (24, 8),
+        "blocks": ["attention", "attention", "norm", "norm"],
+        "activation": "relu"})
+
+
+def test_refused_compiled_pass_starts_lower_next_time():
+    """A budgeted pass whose compiled replay would hold too much is not
+    called; the next such pass starts from less (more dropped), and its
+    compiled replay fits: later steps replay it, with the unbudgeted
+    gradients bit for bit, within the bound. fasttape.clear_caches()
+    forgets it."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    params, loss = _attention_net(tf)
+    full, expected = _family_step(params, loss, 10 ** 12, debug=True)
+    budget = int(full.max_held * 0.5)
+    with compiled_mode("always"):
+        _compiled.CACHE.clear()
+        fasttape.clear_caches()
+        stores = []
+        for _ in range(6):
+            store, grads = _family_step(params, loss, budget, debug=True)
+            assert_same(expected, grads, exact=True)
+            assert store.max_held <= budget + store.largest
+            stores.append(store)
+    assert stores[0].compiled_passes == 0
+    assert _budget._PASS_WATER, "the refused pass set no lower start"  # pylint: disable=protected-access
+    assert stores[-1].compiled_passes == 1
+    assert stores[-1].recomputed_ops > 0
+    fasttape.clear_caches()
+    assert not _budget._PASS_WATER  # pylint: disable=protected-access
 
 
 def test_gradient_inside_own_context_refused():
@@ -953,3 +1079,73 @@ def test_shape_only_readers_need_no_recomputation(monkeypatch):
     store = tape._budget_store  # pylint: disable=protected-access
     assert store.dropped_by_type.get("MatMul", 0) >= 4, store.dropped_by_type
     assert "MatMul" not in reran, reran
+
+
+# -- the generated family ------------------------------------------------------------
+
+@st.composite
+def _members(draw):
+    """A member of fasttape.bench.family, drawn by hypothesis."""
+    return family.draw(lambda options: draw(st.sampled_from(options)))
+
+
+def _family_step(params, loss, budget, debug=False):
+    with fasttape.GradientTape(memory_budget=budget) as tape:
+        store = tape._tape.budget  # pylint: disable=protected-access
+        store.debug = debug
+        value = loss()
+    return store, tape.gradient(value, params)
+
+
+@settings(max_examples=10, deadline=None, database=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(spec=_members())
+def test_family_exact_and_within_bound(spec):
+    """On every drawn model (dense, convolution, pooling, normalization,
+    attention and recurrent blocks; float32, float64, float16): under
+    budgets of 50% and 25% of what the unbudgeted tape holds, the gradients
+    equal the unbudgeted tape's bit for bit (eager passes, and compiled
+    ones replayed), and what the tape alone holds stays within the budget
+    plus the largest saved tensor at every step,
+    or the tape warned that it cannot (a small model whose inputs to its
+    first ops, reshaped before the tape recorded anything, are leaves it
+    must keep, as large as a quarter of what it holds)."""
+    params, loss = family.build(tf, spec)
+    full, expected = _family_step(params, loss, 10 ** 12, debug=True)
+    assert full.max_held > 0
+    for fraction in (0.5, 0.25):
+        budget = int(full.max_held * fraction)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", _budget.MemoryBudgetWarning)
+            store, grads = _family_step(params, loss, budget, debug=True)
+        assert_same(expected, grads, exact=True)
+        assert store.dropped > 0, (family.describe(spec), fraction)
+        warned = [w for w in caught if w.category is _budget.MemoryBudgetWarning]
+        assert len(warned) <= 1
+        assert bool(warned) == (store.warned is not None)
+        assert warned or store.max_held <= budget + store.largest, (
+            family.describe(spec), fraction, store.max_held, budget, store.largest)
+        # Compiled: built at the first step, replayed at the second (if it
+        # fits), bit for bit too.
+        with compiled_mode("always"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", _budget.MemoryBudgetWarning)
+            for _ in range(2):
+                store, grads = _family_step(params, loss, budget)
+                assert_same(expected, grads, exact=True)
+
+
+def test_family_bench_rows():
+    """The bench's mem_family rows for one small member: the bound kept,
+    gradients equal, a time ratio and the table's family summary."""
+    from fasttape.bench import memory  # pylint: disable=import-outside-toplevel
+    spec = {"dtype": "float32", "batch": 4, "width": 16, "seed": 2, "image": None,
+            "stem": [], "tokens": (8, 8), "blocks": ["dense", "recurrent"],
+            "activation": "tanh"}
+    rows = memory.run_family_member(tf, fasttape, spec, 1, 0)
+    assert [round(r["fraction"], 2) for r in rows] == [0.5, 0.25]
+    for r in rows:
+        assert r["bound"] and r["grads_equal"] and not r["warned"], r
+        assert r["ratio"] > 0 and r["dropped"] > 0
+    table = memory.format_family_table(rows)
+    assert "family at 50%: 1 members" in table and "bound kept on 1/1" in table, table
+    assert family.describe(spec)[:43] in table

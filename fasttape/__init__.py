@@ -17,6 +17,7 @@ _LAZY = {
     "patched": ("fasttape._patch", "patched"),
     "is_patched": ("fasttape._patch", "is_patched"),
     "PatchSkippedWarning": ("fasttape._patch", "PatchSkippedWarning"),
+    "MemoryBudgetWarning": ("fasttape.recording._budget", "MemoryBudgetWarning"),
     "profile": ("fasttape.diagnostics.profiler", "profile"),
     "hvp": ("fasttape.functional", "hvp"),
     "hessian": ("fasttape.functional", "hessian"),

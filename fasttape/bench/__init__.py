@@ -33,7 +33,8 @@ from fasttape.bench.workloads import (  # noqa: F401
 from fasttape.bench.privacy import DP_BY_NAME, format_dp_table, run_dp_workload
 from fasttape.bench.privacy import (DP_COMPILED_BY_NAME, format_dp_compiled_table,
                                     run_dp_compiled_workload)
-from fasttape.bench.memory import MEM_BY_NAME, format_mem_table, run_mem_workload
+from fasttape.bench.memory import (MEM_BY_NAME, MEM_FAMILY, format_family_table, format_mem_table,
+                                   run_mem_family, run_mem_workload)
 
 
 def _startup_output_hidden():
@@ -125,7 +126,8 @@ def main(argv=None):
         description="fasttape.GradientTape against tf.GradientTape, side by side.")
     parser.add_argument("--workloads", nargs="+",
                         choices=(sorted(BY_NAME) + sorted(DP_BY_NAME)
-                                 + sorted(DP_COMPILED_BY_NAME) + sorted(MEM_BY_NAME)),
+                                 + sorted(DP_COMPILED_BY_NAME) + sorted(MEM_BY_NAME)
+                                 + [MEM_FAMILY]),
                         default=[w.name for w in WORKLOADS],
                         help="default: all but the DP-SGD ones (dp_*), which "
                              "compare fasttape's dp_gradient with vectorized_map, "
@@ -133,7 +135,8 @@ def main(argv=None):
                              "of Keras models, fasttape's dp_gradient against "
                              "TF's plain step and vectorized_map), "
                              "and the memory-budget ones (mem_*), which compare "
-                             "budgets of 50%% and 25%% with none")
+                             "budgets of 50%% and 25%% with none (mem_family: "
+                             "generated models)")
     parser.add_argument("--repeats", type=_at_least(1), default=30,
                         help="timed steps per workload and tape (default 30; the "
                              "per-op recording workloads take 101 at least, "
@@ -165,6 +168,24 @@ def main(argv=None):
     workloads = [BY_NAME[name] for name in args.workloads if name in BY_NAME]
     mem_workloads = [MEM_BY_NAME[name] for name in args.workloads
                      if name in MEM_BY_NAME]
+    if MEM_FAMILY in args.workloads:
+        family_rows = run_mem_family(tf, fasttape, args.repeats, args.warmup)
+        print(format_family_table(family_rows))
+        print("\nmem_family: generated models (fasttape/bench/family.py, fixed "
+              "seed); held/budget = the most bytes only the tape holds at any "
+              "step over the budget;\nbound = held within the budget plus the "
+              "largest saved tensor; ratio = median of per-step ratios to the "
+              "unbudgeted step;\npeak = TF's CPU allocator's peak over two "
+              "steps after the timed ones, fall = its drop from the unbudgeted "
+              "step's.\n")
+        if not all(r["grads_equal"] and r["bound"] for r in family_rows):
+            print("ERROR: budgeted gradients differ or the bound breaks on: " + ", ".join(
+                sorted({r["workload"] for r in family_rows
+                        if not (r["grads_equal"] and r["bound"])})), file=sys.stderr)
+            return 1
+        if not mem_workloads and not workloads and not dp_workloads \
+                and not dpc_workloads:
+            return 0
     if mem_workloads:
         mem_rows = [row for w in mem_workloads
                     for row in run_mem_workload(tf, fasttape, w, args.repeats, args.warmup)]

@@ -210,6 +210,21 @@ def _peak_rss(name, budget, steady=False):
     return json.loads(out.strip().splitlines()[-1])["peak"]
 
 
+def _alternate(fasttape, params, loss, budgets, repeats, warmup):
+    """Step times per budget ({budget: [seconds]}): the budgets' steps
+    alternating, after ``warmup`` untimed rounds."""
+    for _ in range(warmup):
+        for budget in budgets:
+            _step(fasttape, params, loss, budget)
+    times = {b: [] for b in budgets}
+    for _ in range(repeats):
+        for budget in budgets:
+            t0 = time.perf_counter()
+            _step(fasttape, params, loss, budget)
+            times[budget].append(time.perf_counter() - t0)
+    return times
+
+
 def run_mem_workload(tf, fasttape, workload, repeats, warmup, rss=True):
     """Rows, one per budget (None, 50%, 25%)."""
     params, loss = workload.make(tf)
@@ -226,15 +241,7 @@ def run_mem_workload(tf, fasttape, workload, repeats, warmup, rss=True):
                      "held": held, "grads_equal": bool(equal),
                      "dropped": store.dropped, "recomputed_ops": store.recomputed_ops,
                      "dropped_by_type": dict(store.dropped_by_type)})
-    for _ in range(warmup):
-        for budget in budgets:
-            _step(fasttape, params, loss, budget)
-    times = {b: [] for b in budgets}
-    for _ in range(repeats):
-        for budget in budgets:
-            t0 = time.perf_counter()
-            _step(fasttape, params, loss, budget)
-            times[budget].append(time.perf_counter() - t0)
+    times = _alternate(fasttape, params, loss, budgets, repeats, warmup)
     base = times[None]
     for row in rows:
         seconds = times[row["budget"]]
@@ -279,3 +286,98 @@ MEM_WORKLOADS = [
                 "memory budget: transformer block, d 128, 4 heads, ff 512, 8x128 tokens"),
 ]
 MEM_BY_NAME = {w.name: w for w in MEM_WORKLOADS}
+
+
+# -- the generated family (fasttape.bench.family) --------------------------------
+
+MEM_FAMILY = "mem_family"   # the bench's workload name for them
+FAMILY_SEED = 4100      # the bench's fixed members
+FAMILY_SIZE = 6
+FAMILY_SCALE = 16       # their batch, times the test's
+
+
+def _pool_peak(tf, fasttape, params, loss, budget):
+    """The peak of TF's CPU allocator over two steps, above its level before
+    them (the steady column's pool part, in this process: the family's
+    members are small, and a process each would cost seconds)."""
+    stats = tf.config.experimental
+    stats.reset_memory_stats("CPU:0")
+    before = stats.get_memory_info("CPU:0")["current"]
+    for _ in range(2):
+        _step(fasttape, params, loss, budget)
+    return stats.get_memory_info("CPU:0")["peak"] - before
+
+
+def run_family_member(tf, fasttape, spec, repeats, warmup, peak=True):
+    """One generated member under budgets of 50% and 25% of what the
+    unbudgeted tape holds: per budget, the most held bytes and the bound
+    (held <= budget + the largest saved tensor), whether the gradients
+    equal the unbudgeted ones bit for bit, the step time ratio (medians of
+    alternating runs) and the allocator's peak over two steps against the
+    unbudgeted one's (after the timed steps: compiled passes in use). The
+    steps are timed after STEADY untimed ones at least."""
+    from fasttape.bench.family import build, describe  # pylint: disable=import-outside-toplevel
+    params, loss = build(tf, spec)
+    full, budgets = _budgets(fasttape, params, loss)
+    reference = _step(fasttape, params, loss, None)
+    rows = []
+    for budget in budgets[1:]:
+        held, store, grads = _max_held(fasttape, params, loss, budget)
+        rows.append({"workload": describe(spec), "budget": budget,
+                     "fraction": budget / full, "full": full, "held": held,
+                     "largest": store.largest,
+                     "bound": held <= budget + store.largest,
+                     "warned": store.warned is not None,
+                     "grads_equal": all(np.array_equal(a.numpy(), b.numpy())
+                                        for a, b in zip(reference, grads)),
+                     "dropped": store.dropped,
+                     "recomputed_ops": store.recomputed_ops})
+    # (Steady steps: a repeating pass, budgeted or not, is compiled after
+    # its first few.)
+    times = _alternate(fasttape, params, loss, budgets, repeats, max(warmup, STEADY))
+    base = times[None]
+    peaks = {b: _pool_peak(tf, fasttape, params, loss, b) for b in budgets} if peak else {}
+    for row in rows:
+        seconds = times[row["budget"]]
+        row["ms"] = float(np.median(base) * 1e3)
+        row["ratio"] = float(np.median([s / b for s, b in zip(seconds, base)]))
+        row["peak"] = peaks.get(row["budget"])
+        row["peak_none"] = peaks.get(None)
+    return rows
+
+
+def run_mem_family(tf, fasttape, repeats, warmup, seed=FAMILY_SEED,
+                   size=FAMILY_SIZE, scale=FAMILY_SCALE):
+    """Rows for the family's fixed members (run_family_member's)."""
+    from fasttape.bench.family import family  # pylint: disable=import-outside-toplevel
+    return [row for spec in family(seed, size, scale)
+            for row in run_family_member(tf, fasttape, spec, repeats, warmup)]
+
+
+def format_family_table(rows):
+    """One line per member and budget, then the family's median and worst."""
+    lines = [f"{'member':<44}{'budget':>16}{'held/budget':>13}{'bound':>7}"
+             f"{'ms none':>9}{'ratio':>7}{'peak none':>11}{'peak':>10}{'fall':>7}"]
+    for r in rows:
+        budget = f"{r['fraction']:.0%} {_mb(r['budget'])}"
+        fall = (1 - r["peak"] / r["peak_none"]) if r.get("peak_none") else None
+        lines.append(
+            f"{r['workload'][:43]:<44}{budget:>16}{r['held'] / r['budget']:>13.2f}"
+            f"{'ok' if r['bound'] else 'OVER':>7}{r['ms']:>9.1f}{r['ratio']:>7.2f}"
+            f"{_mb(r.get('peak_none')):>11}{_mb(r.get('peak')):>10}"
+            f"{'-' if fall is None else f'{fall:.0%}':>7}")
+    for fraction in FRACTIONS:
+        some = [r for r in rows if abs(r["fraction"] - fraction) < 0.01]
+        if not some:
+            continue
+        ratios = [r["ratio"] for r in some]
+        falls = [1 - r["peak"] / r["peak_none"] for r in some if r.get("peak_none")]
+        worst = max(some, key=lambda r: r["ratio"])
+        lines.append(
+            f"family at {fraction:.0%}: {len(some)} members, time ratio median "
+            f"{np.median(ratios):.2f}, worst {worst['ratio']:.2f} "
+            f"({worst['workload']}); held/budget worst "
+            f"{max(r['held'] / r['budget'] for r in some):.2f}, bound kept on "
+            f"{sum(r['bound'] for r in some)}/{len(some)}"
+            + (f"; allocator peak fall median {np.median(falls):.0%}" if falls else ""))
+    return "\n".join(lines)

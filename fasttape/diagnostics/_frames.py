@@ -9,6 +9,7 @@ import os
 import sys
 import sysconfig
 
+from fasttape.recording import _budget
 from fasttape.recording import _recording
 
 USER, FASTTAPE, LIBRARY = 0, 1, 2
@@ -105,3 +106,12 @@ def clear_caches():
 
 
 _recording.observe_from_above(clear_caches=clear_caches)
+
+
+def _innermost_user_line():
+    stack = user_stack(sys._getframe(1), 1)  # pylint: disable=protected-access
+    return stack[0] if stack else None
+
+
+# The budget's warning names the user's line with this finder.
+_budget.user_line = _innermost_user_line

@@ -39,6 +39,7 @@ import math
 import os
 import re
 import sys
+import warnings
 import weakref
 
 from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
@@ -112,6 +113,20 @@ def default_budget():
         raise ValueError(f"{ENV_VAR}: {exc}") from None
 
 
+class MemoryBudgetWarning(UserWarning):
+    """What a budgeted tape alone holds passed its budget by more than the
+    largest saved tensor: what it holds cannot be dropped (a tensor no
+    recorded op can re-make exactly, one a recomputation needs, a watched
+    one, or the tensors one backward step reads at once). Given once per
+    tape, at the first op that breaks the bound."""
+
+
+# The user's line of the running code, (filename, lineno, function) or None:
+# set by the diagnostics layer's frame finder when it is imported (this layer
+# may not import it).
+user_line = None
+
+
 # -- which ops can be re-run exactly -----------------------------------------------
 
 _quick_execute = execute.quick_execute
@@ -177,10 +192,17 @@ def _plain(tensors):
 # device in a pass), and the gradient is the same bit for bit. A tensor
 # that only such reads keep (a matmul's output before its bias add) costs
 # nothing to drop. (ConcatV2: every input but the axis, whose value the
-# gradient reads.)
+# gradient reads. A slice's, a reduction's, a broadcast's, a cast's, a pad's
+# and an average pool's input, and a select's branches: shapes (and dtypes)
+# only, in TF's gradients and the fast rules.)
 _SHAPE_ONLY = {"Add": (0, 1), "AddV2": (0, 1), "Sub": (0, 1),
                "Reshape": (0,), "ExpandDims": (0,), "Squeeze": (0,),
-               "ConcatV2": None}
+               "ConcatV2": None,
+               # (Saved positions count the inputs, then the outputs.)
+               "StridedSlice": (0,), "Slice": (0, 3), "Sum": (0,),
+               "Mean": (0, 2), "Tile": (0,), "BroadcastTo": (0,),
+               "Cast": (0,), "AvgPool": (0,), "Pad": (0,), "PadV2": (0,),
+               "SelectV2": (1, 2, 3)}
 
 
 def shape_only(op_type, num_inputs):
@@ -332,6 +354,10 @@ class Store:
         self._devices = {}          # a recipe's device -> its name in a device scope
         self.dropped_by_type = {}   # op type (of the dropped tensor's recipe) -> count
         self.dropped_ids = set()    # (debug) ids of every tensor dropped
+        self.made_by = {}           # a leaf's tensor id -> the op type that made it
+        self.warned = None          # the MemoryBudgetWarning given (once), or None
+        self.over_tensor = None     # (then) the id of the tensor it named
+        self.pass_key = None        # (backward) the pass's key in _PASS_WATER
 
     # -- recording ----------------------------------------------------------
 
@@ -347,8 +373,15 @@ class Store:
                 self._slot(t).aliased = True
         self.clock += 1
         clock = self.clock
-        if outputs and recomputable(op_type) and _plain(outputs) \
-                and _plain(inputs):
+        if not outputs:
+            pass
+        elif not (recomputable(op_type) and _plain(outputs) and _plain(inputs)):
+            # (A leaf: what made it is named if it is ever why the budget
+            # cannot be kept.)
+            made_by = self.made_by
+            for t in outputs:
+                made_by[t._id] = op_type  # pylint: disable=protected-access
+        else:
             in_slots = []
             n_in = 0
             for t in inputs:
@@ -507,24 +540,86 @@ class Store:
         what the program references (if it may matter), and drop down to the
         low water mark when what the tape alone holds passes the budget."""
         budget = self.budget
-        if self.sole_bytes <= budget and (
-                len(self.shared) <= _FEW
-                or self.sole_bytes + self.shared_bytes >= self._recheck_at):
+        total = self.sole_bytes + self.shared_bytes
+        if total > budget + self.largest or (self.sole_bytes <= budget and (
+                len(self.shared) <= _FEW or total >= self._recheck_at)):
+            # (Beyond the budget and the largest saved tensor, what the
+            # program let go of since the last re-check could break the
+            # bound: re-checked at every step there.)
             self._recheck()
         if self.sole_bytes > budget:
             self._drop_to(self.low)
+            if self.sole_bytes > budget + self.largest and self.warned is None:
+                self._warn()
         if self.debug:
             self._measure()
 
-    def enforce(self):
+    def enforce(self, target=None):
         """Re-check every resident tensor, then drop candidates by DTR's score
         until what only the tape holds fits the budget (or no candidate is
-        left)."""
+        left); target: drop down to it (else the low water mark)."""
         self._recheck()
-        if self.sole_bytes > self.budget:
+        if target is not None and target < self.low:
+            if self.sole_bytes > target:
+                self._drop_to(target)
+        elif self.sole_bytes > self.budget:
             self._drop_to(self.low)
+            if self.sole_bytes > self.budget + self.largest and self.warned is None:
+                self._warn()
         if self.debug:
             self._measure()
+
+    def _why_kept(self, s):
+        """Why s, resident and held by the tape alone, was not dropped."""
+        if s.recipe is None:
+            made = self.made_by.get(s.tid)
+            why = (f"made by {made}, which cannot be re-run exactly" if made
+                   else "not made by an op the tape recorded (a constant, a "
+                        "random or stateful op's output, what a function "
+                        "returned): it cannot be re-made")
+            if s.pinned:
+                readers = sorted({self.slots[r].recipe.op_type for r in s.readers or ()
+                                  if r in self.slots and self.slots[r].recipe})
+                why += (f"; kept: recomputing the dropped outputs of "
+                        f"{', '.join(readers) or 'an op'} needs it")
+            return why
+        if s.tid in self.watched:
+            return "watched (tape.watch)"
+        if s.tid in self._locked:
+            return "read by the gradient function or recomputation running now"
+        if not s.closure_ok:
+            return "a tensor it is recomputed from is gone"
+        return "not dropped"
+
+    def _warn(self):
+        """What the tape alone holds passed the budget by more than the
+        largest saved tensor, and nothing more can be dropped: say so once,
+        naming the largest tensor kept and the running op's user line."""
+        held = self.held_bytes()    # (counted afresh: the rare case)
+        if held <= self.budget + self.largest:
+            return
+        kept = [s for s in self.resident.values()
+                if self._sole(s) and self._why_kept(s) != "not dropped"]
+        if sum(s.nbytes for s in kept) <= self.budget + self.largest:
+            # (What cannot be dropped fits: the rest is being dropped.)
+            return
+        s = max(kept, key=lambda x: (x.nbytes, -x.tid))
+        t = s.tensor
+        op = (s.recipe.op_type if s.recipe is not None
+              else self.made_by.get(s.tid, "an op the tape did not record"))
+        where = user_line() if user_line is not None else None
+        at = (f" (at {where[0]}:{where[1]}, in {where[2]})" if where else "")
+        phase = "recording" if self.position is None else "the backward pass"
+        msg = (f"fasttape memory budget: the tape alone holds {held} "
+               f"bytes, over its budget of {self.budget} by more than the "
+               f"largest saved tensor ({self.largest} bytes), during "
+               f"{phase}{at}; the largest tensor it cannot drop is the output "
+               f"of {op}, shape {tuple(t.shape)} {t.dtype.name} "
+               f"({s.nbytes} bytes): {self._why_kept(s)}. Raise the budget, "
+               f"or let go of such tensors.")
+        self.warned = MemoryBudgetWarning(msg)
+        self.over_tensor = s.tid
+        warnings.warn(self.warned, stacklevel=2)
 
     def _check_closure(self, s):
         """Can s be recomputed from what stays? Pin every leaf it needs;
@@ -645,21 +740,17 @@ class Store:
         return soonest
 
     def _measure(self):
-        # (debug) What only the tape holds, counted afresh, over the budget
-        # only by what cannot be dropped (leaves, watched tensors, what the
-        # running step reads) and by the last tensor that stepped over it.
-        held = kept = 0
-        locked, watched = self._locked, self.watched
+        # (debug) What only the tape holds, counted afresh, and by how much
+        # it is over the budget (the bound: by the largest saved tensor at
+        # most, or the tape warned).
+        held = 0
         for s in self.resident.values():
             if self._sole(s):
                 held += s.nbytes
-                if s.recipe is None or s.tid in locked or s.tid in watched \
-                        or not s.closure_ok:
-                    kept += s.nbytes
         if held > self.max_held:
             self.max_held = held
-        if held - max(self.budget, kept) > self.max_over:
-            self.max_over = held - max(self.budget, kept)
+        if held - self.budget > self.max_over:
+            self.max_over = held - self.budget
 
     def _drop(self, s):
         """Let go of s: swap it for its slot in every holder's saved tuple."""
@@ -943,8 +1034,47 @@ def backward_vspace(tape_state, base, recorded=True):
     store.position = store.clock + 1
     # Recording is over and the program's own references to the tape's
     # tensors have mostly gone: what only the tape holds is known now.
-    store.enforce()
+    store.pass_key = (store.clock, store.budget, len(store.slots))
+    water = _PASS_WATER.get(store.pass_key)
+    store.enforce(None if water is None else water[0])
     return BudgetVSpace(base, store)
+
+
+# What a pass that repeats (a training step: known by the ops recorded, the
+# budget and the tensors known) must start from for its compiled replay to
+# fit: a compiled pass keeps its feeds (what the tape holds when it starts)
+# alive for the whole call, where the eager pass lets go of each after its
+# last reader, so a pass refused for holding too much starts, the next
+# time, from less (more dropped, then re-made inside the function).
+# (key) -> [bytes to start from, attempts]; bounded; emptied by clear_caches.
+_PASS_WATER = {}
+_PASS_WATER_MAX = 64
+_PASS_WATER_ATTEMPTS = 3
+
+
+def _lower_pass_water(store, excess):
+    """A compiled pass of this store's shape was refused, ``excess`` bytes
+    over what it may hold: start the next such pass lower (if allowed)."""
+    key = store.pass_key
+    if key is None:
+        return
+    got = _PASS_WATER.get(key)
+    attempts = 1 if got is None else got[1] + 1
+    start = got[0] if got is not None else store.low
+    target = max(start - excess - (store.budget >> 4), 0)
+    if attempts > _PASS_WATER_ATTEMPTS or start <= 0:
+        # (No lower: the last level stays; attempts stop growing it.)
+        if got is not None:
+            got[1] = _PASS_WATER_ATTEMPTS + 1
+        return
+    if got is None and len(_PASS_WATER) >= _PASS_WATER_MAX:
+        del _PASS_WATER[next(iter(_PASS_WATER))]
+    _PASS_WATER[key] = [int(target), attempts]
+
+
+def clear_caches():
+    """Forget what passes started from (fasttape.clear_caches())."""
+    _PASS_WATER.clear()
 
 
 class BudgetVSpace(VSpace):
@@ -1101,6 +1231,11 @@ class GraphRecompute:
                 try:
                     hash(attrs)
                 except TypeError:
+                    # (A convolution's or a pool's: list attrs. Not re-made
+                    # in a compiled pass: oneDNN's graph pass fuses it with
+                    # the ops after it, giving other bits than the eager
+                    # pass, and aborts the process where it has a control
+                    # input.)
                     return None
                 r = self._recipes[id(recipe)] = len(self._recipe_desc)
                 self._recipe_desc.append((
@@ -1138,6 +1273,7 @@ class GraphRecompute:
         held = self._held = self._held_at_start + peak
         over = held - store.budget
         if over > store.largest:
+            _lower_pass_water(store, over - store.largest)
             return (f"its recomputations would hold {peak} bytes besides the "
                     f"{held - peak} the tape holds: {over} over the budget")
         return None
@@ -1264,6 +1400,9 @@ class GraphRecompute:
                 # a tiny budget): the eager pass, which keeps what it
                 # re-made under the budget's score, does fewer.
                 self.too_many = True
+                # (Re-made from far back for lack of room: the next such
+                # pass starts from less, leaving its recomputations more.)
+                _lower_pass_water(self.store, self.store.budget >> 2)
                 raise RuntimeError(
                     f"a compiled pass would re-run {self.graph_ops}+ ops "
                     f"for {len(self._recipe_desc)} dropped recipes")

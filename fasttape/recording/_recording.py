@@ -59,6 +59,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.ops import gradients_util
 from tensorflow.python.ops.parallel_for import pfor as pfor_lib
 
+from fasttape.recording import _budget
 from fasttape.recording import _callback
 from fasttape.gradients import _compiled
 from fasttape import _core
@@ -396,6 +397,7 @@ def clear_caches():
     _fast_grads.clear_caches()
     _callback.clear_layouts()
     _compiled.CACHE.clear()
+    _budget.clear_caches()
     for clear in _cache_clearers:
         clear()
 
