@@ -733,8 +733,30 @@ def _graph_rows(tape, losses, flat_raw, keys, basis=None):
         return [array_ops.zeros_like(s) if g is None
                 else ops.convert_to_tensor(g) for g, s in zip(grads, raw)]
 
-    rows = pfor_ops.pfor(loop_fn, n)
+    if _loops_in_xla(tape_state, losses, flat):
+        rows = pfor_ops.for_loop(loop_fn, [dtypes.as_dtype(s.dtype).base_dtype
+                                           for s in raw], n)
+    else:
+        rows = pfor_ops.pfor(loop_fn, n)
     return {k: r if c else None for k, r, c in zip(keys, rows, connected)}
+
+
+# Functional control flow: pfor vectorizes a While's gradient into
+# TensorLists of TensorLists, which XLA does not compile (TensorListReserve
+# of variants; TF's own vectorized_map of a Keras 3 RNN fails alike).
+_CONTROL_FLOW = frozenset({"While", "StatelessWhile", "If", "StatelessIf",
+                           "Case", "StatelessCase"})
+
+
+def _loops_in_xla(tape_state, losses, flat):
+    """Whether the rows are built under jit_compile on a path holding
+    functional control flow (a Keras 3 RNN's While): then they run as a
+    while loop of backward passes, one example each (XLA compiles it), not
+    by pfor."""
+    if not control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
+        return False
+    plan = tape_state.core.plan([losses._id], [t._id for t in flat])  # pylint: disable=protected-access
+    return plan is not None and any(e.op_type in _CONTROL_FLOW for e in plan[1])
 
 
 def per_example_gradients(tape, losses, sources):
@@ -1350,7 +1372,10 @@ def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
         analysis = _analyse("dp_gradient", tape_state, losses, flat, flat_raw,
                             batch)
         ruled = _ruled_pass("dp_gradient", tape_state, losses, flat, analysis)
-        rows = _rows(tape, losses, flat_raw, list(analysis.fallback))
+        # (a source read by several ruled ops or through a chain: their
+        # rules summed, as eagerly; the summary says so)
+        rows = _rows(tape, losses, flat_raw, list(analysis.fallback),
+                     uses=analysis.uses)
     else:
         # (as eagerly: a microbatch's gradient goes through rows)
         analysis = _analyse("dp_gradient", tape_state, losses, flat, flat_raw,
