@@ -2,7 +2,9 @@
 and batch norms (BatchNormalization in inference, tf_keras'
 LayerNormalization's fused form): per_example_gradients, per_example_norms
 and dp_gradient against B single-example tf.GradientTape's, each with its
-rule and no per-example rows."""
+rule and no per-example rows; eagerly, and in tf.function and under
+jit_compile (mode "function", "jit": float32, the traced values against the
+eager path's and the loop's, the summary's rules against the eager one's)."""
 
 import numpy as np
 import pytest
@@ -157,52 +159,135 @@ CASES = {
 }
 # Sources that still take rows (none).
 ROWS = {}
-PAIRS = [pytest.param(c, d, id=f"{c}-{d.name}")
+# Keras 3's RNNs in a tf.function are one While op (its steps inside it,
+# unseen by the tape): every source takes rows there (pfor over one backward
+# pass; under jit_compile a while loop of them, which XLA compiles).
+RECURRENT = ("keras_lstm", "keras_simple_rnn", "keras_gru_sequences")
+MODES = {"eager": None, "function": {}, "jit": {"jit_compile": True}}
+PAIRS = [pytest.param(c, d, "eager", id=f"{c}-{d.name}")
          for c in sorted(CASES) for d in DTYPES]
+TRACED = [pytest.param(c, tf.float32, m, id=f"{c}-float32-{m}")
+          for c in sorted(CASES) for m in ("function", "jit")]
 
 
-def _assert_rows(tape, method, case):
-    what, rows = tape.summary().per_example_rows
-    assert what == method
-    assert tuple(name for name, _ in rows) == ROWS.get(case, ()), case
+def _expected_rows(case, mode, variables):
+    if mode != "eager" and case in RECURRENT:
+        return tuple(f"{v.name} {tuple(v.shape)}" for v in variables)
+    return ROWS.get(case, ())
 
 
-def _fasttape(case, dtype, method, *args):
+def _run(mode, fn, *xs):
+    """fn(*xs): eagerly, or in a tf.function (with jit_compile)."""
+    if MODES[mode] is None:
+        return fn(*xs)
+    return tf.function(fn, **MODES[mode])(*xs)
+
+
+def _calls(case, dtype, mode, methods):
+    """{method: (its result, the tape's summary)} for each (method, *args),
+    each on its own tape, all in one call in ``mode``; and the spy of the
+    sources that took traced rows (by method)."""
     xs, loss, variables = CASES[case](dtype)
+    summaries, traced_rows = {}, {}
+
+    def step(*xs):
+        out = []
+        for method, *args in methods:
+            with fasttape.GradientTape() as tape:
+                losses = loss(*xs)
+            with _spy_rows() as keys:
+                out.append(getattr(tape, method)(losses, variables, *args))
+            summaries[method] = tape.summary()
+            traced_rows[method] = sorted(keys)
+        return out
+
+    got = _run(mode, step, *xs)
+    return dict(zip([m for m, *_ in methods], got)), summaries, traced_rows, (
+        xs, loss, variables)
+
+
+class _spy_rows:
+    """The sources _graph_rows builds rows for while tracing (what the
+    summary must name as per-example rows)."""
+
+    def __enter__(self):
+        from fasttape.backward import _per_example  # pylint: disable=import-outside-toplevel
+        self.module, self.keys = _per_example, []
+        self.original = original = _per_example._graph_rows  # pylint: disable=protected-access
+
+        def spy(tape, losses, flat_raw, keys, basis=None):
+            self.keys += keys
+            return original(tape, losses, flat_raw, keys, basis)
+        _per_example._graph_rows = spy  # pylint: disable=protected-access
+        return self.keys
+
+    def __exit__(self, *exc):
+        self.module._graph_rows = self.original  # pylint: disable=protected-access
+
+
+def _check_summary(summary, method, case, mode, variables, traced_keys):
+    what, rows = summary.per_example_rows
+    assert what == method
+    expected = _expected_rows(case, mode, variables)
+    assert tuple(name for name, _ in rows) == expected, case
+    what, rules = summary.per_example_rules
+    assert what == method
+    rows_named = [k for k, (_, how) in enumerate(rules) if how == "per-example rows"]
+    assert len(rows_named) == len(expected)
+    if mode != "eager":
+        # the summary says the truth: rows exactly for the sources the
+        # trace built rows for (a source of summed rules took none)
+        assert traced_keys == rows_named, (case, traced_keys, rules)
+    return [how for _, how in rules]    # (tf_keras names its layers anew)
+
+
+@pytest.mark.parametrize("case,dtype,mode", PAIRS + [
+    p for p in TRACED if p.values[0] not in RECURRENT])
+def test_per_example_gradients_and_norms(case, dtype, mode):
+    methods = [("per_example_gradients",), ("per_example_norms",)]
+    got, summaries, traced, (xs, loss, variables) = _calls(case, dtype, mode, methods)
     ref = _reference(loss, xs, variables)
-    with fasttape.GradientTape() as tape:
-        losses = loss(*xs)
-    got = getattr(tape, method)(losses, variables, *args)
-    # every source by its op rule: no per-example rows
-    _assert_rows(tape, method, case)
-    return got, ref, variables
-
-
-@pytest.mark.parametrize("case,dtype", PAIRS)
-def test_per_example_gradients_and_norms(case, dtype):
-    got, ref, variables = _fasttape(case, dtype, "per_example_gradients")
-    for g, r, v in zip(got, ref, variables):
+    for g, r, v in zip(got["per_example_gradients"], ref, variables):
         assert g.shape == [B] + v.shape
         _close(g, r, dtype)
-    norms, ref, _ = _fasttape(case, dtype, "per_example_norms")
-    _close(norms, _ref_norms(ref), dtype)
+    _close(got["per_example_norms"], _ref_norms(ref), dtype)
+    rules = {m: _check_summary(summaries[m], m, case, mode, variables, traced[m])
+             for m, in methods}
+    if mode != "eager":
+        # the same rules as eagerly, and the same values
+        eager, eager_summaries, _, _ = _calls(case, dtype, "eager", methods)
+        for m, in methods:
+            assert rules[m] == [how for _, how in eager_summaries[m].per_example_rules[1]]
+            for g, e in zip(tf.nest.flatten(got[m]), tf.nest.flatten(eager[m])):
+                _close(g, e, dtype)
 
 
-@pytest.mark.parametrize("case,dtype", PAIRS)
-def test_dp_gradient(case, dtype):
+@pytest.mark.parametrize("case,dtype,mode", PAIRS + TRACED)
+def test_dp_gradient(case, dtype, mode):
     xs, loss, variables = CASES[case](dtype)
     ref = _reference(loss, xs, variables)
     norms = _ref_norms(ref)
     clip = float(np.median(norms.numpy()))     # some clipped, some not
     scale = clip / tf.maximum(norms, clip)
     expected = [tf.tensordot(scale, g, 1) / B for g in ref]
+    eager = None
     for step in range(2):       # the second: the fused, remembered pass
-        with fasttape.GradientTape() as tape:
-            losses = loss(*xs)
-        got = tape.dp_gradient(losses, variables, clip)
-        _assert_rows(tape, "dp_gradient", case)
-        for g, e in zip(got, expected):
+        got, summaries, traced, _ = _calls(case, dtype, mode, [("dp_gradient", clip)])
+        rules = _check_summary(summaries["dp_gradient"], "dp_gradient", case,
+                               mode, variables, traced["dp_gradient"])
+        for g, e in zip(got["dp_gradient"], expected):
             _close(g, e, dtype)
+        if mode == "eager":
+            continue
+        if eager is None:
+            eager, eager_summaries, _, _ = _calls(case, dtype, "eager",
+                                                  [("dp_gradient", clip)])
+        for g, e in zip(got["dp_gradient"], eager["dp_gradient"]):
+            _close(g, e, dtype)
+        if case not in RECURRENT:
+            assert rules == [how for _, how in
+                             eager_summaries["dp_gradient"].per_example_rules[1]]
+        break           # (traced: one trace; a second would only retrace)
 
 
 def _folded_batch_norm(shape, data_format):
