@@ -308,28 +308,75 @@ def _folded_batch_norm(shape, data_format):
     return x, w, loss
 
 
-def test_a_batch_norm_folded_per_row_does_not_mix():
+@pytest.mark.parametrize("mode", MODES)
+def test_a_batch_norm_folded_per_row_does_not_mix(mode):
     """Each channel one row of one example (tf_keras' LayerNormalization's
     layout): its own rule, the loop's values."""
     x, w, loss = _folded_batch_norm([1, -1, 4, 1], "NCHW")
-    with fasttape.GradientTape() as tape:
-        losses = loss(x)
-    got = tape.per_example_gradients(losses, [w])
-    assert tape.summary().per_example_rows == ("per_example_gradients", ())
+    summaries = []
+
+    def step(x):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        got = tape.per_example_gradients(losses, [w])
+        summaries.append(tape.summary())
+        return got
+    got = _run(mode, step, x)
+    assert summaries[-1].per_example_rows == ("per_example_gradients", ())
+    assert summaries[-1].per_example_rules[1] == (
+        (f"{w.name} (4, 4)", "BatchMatMulV2"),)
     _close(got[0], _reference(loss, [x], [w])[0], tf.float32)
 
 
+def _raised(mode, step, *xs):
+    """The ValueError's message, its whitespace folded (tf.function's
+    autograph quotes it indented, after the user's frames)."""
+    with pytest.raises(ValueError) as info:
+        _run(mode, step, *xs)
+    return " ".join(str(info.value).split())
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("shape,data_format", [
     ([1, -1, 4, 1], "NHWC"),        # one channel over every example
     ([1, -1, 8, 1], "NCHW"),        # channels across two examples
     ([-1, 4, 1, 1], "NCHW"),        # the batch on the statistics' axis
 ], ids=["nhwc", "nchw-straddling", "nchw-batch"])
-def test_a_batch_norm_that_mixes_examples_is_refused(shape, data_format):
+def test_a_batch_norm_that_mixes_examples_is_refused(shape, data_format, mode):
     x, w, loss = _folded_batch_norm(shape, data_format)
-    with fasttape.GradientTape() as tape:
-        losses = loss(x)
-    with pytest.raises(ValueError, match="FusedBatchNorm.* mixes examples|mixes examples"):
-        tape.per_example_norms(losses, [w])
+
+    def step(x):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        return tape.per_example_norms(losses, [w])
+    message = _raised(mode, step, x)
+    assert "mixes examples: a FusedBatchNormV3 op" in message, message
+    if mode != "eager":     # (the same error while tracing)
+        assert _raised("eager", step, x) in message
+
+
+@pytest.mark.parametrize("mode", ["function", "jit"])
+@pytest.mark.parametrize("library", ["keras", "tf_keras"])
+def test_batch_normalization_in_training_raises_as_eagerly(library, mode):
+    """A model's BatchNormalization in training mode: the same ValueError
+    while tracing a DP step as eagerly (Keras 3's by its Mean ops, tf_keras'
+    by a FusedBatchNormV3)."""
+    lib = __import__(library)
+    lib.utils.set_random_seed(0)
+    layers = lib.layers
+    model = lib.Sequential([lib.Input((5, 5, 2)), layers.Conv2D(3, 3),
+                            layers.BatchNormalization(), layers.Flatten(),
+                            layers.Dense(2)])
+    x = tf.constant(np.random.default_rng(18).normal(size=(B, 5, 5, 2)), tf.float32)
+
+    def step(x):
+        with fasttape.GradientTape() as tape:
+            losses = tf.reduce_sum(tf.square(model(x, training=True)), axis=-1)
+        return tape.dp_gradient(losses, model.trainable_variables, 1.0)
+    op = "Mean" if library == "keras" else "FusedBatchNormV3"
+    message = _raised(mode, step, x)
+    assert f"mixes examples: a {op} op" in message, message
+    assert _raised("eager", step, x) in message
 
 
 def test_summary_names_the_rule_of_each_source():
