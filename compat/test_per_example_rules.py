@@ -298,13 +298,15 @@ def _folded_batch_norm(shape, data_format):
     w = tf.Variable(rng.normal(size=(4, 4)), dtype=tf.float32)
 
     def loss(x):
-        h = tf.reshape(tf.matmul(x, w), shape)
-        channels = h.shape[1] if data_format == "NCHW" else h.shape[-1]
+        z = tf.matmul(x, w)
+        h = tf.reshape(z, shape)
+        # (read at run time: a batch unknown while tracing)
+        channels = tf.shape(h)[1] if data_format == "NCHW" else tf.shape(h)[-1]
         ones = tf.ones([channels])      # (float32 only: TF's kernel)
         zeros = tf.zeros([channels])
         y, _, _ = tf.compat.v1.nn.fused_batch_norm(
             h, ones, zeros, data_format=data_format, is_training=True)
-        return tf.reduce_sum(tf.sin(tf.reshape(y, [-1, 3, 4])), axis=[1, 2])
+        return tf.reduce_sum(tf.sin(tf.reshape(y, tf.shape(z))), axis=[1, 2])
     return x, w, loss
 
 
@@ -326,6 +328,46 @@ def test_a_batch_norm_folded_per_row_does_not_mix(mode):
     assert summaries[-1].per_example_rules[1] == (
         (f"{w.name} (4, 4)", "BatchMatMulV2"),)
     _close(got[0], _reference(loss, [x], [w])[0], tf.float32)
+
+
+@pytest.mark.parametrize("spec", [[None, 3, 4], [B, None, 4]], ids=["batch", "length"])
+def test_a_folded_batch_norm_with_shapes_unknown_while_tracing(spec):
+    """A batch or sequence length unknown while tracing: a channel of one
+    row still lies within one example (its size divides the example's
+    known axes): no mixing error, the loop's values (rows or rules); one
+    straddling two examples is refused as eagerly."""
+    signature = [tf.TensorSpec(spec, tf.float32)]
+    x, w, loss = _folded_batch_norm([1, -1, 4, 1], "NCHW")
+
+    def step(x):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        return tape.per_example_gradients(losses, [w])
+    got = tf.function(step, input_signature=signature)(x)
+    _close(got[0], _reference(loss, [x], [w])[0], tf.float32)
+    x, w, loss = _folded_batch_norm([1, -1, 8, 1], "NCHW")
+    with pytest.raises(ValueError, match="mixes examples: a FusedBatchNormV3 op"):
+        tf.function(step, input_signature=signature)(x)
+
+
+@pytest.mark.parametrize("case", ["keras_conv_dilated_wide", "keras_conv1d_dilated"])
+def test_dilated_convolutions_with_positions_unknown_while_tracing(case):
+    """Height and width (or length) unknown while tracing: the blocks'
+    rows are regrouped by shapes read at run time; the loop's values."""
+    xs, loss, variables = CASES[case](tf.float32)
+    ref = _reference(loss, xs, variables)
+    spec = [tf.TensorSpec([B] + [None] * (x.shape.rank - 2) + [x.shape[-1]])
+            for x in xs]
+
+    def step(*xs):
+        with fasttape.GradientTape(persistent=True) as tape:
+            losses = loss(*xs)
+        return (tape.per_example_gradients(losses, variables),
+                tape.per_example_norms(losses, variables))
+    got, norms = tf.function(step, input_signature=spec)(*xs)
+    for g, r in zip(got, ref):
+        _close(g, r, tf.float32)
+    _close(norms, _ref_norms(ref), tf.float32)
 
 
 def _raised(mode, step, *xs):

@@ -1644,7 +1644,7 @@ def _row_groups(entries, shapes, consumers, batch):
       folded into the channels): each channel's statistics lie within one
       example when an example's size is a multiple of a channel's."""
     groups = _Groups()
-    if batch is None or batch < 2:     # (unknown while tracing: rows)
+    if batch is not None and batch < 2:
         return groups
     producer = {}
     for entry in entries:
@@ -1671,7 +1671,8 @@ def _row_groups(entries, shapes, consumers, batch):
         return entry
 
     for entry in entries:
-        if entry.op_type == "BatchToSpaceND":
+        if entry.op_type == "BatchToSpaceND" and batch is not None:
+            # (a batch unknown while tracing: rows; the blocks go unproved)
             block = _config(entry.payload, 1)
             if not block or only_use(entry.input_ids[0]) is None:
                 continue
@@ -1705,20 +1706,28 @@ def _row_groups(entries, shapes, consumers, batch):
             source = shapes.get(into.input_ids[0])
             if source is None and into.payload.inputs[0] is not None:
                 source = tuple(into.payload.inputs[0].shape.as_list())
-            if (None in shape or not source or None in source
-                    or source[0] != batch or shape[0] != 1 or len(shape) < 2):
+            if (not source or source[0] != batch or len(shape) < 2
+                    or shape[0] != 1 or None in shape[2:]):
                 continue
-            size = int(np.prod(source[1:]))         # one example's
+            # An example's values are one contiguous block, a channel's
+            # too: each channel within one example when a channel's size
+            # divides an example's; so when it divides the product of the
+            # example's known axes (while tracing, a sequence length or a
+            # batch unknown only multiplies it).
             channel = int(np.prod(shape[2:]))       # one channel's
-            if size * batch != int(np.prod(shape)) or size % channel:
+            known = int(np.prod([d for d in source[1:] if d is not None]))
+            if known % channel or (None not in shape and None not in source and
+                                   known * batch != int(np.prod(shape))):
                 continue
+            # its statistics mix no examples, whatever reads them
+            groups.separable.add(id(entry))
             users = [consumers.get(o, ()) for o in entry.output_ids]
             out = users[0][0] if len(users[0]) == 1 else None
             if (any(users[1:]) or out is None or out.op_type != "Reshape"
+                    or batch is None
                     or _leading(shapes.get(out.output_ids[0]) or ()) != batch):
-                continue
+                continue    # (the reshapes unproved: rows, by _keeps_axis0)
             groups.accepted.update((id(into), id(out)))
-            groups.separable.add(id(entry))
     return groups
 
 

@@ -702,10 +702,15 @@ def _blocks(payload):
 
 def _unblocked(t, nb):
     """[nb*B, T, K] rows, block-major, -> [B, nb*T, K]: each example's rows
-    of every block together."""
-    t = array_ops.reshape(t, [nb, -1, t.shape[1], t.shape[2]])
+    of every block together. (T is read at run time where a function was
+    traced with the positions unknown.)"""
+    def dim(t, i):
+        return t.shape[i] if t.shape[i] is not None else array_ops.shape(t)[i]
+    # (B kept static where it is: the rules' products read it)
+    b = -1 if t.shape[0] is None else t.shape[0] // nb
+    t = array_ops.reshape(t, [nb, b, dim(t, 1), dim(t, 2)])
     t = array_ops.transpose(t, [1, 0, 2, 3])
-    return array_ops.reshape(t, [-1, nb * t.shape[2], t.shape[3]])
+    return array_ops.reshape(t, [b, nb * dim(t, 2), dim(t, 3)])
 
 
 def _tiled(w, nb):
