@@ -343,6 +343,36 @@ def _c_lstm(tf):
     return _compiled_case(tf, lambda: [keras.layers.LSTM(32), keras.layers.Dense(10)], x)
 
 
+def _c_dilated_bn(tf):
+    """Issue 43's convnet: a dilated Conv2D and BatchNormalization in
+    inference (their rules, traced)."""
+    import keras  # pylint: disable=import-outside-toplevel
+    x = tf.random.stateless_normal([64, 16, 16, 3], seed=[1, 7])
+    return _compiled_case(tf, lambda: [
+        keras.layers.Conv2D(16, 3, activation="relu"),
+        keras.layers.Conv2D(16, 3, dilation_rate=2, activation="relu"),
+        keras.layers.BatchNormalization(),
+        keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)], x)
+
+
+def _c_groupnorm(tf):
+    import keras  # pylint: disable=import-outside-toplevel
+    x = tf.random.stateless_normal([64, 16, 32], seed=[1, 8])
+    return _compiled_case(tf, lambda: [
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.GroupNormalization(8), keras.layers.Dense(64),
+        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(10)], x)
+
+
+def _c_conv_transpose(tf):
+    import keras  # pylint: disable=import-outside-toplevel
+    x = tf.random.stateless_normal([64, 8, 8, 3], seed=[1, 9])
+    return _compiled_case(tf, lambda: [
+        keras.layers.Conv2D(16, 3, activation="relu"),
+        keras.layers.Conv2DTranspose(16, 3, strides=2, activation="relu"),
+        keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)], x)
+
+
 def _c_generated(seed):
     """A model drawn from ``seed`` (kinds, widths, depths, batch): the
     bench's held-out cases, not tuned to."""
@@ -450,6 +480,13 @@ DP_COMPILED_WORKLOADS = [
                "compiled DP step: Dense+LayerNormalization, batch 64, T=16"),
     DPWorkload("dpc_conv", _c_conv, "compiled DP step: 2 Conv2D + Dense, batch 64"),
     DPWorkload("dpc_lstm", _c_lstm, "compiled DP step: LSTM(32) + Dense, batch 32"),
+    DPWorkload("dpc_dilated_bn", _c_dilated_bn,
+               "compiled DP step: Conv2D, dilated Conv2D, BatchNormalization "
+               "(inference), Dense, batch 64"),
+    DPWorkload("dpc_groupnorm", _c_groupnorm,
+               "compiled DP step: Dense+GroupNormalization, batch 64, T=16"),
+    DPWorkload("dpc_conv_transpose", _c_conv_transpose,
+               "compiled DP step: Conv2D, Conv2DTranspose, Dense, batch 64"),
     DPWorkload("dpc_wide_mlp", _c_mlp(1024, 1024),
                "compiled DP step: MLP 1024-1024-1024-10, batch 64 (peak memory)"),
 ] + [DPWorkload(f"dpc_gen{s}", _c_generated(s),
