@@ -1095,7 +1095,7 @@ def _fusable(analysis, batch):
     return items, out_ids
 
 
-def _post_pass(spec, *tensors, payloads=None):
+def _post_pass(spec, *tensors, payloads=None, sparse=False):
     """dp_gradient after the backward pass: each example's squared norm
     (the rules', the rows'), its clip factor min(1, C / norm) / m, the
     reweighted gradient of each source (a rule's weighted sum, the rows'
@@ -1104,7 +1104,9 @@ def _post_pass(spec, *tensors, payloads=None):
     Runs eagerly, or traced once per spec (gradients._compiled.traced_call).
     ``payloads`` (fused to the backward pass: spec's batch set) are the
     recorded ops, on which each rule is checked against its output
-    gradient's shape (_NotFusable)."""
+    gradient's shape (_NotFusable). ``sparse``: a rule's IndexedSlices
+    that no noise is added to here stay IndexedSlices (the traced step
+    scatters them into their noise: _graph_noise)."""
     ruled_spec, rows_spec, noised, shapes, batch = spec
     n_fixed = 3 if noised else 2
     clip, clip_m = tensors[-n_fixed], tensors[-n_fixed + 1]
@@ -1147,6 +1149,9 @@ def _post_pass(spec, *tensors, payloads=None):
         g = out[k]
         at = noise_of.get(k)
         if isinstance(g, indexed_slices.IndexedSlices):
+            if at is None and sparse:
+                result.append(g)
+                continue
             if at is None:
                 g = math_ops.unsorted_segment_sum(g.values, g.indices, shape[0])
             else:
@@ -1310,8 +1315,10 @@ def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
     count = (math_ops.cast(array_ops.shape(losses)[0], dtype) if m is None
              else _norm_rules._const(m, dtype))
     clip_t = _norm_rules._const(clip, dtype)
-    grads = _post_pass(spec, *feeds, clip_t, _norm_rules._ex("RealDiv", clip_t, count))
-    if noise_multiplier > 0:
+    noised = noise_multiplier > 0
+    grads = _post_pass(spec, *feeds, clip_t, _norm_rules._ex("RealDiv", clip_t, count),
+                       sparse=noised)
+    if noised:
         add_noise = _graph_noise(seed, flat_raw, [k for k, _ in spec[3]],
                                  clip * noise_multiplier, count)
         grads = [add_noise(k, g) for (k, _), g in zip(spec[3], grads)]
@@ -1404,9 +1411,27 @@ def _graph_noise(seed, flat_raw, ks, scale, count):
     in_xla = control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
 
     def add_noise(k, g):
+        shape = shapes[k]
+        if isinstance(g, indexed_slices.IndexedSlices):
+            # A table's clipped rows (a Gather rule's), scattered into its
+            # noise: one pass over the table, where densifying them (a
+            # zero fill and a scatter) and then adding the noise took three.
+            # A table larger than _NOISE_CHUNK values gets its noise in one
+            # draw: the dense result is a table-sized buffer whichever way,
+            # and the scatter writes into the noise's own (as the dense
+            # gradient's blocks are written into its).
+            if k in small:
+                noise = small[k]
+            else:
+                noise = stateless_random_ops.stateless_random_normal(
+                    shape, seed=key(1 + k, 0), stddev=stddev(g.dtype),
+                    dtype=g.dtype, alg=_NOISE_ALG)
+            return _norm_rules._ex(
+                "TensorScatterAdd", noise, _norm_rules._ex(
+                    "ExpandDims", g.indices, _norm_rules._const(-1, dtypes.int32)),
+                g.values)
         if k in small:
             return _norm_rules._ex("AddV2", g, small[k])
-        shape = shapes[k]
         cols = int(shape[-1]) if shape.rank and shape[-1] else 1
         rows = shape.num_elements() // cols
         flat = _norm_rules._ex("Reshape", g, _norm_rules._const(
