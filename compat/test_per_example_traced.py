@@ -182,38 +182,47 @@ def _tables(dtype, rows):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("rows", [100, 300])
-def test_traced_noise_on_tables_covers_every_row(mode, rows):
+@pytest.mark.parametrize("seed", [5, None])
+def test_traced_noise_on_tables_covers_every_row(mode, rows, seed):
     """A table's clipped rows are scattered into its noise (a table of
     300 x 256 values: more than _NOISE_CHUNK, one draw): the noise covers
-    rows no example gathers, and the clipped sum is added exactly once
-    (with a seed, the noise does not depend on the gradient)."""
+    rows no example gathers, and the clipped sum is added exactly once, at
+    every call (with a seed, the noise does not depend on the gradient and
+    repeats; unseeded, at a tiny multiplier, every value is within a few
+    standard deviations of the clean sum)."""
     xs, loss, variables = _tables(tf.float32, rows)
-    clip, multiplier = 0.5, 2.0
+    clip = 0.5
+    multiplier = 2.0 if seed is not None else 1e-4
+    sigma = clip * multiplier / B
 
     def dp(ids, scale, noise):
         with fasttape.GradientTape() as tape:
             losses = loss(ids, scale)
-        return tape.dp_gradient(losses, variables, clip, noise, seed=5)
+        return tape.dp_gradient(losses, variables, clip, noise, seed=seed)
 
-    fn = tf.function(dp, **MODES[mode])
     with fasttape.GradientTape() as tape:    # (rules for every source)
         losses = loss(*xs, 1.0)
     tape.dp_gradient(losses, variables, clip)
     assert tape._per_example_rows == ("dp_gradient", ())  # pylint: disable=protected-access
-    for scale in (1.0, 3.0):
+    fn = tf.function(dp, **MODES[mode])
+    noises = []
+    for scale in (1.0, 3.0, 3.0):
         clean = [np.asarray(tf.convert_to_tensor(g))
                  for g in tf.function(dp)(*xs, scale, 0.0)]
-        assert np.abs(clean[0][:40]).max() > 0 and not clean[0][40:].any()
+        assert np.abs(clean[0][:40]).max() > 100 * sigma or seed is not None
+        assert not clean[0][40:].any()
         noisy = [np.asarray(g) for g in fn(*xs, scale, multiplier)]
-        noise = [(n - c) / (clip * multiplier / B) for n, c in zip(noisy, clean)]
-        if scale == 1.0:
-            first = noise
-            continue
-        for a, b in zip(first, noise):
-            np.testing.assert_allclose(a, b, atol=1e-3)
+        noises.append([(n - c) / sigma for n, c in zip(noisy, clean)])
+    first = noises[0]
+    for later in noises[1:]:
+        for a, b in zip(first, later):
+            if seed is not None:
+                np.testing.assert_allclose(a, b, atol=1e-3)
+            else:
+                assert np.abs(b).max() < 7 and not np.allclose(a, b)
     big, small = first[:2]
     assert abs(np.std(big) - 1) < 0.05 and abs(np.mean(big)) < 0.05
-    assert abs(np.std(big[40:]) - 1) < 0.05 and abs(np.mean(big[40:])) < 0.05
+    assert abs(np.std(big[:40]) - 1) < 0.1 and abs(np.std(big[40:]) - 1) < 0.05
     assert abs(np.std(small) - 1) < 0.25 and abs(np.std(small[40:]) - 1) < 0.5
 
 

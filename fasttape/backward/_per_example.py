@@ -1427,19 +1427,36 @@ def _graph_noise(seed, flat_raw, ks, scale, count):
             # noise: one pass over the table, where densifying them (a
             # zero fill and a scatter) and then adding the noise took three.
             # A table larger than _NOISE_CHUNK values gets its noise in one
-            # draw: the dense result is a table-sized buffer whichever way,
-            # and the scatter writes into the noise's own (as the dense
-            # gradient's blocks are written into its).
-            if k in small:
-                noise = small[k]
-            else:
-                noise = stateless_random_ops.stateless_random_normal(
-                    shape, seed=key(1 + k, 0), stddev=stddev(g.dtype),
-                    dtype=g.dtype, alg=_NOISE_ALG)
-            return _norm_rules._ex(
-                "TensorScatterAdd", noise, _norm_rules._ex(
-                    "ExpandDims", g.indices, _norm_rules._const(-1, dtypes.int32)),
-                g.values)
+            # draw (the result is a table-sized buffer whichever way).
+            # Unseeded, the rows (summed per id) are added into the noise's
+            # own buffer (InplaceAdd aliases its input): its key comes from
+            # a stateful op, so the noise is this call's alone. With a seed
+            # the key may be a constant, and TF's constant folding then
+            # makes the noise a constant of the function, which an in-place
+            # add would change for every later call: TensorScatterAdd
+            # (which writes in place only into a buffer nothing else holds,
+            # else copies) for a small table; a large one's rows are
+            # densified and noised a block at a time, as a dense gradient
+            # (no second table-sized buffer). XLA places its buffers itself.
+            fresh = seed is None and not in_xla
+            if k in small or fresh or in_xla:
+                if k in small:
+                    noise = small[k]
+                else:
+                    noise = stateless_random_ops.stateless_random_normal(
+                        shape, seed=key(1 + k, 0), stddev=stddev(g.dtype),
+                        dtype=g.dtype, alg=_NOISE_ALG)
+                if not fresh:
+                    return _norm_rules._ex(
+                        "TensorScatterAdd", noise, _norm_rules._ex(
+                            "ExpandDims", g.indices,
+                            _norm_rules._const(-1, dtypes.int32)), g.values)
+                rows, at = array_ops.unique(g.indices)
+                summed = math_ops.unsorted_segment_sum(
+                    g.values, at, array_ops.shape(rows)[0])
+                return _norm_rules._ex("InplaceAdd", noise, math_ops.cast(
+                    rows, dtypes.int32), summed)
+            g = math_ops.unsorted_segment_sum(g.values, g.indices, shape[0])
         if k in small:
             return _norm_rules._ex("AddV2", g, small[k])
         cols = int(shape[-1]) if shape.rank and shape[-1] else 1
