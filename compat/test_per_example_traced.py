@@ -164,6 +164,68 @@ def test_traced_noise_seeded_and_unseeded(mode):
     assert abs(np.corrcoef(noise[:256], noise[300 * 256:300 * 256 + 256])[0, 1]) < 0.3
 
 
+def _tables(dtype, rows):
+    """Two embedding tables (Gather rules: clipped sums as IndexedSlices),
+    one of ``rows`` x 256 values, one small, and a dense weight."""
+    rng = np.random.default_rng(15)
+    ids = tf.constant(rng.integers(0, 40, (B, 5)))
+    big = tf.Variable(rng.normal(size=(rows, 256)) * 0.1, dtype=dtype)
+    small = tf.Variable(rng.normal(size=(50, 4)) * 0.1, dtype=dtype)
+    w = tf.Variable(rng.normal(size=(256, 2)) * 0.1, dtype=dtype)
+
+    def loss(ids, scale):
+        e = tf.reduce_mean(tf.gather(big, ids), 1) @ w
+        e += tf.reduce_mean(tf.gather(small, ids), 1)[:, :2]
+        return tf.reduce_sum(e * scale, -1) ** 2
+    return [ids], loss, [big, small, w]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rows", [100, 300])
+@pytest.mark.parametrize("seed", [5, None])
+def test_traced_noise_on_tables_covers_every_row(mode, rows, seed):
+    """A table's clipped rows are scattered into its noise (a table of
+    300 x 256 values: more than _NOISE_CHUNK, one draw): the noise covers
+    rows no example gathers, and the clipped sum is added exactly once, at
+    every call (with a seed, the noise does not depend on the gradient and
+    repeats; unseeded, at a tiny multiplier, every value is within a few
+    standard deviations of the clean sum)."""
+    xs, loss, variables = _tables(tf.float32, rows)
+    clip = 0.5
+    multiplier = 2.0 if seed is not None else 1e-4
+    sigma = clip * multiplier / B
+
+    def dp(ids, scale, noise):
+        with fasttape.GradientTape() as tape:
+            losses = loss(ids, scale)
+        return tape.dp_gradient(losses, variables, clip, noise, seed=seed)
+
+    with fasttape.GradientTape() as tape:    # (rules for every source)
+        losses = loss(*xs, 1.0)
+    tape.dp_gradient(losses, variables, clip)
+    assert tape._per_example_rows == ("dp_gradient", ())  # pylint: disable=protected-access
+    fn = tf.function(dp, **MODES[mode])
+    noises = []
+    for scale in (1.0, 3.0, 3.0):
+        clean = [np.asarray(tf.convert_to_tensor(g))
+                 for g in tf.function(dp)(*xs, scale, 0.0)]
+        assert np.abs(clean[0][:40]).max() > 100 * sigma or seed is not None
+        assert not clean[0][40:].any()
+        noisy = [np.asarray(g) for g in fn(*xs, scale, multiplier)]
+        noises.append([(n - c) / sigma for n, c in zip(noisy, clean)])
+    first = noises[0]
+    for later in noises[1:]:
+        for a, b in zip(first, later):
+            if seed is not None:
+                np.testing.assert_allclose(a, b, atol=1e-3)
+            else:
+                assert np.abs(b).max() < 7 and not np.allclose(a, b)
+    big, small = first[:2]
+    assert abs(np.std(big) - 1) < 0.05 and abs(np.mean(big)) < 0.05
+    assert abs(np.std(big[:40]) - 1) < 0.1 and abs(np.std(big[40:]) - 1) < 0.05
+    assert abs(np.std(small) - 1) < 0.25 and abs(np.std(small[40:]) - 1) < 0.5
+
+
 def test_traced_batch_norm_in_training_raises_while_tracing():
     import keras  # pylint: disable=import-outside-toplevel
     x = tf.random.normal([B, 4])

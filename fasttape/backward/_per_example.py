@@ -1176,7 +1176,7 @@ def _fusable(analysis, batch):
     return items, out_ids
 
 
-def _post_pass(spec, *tensors, payloads=None):
+def _post_pass(spec, *tensors, payloads=None, sparse=False):
     """dp_gradient after the backward pass: each example's squared norm
     (the rules', the rows'), its clip factor min(1, C / norm) / m, the
     reweighted gradient of each source (a rule's weighted sum, the rows'
@@ -1185,7 +1185,9 @@ def _post_pass(spec, *tensors, payloads=None):
     Runs eagerly, or traced once per spec (gradients._compiled.traced_call).
     ``payloads`` (fused to the backward pass: spec's batch set) are the
     recorded ops, on which each rule is checked against its output
-    gradient's shape (_NotFusable)."""
+    gradient's shape (_NotFusable). ``sparse``: a rule's IndexedSlices
+    that no noise is added to here stay IndexedSlices (the traced step
+    scatters them into their noise: _graph_noise)."""
     ruled_spec, rows_spec, noised, shapes, batch = spec
     n_fixed = 3 if noised else 2
     clip, clip_m = tensors[-n_fixed], tensors[-n_fixed + 1]
@@ -1228,6 +1230,9 @@ def _post_pass(spec, *tensors, payloads=None):
         g = out[k]
         at = noise_of.get(k)
         if isinstance(g, indexed_slices.IndexedSlices):
+            if at is None and sparse:
+                result.append(g)
+                continue
             if at is None:
                 g = math_ops.unsorted_segment_sum(g.values, g.indices, shape[0])
             else:
@@ -1394,8 +1399,10 @@ def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
     count = (math_ops.cast(array_ops.shape(losses)[0], dtype) if m is None
              else _norm_rules._const(m, dtype))
     clip_t = _norm_rules._const(clip, dtype)
-    grads = _post_pass(spec, *feeds, clip_t, _norm_rules._ex("RealDiv", clip_t, count))
-    if noise_multiplier > 0:
+    noised = noise_multiplier > 0
+    grads = _post_pass(spec, *feeds, clip_t, _norm_rules._ex("RealDiv", clip_t, count),
+                       sparse=noised)
+    if noised:
         add_noise = _graph_noise(seed, flat_raw, [k for k, _ in spec[3]],
                                  clip * noise_multiplier, count)
         grads = [add_noise(k, g) for (k, _), g in zip(spec[3], grads)]
@@ -1406,7 +1413,17 @@ def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
 
 # TF's traced noise algorithm, named: on CPU "auto_select" is Philox too
 # in TF's kernel, but under XLA it compiled to a generator 5-10x slower
-# (a 70K-value draw: about 45 ms against 5-7 ms).
+# (a 70K-value draw: about 45 ms against 5-7 ms). No exact sampler built of
+# TF ops was faster (70K float32 values in a tf.function, 2 loaded cores,
+# medians): Box-Muller on stateless_random_uniform (both values of each
+# pair used) 1.28 ms against 1.32 for this kernel, and the uniform draw alone
+# is 1.02 of it (Philox's bits are most of the cost); the stateful
+# RandomStandardNormal 1.39; float64 2.43; the radius from a float64 uniform
+# 1.58; under jit_compile each was slower than here. Drawing is left free to
+# start with the function (it depends on no forward op: the executor may
+# run it beside the forward pass, worth about 0.1 ms on the MLP here), and
+# calling the V2 kernel with its key and counter directly (22 ops, not 57)
+# saved nothing measurable.
 _NOISE_ALG = "philox"
 
 
@@ -1488,9 +1505,44 @@ def _graph_noise(seed, flat_raw, ks, scale, count):
     in_xla = control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
 
     def add_noise(k, g):
+        shape = shapes[k]
+        if isinstance(g, indexed_slices.IndexedSlices):
+            # A table's clipped rows (a Gather rule's), scattered into its
+            # noise: one pass over the table, where densifying them (a
+            # zero fill and a scatter) and then adding the noise took three.
+            # A table larger than _NOISE_CHUNK values gets its noise in one
+            # draw (the result is a table-sized buffer whichever way).
+            # Unseeded, the rows (summed per id) are added into the noise's
+            # own buffer (InplaceAdd aliases its input): its key comes from
+            # a stateful op, so the noise is this call's alone. With a seed
+            # the key may be a constant, and TF's constant folding then
+            # makes the noise a constant of the function, which an in-place
+            # add would change for every later call: TensorScatterAdd
+            # (which writes in place only into a buffer nothing else holds,
+            # else copies) for a small table; a large one's rows are
+            # densified and noised a block at a time, as a dense gradient
+            # (no second table-sized buffer). XLA places its buffers itself.
+            fresh = seed is None and not in_xla
+            if k in small or fresh or in_xla:
+                if k in small:
+                    noise = small[k]
+                else:
+                    noise = stateless_random_ops.stateless_random_normal(
+                        shape, seed=key(1 + k, 0), stddev=stddev(g.dtype),
+                        dtype=g.dtype, alg=_NOISE_ALG)
+                if not fresh:
+                    return _norm_rules._ex(
+                        "TensorScatterAdd", noise, _norm_rules._ex(
+                            "ExpandDims", g.indices,
+                            _norm_rules._const(-1, dtypes.int32)), g.values)
+                rows, at = array_ops.unique(g.indices)
+                summed = math_ops.unsorted_segment_sum(
+                    g.values, at, array_ops.shape(rows)[0])
+                return _norm_rules._ex("InplaceAdd", noise, math_ops.cast(
+                    rows, dtypes.int32), summed)
+            g = math_ops.unsorted_segment_sum(g.values, g.indices, shape[0])
         if k in small:
             return _norm_rules._ex("AddV2", g, small[k])
-        shape = shapes[k]
         cols = int(shape[-1]) if shape.rank and shape[-1] else 1
         rows = shape.num_elements() // cols
         flat = _norm_rules._ex("Reshape", g, _norm_rules._const(
