@@ -45,7 +45,6 @@ from tensorflow.python.framework import indexed_slices
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import random_seed
 from tensorflow.python.framework import tensor_shape
-from tensorflow.python.framework import tensor_util
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import array_ops_stack
 from tensorflow.python.ops import control_flow_util
@@ -183,7 +182,7 @@ def _value(t):
     while tracing; else None."""
     if type(t) is ops.EagerTensor:
         return t.numpy().tolist()
-    value = tensor_util.constant_value(t)
+    value = _norm_rules.value_of(t)
     return None if value is None else value.tolist()
 
 
