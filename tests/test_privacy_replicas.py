@@ -89,6 +89,14 @@ CASES = textwrap.dedent('''
     compiled = tf.function(lambda xs, ys: strategy.run(
         step, args=(xs, ys, 0.0, None, None)))
     compare("compiled", lambda xs, ys, *_: compiled(xs, ys), 0.0, None, None)
+    # a distributed iterator inside tf.function: each shard's batch is
+    # unknown while tracing (None), known only at run time
+    next_step = tf.function(lambda it: strategy.run(
+        step, args=(*next(it), 0.0, None, None)))
+    dataset = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+    compare("compiled, batch unknown", lambda *_: next_step(iter(dataset)),
+            0.0, None, None)
 
     # Where a compiled strategy.run's results live, with TF's own tape: a
     # tf.function hands every replica's result back on its default device.
@@ -171,3 +179,34 @@ def test_replicas_in_tf_function(results):
     strategy.run (a tf.function returns them on its default device)."""
     case = results["compiled"]
     _check(case, devices=case.get("tf devices", ()))
+
+
+def test_replicas_in_tf_function_with_the_batch_unknown_while_tracing(results):
+    case = results["compiled, batch unknown"]
+    _check(case, devices=results["compiled"].get("tf devices", ()))
+
+
+def test_a_replica_id_unknown_while_tracing_is_refused():
+    """Which replica adds the noise must be known while tracing: a guess
+    would add it on none of them (no privacy) or on all."""
+    import tensorflow as tf
+    import fasttape
+    from fasttape.backward import _dp_replicas
+
+    class _Replica:   # a replica context whose id is a traced input
+        num_replicas_in_sync = 2
+
+        def __init__(self, replica_id):
+            self.replica_id_in_sync_group = replica_id
+
+    w = tf.Variable(tf.ones((3, 2)))
+
+    @tf.function(input_signature=[tf.TensorSpec([], tf.int32)])
+    def step(replica_id):
+        with fasttape.GradientTape() as tape:
+            losses = tf.reduce_sum(tf.matmul(tf.ones((4, 3)), w), axis=1)
+        return _dp_replicas.dp_gradient(_Replica(replica_id), tape, losses, [w],
+                                        1.0, 1.0, None, None)
+
+    with pytest.raises(NotImplementedError, match="exactly one replica"):
+        step(tf.constant(0))

@@ -12,6 +12,7 @@ from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import reduce_util
 from tensorflow.python.framework import constant_op
 from tensorflow.python.framework import tensor_util
+from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import math_ops
 from tensorflow.python.util import nest
 
@@ -34,17 +35,28 @@ def dp_gradient(ctx, tape, losses, sources, l2_norm_clip, noise_multiplier,
     if noise_multiplier < 0:
         raise ValueError(
             f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
-    first = tensor_util.constant_value(ctx.replica_id_in_sync_group) == 0
+    replica = tensor_util.constant_value(ctx.replica_id_in_sync_group)
+    if replica is None:
+        # Which replica adds the noise must be known while tracing: guessing
+        # would add it on none (no privacy) or on all (too much noise).
+        raise NotImplementedError(
+            "dp_gradient in a replica whose id is not a constant while "
+            "tracing (a strategy other than MirroredStrategy?) is not "
+            "supported: the noise must be added by exactly one replica")
+    first = replica == 0
     local = _per_example.dp_gradient(
         tape, losses, sources, l2_norm_clip,
         noise_multiplier if first else 0.0, num_microbatches,
         seed if first else None)
     # its own microbatches (the batch, or num_microbatches, which
     # _per_example checked divides it)
-    m_local = (int(losses.shape[0]) if num_microbatches is None
-               else int(num_microbatches))
-    m_global = ctx.all_reduce(reduce_util.ReduceOp.SUM,
-                              constant_op.constant(float(m_local)))
+    if num_microbatches is not None:
+        m_local = constant_op.constant(float(num_microbatches))
+    elif losses.shape[0] is not None:
+        m_local = constant_op.constant(float(losses.shape[0]))
+    else:               # a batch unknown while tracing: the shard's, run time
+        m_local = math_ops.cast(array_ops.shape(losses)[0], "float32")
+    m_global = ctx.all_reduce(reduce_util.ReduceOp.SUM, m_local)
     flat = nest.flatten(local)
     present = [g for g in flat if g is not None]
     # local is (clipped sum [+ noise]) / m_local: rescaled to / m_global
