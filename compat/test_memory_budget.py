@@ -1038,16 +1038,20 @@ def test_next_reader_rule_saves_recomputation(monkeypatch):
     tensor's next reader: without the rule it was dropped first and the
     chain recomputed again for each gate. (Measured without the free drops
     of tensors read only for their shapes: with them, this step's gates
-    are no longer chosen, and both runs re-run about as much.)"""
+    are no longer chosen, and both runs re-run about as much. Since the
+    steps of a recomputation that nothing else needs are let go at once,
+    what the rule saves is smaller: 180 ops against 193 here.)"""
     monkeypatch.setattr(_budget, "_SHAPE_ONLY", {})
     expected, _ = _small_lstm_step(None)
     budget = 8600
+    fasttape.clear_caches()     # (each from the same start: see _PASS_WATER)
     got, with_rule = _small_lstm_step(budget)
     assert_same(expected, got, exact=True)
     monkeypatch.setattr(_budget, "_NEXT_DEPTH", 0)
+    fasttape.clear_caches()
     got, without = _small_lstm_step(budget)
     assert_same(expected, got, exact=True)
-    assert with_rule["recomputed_ops"] < 0.85 * without["recomputed_ops"], (
+    assert with_rule["recomputed_ops"] < 0.97 * without["recomputed_ops"], (
         with_rule, without)
 
 
@@ -1149,3 +1153,57 @@ def test_family_bench_rows():
     table = memory.format_family_table(rows)
     assert "family at 50%: 1 members" in table and "bound kept on 1/1" in table, table
     assert family.describe(spec)[:43] in table
+
+
+def _allocator_peak(params, loss, budget):
+    """TF's CPU allocator peak over one step, above its level before it
+    (what the bench's mem_family reads); the least of two steps."""
+    stats = tf.config.experimental
+    peaks = []
+    for _ in range(2):
+        stats.reset_memory_stats("CPU:0")
+        before = stats.get_memory_info("CPU:0")["current"]
+        with fasttape.GradientTape(memory_budget=budget) as tape:
+            value = loss()
+        tape.gradient(value, params)
+        del tape, value
+        peaks.append(stats.get_memory_info("CPU:0")["peak"] - before)
+    return min(peaks)
+
+
+@pytest.mark.parametrize("spec, most", [
+    # A convolution, an average pool and a dense block: the pool's
+    # gradient reads its input for its shape only, the relu's right after
+    # reads it for its values.
+    ({"dtype": "float32", "batch": 128, "width": 32, "seed": 5,
+     "image": (12, 12, 1), "stem": ["conv", "pool"], "tokens": None,
+     "blocks": ["dense"], "activation": "sigmoid"}, 1.01),
+    # Convolutions feeding an LSTM, which slices the sequence step by step:
+    # a gradient as large as the sequence per step, summed as they come:
+    # the peak falls by more than half.
+    ({"dtype": "float32", "batch": 16, "width": 32, "seed": 6,
+     "image": (24, 24, 1), "stem": ["conv", "conv"], "tokens": None,
+     "blocks": ["recurrent", "dense"], "activation": "relu"}, 0.75),
+], ids=["conv-pool-dense", "conv-conv-lstm"])
+def test_budget_lowers_no_allocator_peak(spec, most):
+    """Under budgets of 50% and 25%, TF's allocator peak over a step is no
+    higher than without a budget (eager passes), and lower where the
+    gradients an RNN's steps give its input are summed as they come. It
+    was higher: a shape-only reader got zeros of a dropped tensor's shape (kept for the pass) where
+    the next gradient recomputed the tensor itself, the steps of a
+    recomputation stayed alive after it, a tensor the next gradient reads
+    was dropped and re-made a step later, and an RNN's per-step gradients
+    of its input sequence were all alive until the last one (9.5 -> 12.5
+    MB on the first; 11.9 MB either way on the second, now 5.4 at 25%)."""
+    params, loss = family.build(tf, spec)
+    full, expected = _family_step(params, loss, 10 ** 12, debug=True)
+    _allocator_peak(params, loss, None)     # (kernels loaded)
+    unbudgeted = _allocator_peak(params, loss, None)
+    assert unbudgeted > 0
+    for fraction in (0.5, 0.25):
+        budget = int(full.max_held * fraction)
+        store, grads = _family_step(params, loss, budget)
+        assert_same(expected, grads, exact=True)
+        assert store.dropped > 0
+        peak = _allocator_peak(params, loss, budget)
+        assert peak <= unbudgeted * most, (fraction, peak, unbudgeted)

@@ -19,6 +19,7 @@ from libcpp.unordered_set cimport unordered_set
 
 cdef class VSpace:
     cdef public dict none_ok_indices   # op_type -> frozenset of output indices whose grad may be None
+    cdef public bint fold_pending      # sum a tensor's gradients as they arrive (vspace.fold), where that sums as one aggregate would
 
 
 cdef class OpEntry:

@@ -81,6 +81,9 @@ cdef int64_t _SPENT = -2
 # once to free memory.
 cdef enum:
     MIN_AGGREGATE_COUNT = 4
+    # An aggregate of at most this many gradients adds them left to right
+    # (TF's AddN: aggregate_ops.h), so a running sum gives its bits.
+    MAX_FOLDED = 9
 cdef int64_t MIN_AGGREGATE_BYTES = 128 * 1024 * 1024
 
 
@@ -105,6 +108,13 @@ cdef class VSpace:
     def aggregate(self, list grads):
         """Sum of a non-empty list of gradients for one tensor."""
         raise NotImplementedError
+
+    def fold(self, list grads):
+        """(Called only where fold_pending is set.) The sum of two or more
+        gradients of one tensor that arrived so far, when summing them now
+        and the rest later gives the bits of one aggregate of them all;
+        None to keep them pending."""
+        return None
 
     def call_backward(self, op_type, payload, list unneeded_indices,
                       list out_grads):
@@ -1222,6 +1232,8 @@ cdef class GradientTapeCore:
         cdef dict none_ok = vspace.none_ok_indices
         cdef unordered_map[int64_t, int64_t] gradients_size
         cdef unordered_map[int64_t, int64_t].iterator uit
+        cdef bint fold = vspace.fold_pending
+        cdef unordered_map[int64_t, int64_t] arrived  # (fold) gradients summed into pending
         cdef list out_grads, unneeded, in_grads, pending
         cdef bint any_nonzero
         cdef Py_ssize_t n_out, n_in, k
@@ -1288,8 +1300,21 @@ cdef class GradientTapeCore:
                     pending = gradients.get(tid)
                     if pending is None:
                         gradients[tid] = [in_grads[k]]
+                        if fold:
+                            arrived[tid] = 1
                     else:
                         pending.append(in_grads[k])
+                        if fold and arrived.count(tid):
+                            # A running sum where it gives the aggregate's
+                            # bits: at most MAX_FOLDED gradients in all
+                            # (those arrived and one per usage to come).
+                            inc(arrived[tid])
+                            uit = usage_counts.find(tid)
+                            if uit != usage_counts.end() and \
+                                    arrived[tid] + deref(uit).second - 1 <= MAX_FOLDED:
+                                folded = vspace.fold(pending)
+                                if folded is not None:
+                                    pending[:] = [folded]
                         if len(pending) > MIN_AGGREGATE_COUNT:
                             uit = gradients_size.find(tid)
                             if uit == gradients_size.end():

@@ -47,6 +47,7 @@ from tensorflow.python import pywrap_tfe
 from tensorflow.python.eager import context
 from tensorflow.python.eager import core
 from tensorflow.python.eager import execute
+from tensorflow.python.eager import record
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor as tensor_lib
@@ -55,6 +56,7 @@ from tensorflow.python.ops import array_ops
 from fasttape._core import VSpace
 from fasttape.gradients._graph_ops import graph_op
 from fasttape.gradients._payloads import EagerOp
+from fasttape.gradients._tf_vspace import _tf_zeros
 from fasttape.gradients._tf_vspace import element_size as _element_size
 
 ENV_VAR = "FASTTAPE_MEMORY_BUDGET"
@@ -300,6 +302,11 @@ class Slot:
 # How many recomputation steps _next_use follows from a tensor to the
 # gradient functions that will need it (beyond: treated as not needed).
 _NEXT_DEPTH = 4
+# (Backward) A tensor that a gradient function this close (in recorded ops)
+# to the running one reads is dropped only where the bound needs it:
+# re-made a step later, it would be alive again beside what that step
+# allocates, so dropping it lowers no peak and costs a recomputation.
+_IMMINENT = 3
 # Hysteresis: once what the tape alone holds passes the budget, drop down to
 # this fraction of it, so that the next drop comes a tenth of the budget
 # later (a drop scores every candidate).
@@ -667,6 +674,7 @@ class Store:
         chain = {}
         upcoming = {}
         scored = []
+        imminent = []   # (backward) read by the next gradient functions to run
         for s in list(self.sole.values()):
             # Droppable: made by a recipe, neither locked nor watched, and
             # recomputable from what stays.
@@ -691,13 +699,24 @@ class Store:
             if position is None:
                 staleness = clock - s.last + 1
             else:
-                staleness = position - self._next_use(s, position, upcoming) + 1
+                next_use = self._next_use(s, position, upcoming)
+                staleness = position - next_use + 1
+                if next_use and staleness <= _IMMINENT:
+                    imminent.append(s)
+                    continue
             nbytes = s.nbytes
             scored.append((cost / ((nbytes if nbytes > 1 else 1) * staleness),
                            tid, s))
         # (Ties by tensor id, which is unique: the slots are never compared.)
         scored.sort()
-        for _, _, s in scored:
+        self._drop_scored([s for _, _, s in scored], target)
+        if imminent and self.sole_bytes > self.budget + self.largest:
+            # (Only where the bound needs it: in the order they are read.)
+            imminent.sort(key=lambda x: -x.tid)
+            self._drop_scored(imminent, self.budget + self.largest)
+
+    def _drop_scored(self, candidates, target):
+        for s in candidates:
             if self.sole_bytes <= target:
                 break
             if s.tensor is None:
@@ -797,6 +816,7 @@ class Store:
             s.last = self.clock
             return t
         ctx = context.context()
+        made = set()    # ids of what this call re-made on the way to s
         for top, stack in _inputs_first(s, self._has, _recipe_inputs):
             recipe = top.recipe
             if recipe is None:
@@ -815,7 +835,9 @@ class Store:
                     x.last = self.clock
                     self.recomputed += 1
                     self.recomputed_bytes += x.nbytes
+                    made.add(tid)
             del outputs, t
+            self._let_go_of_steps(s, top, stack, made)
             if self.sole_bytes + self.shared_bytes > self.budget or self.debug:
                 # What the rest of the stack reads stays; the rest may go again.
                 locked = set(self._locked)
@@ -829,6 +851,52 @@ class Store:
         s.last = self.clock
         return t
 
+    def _let_go_of_steps(self, s, top, stack, made):
+        """After materialize re-ran top's recipe on the way to s: let go at
+        once of what it re-made only as a step (the recipe's inputs, and
+        its other outputs) that nothing still needs: no recipe left on the
+        stack reads it, no gradient reads its values, and no dropped tensor
+        that a gradient needs is re-made from it. Held until the budget
+        forces a drop, such steps (a convolution's output on the way to
+        its relu's) added to what the backward pass allocates, beyond what
+        the tape without a budget held there."""
+        recipe = top.recipe
+        steps = [x for x in recipe.inputs if x.tid in made]
+        steps += [self.slots[t] for t in recipe.outputs
+                  if t in made and t != top.tid and t in self.slots]
+        if not steps:
+            return
+        waiting = {i.tid for x in stack for i in x.recipe.inputs}
+        locked = self._locked
+        for x in steps:
+            if x is s or x.tensor is None or x.valued or x.tid in waiting \
+                    or x.tid in locked or _feeds_needed(x, self.slots):
+                continue
+            made.discard(x.tid)
+            if x.payloads:
+                self._drop(x)
+            else:
+                self._release(x)
+
+    def _read_later(self, s):
+        """(Backward) Will a gradient function still to run read the
+        dropped tensor s for its values? Then a gradient that reads only
+        its shape is given s itself, recomputed now and held for that
+        reader, not zeros of its shape: zeros would be a second tensor as
+        large alive beside the recomputation (an average pool's input, its
+        relu's output, re-made for the relu's gradient next)."""
+        if not s.valued or self.position is None:
+            return False
+        when = self._when
+        position = self.position
+        shape_holders = s.shape_holders or ()
+        for ref in s.holders:
+            if ref not in shape_holders:
+                w = when.get(ref)
+                if w is not None and w < position:
+                    return True
+        return False
+
     def _check_locked(self, locked):
         previous = self._locked
         self._locked = locked
@@ -837,18 +905,20 @@ class Store:
         finally:
             self._locked = previous
 
-    def restore(self, payload, shape_pos=(), standins=None):
+    def restore(self, payload, shape_pos=(), donors=()):
         """payload's saved tuple with every dropped tensor recomputed; at
         the positions its gradient reads for their shapes only (shape_pos),
-        zeros of the dropped tensor's shape instead (standins: a dict, per
-        pass)."""
+        a tensor of the dropped one's shape instead: one of ``donors`` (the
+        call's output gradients) viewed in that shape, else zeros."""
         saved = list(payload.saved)
         locked = set(self._locked)
         for k, x in enumerate(saved):
             if type(x) is Slot:
-                if k in shape_pos:
+                if k in shape_pos and not self._read_later(x):
                     t = self._get(x)
-                    saved[k] = t if t is not None else _standin(x, standins)
+                    if t is None:
+                        t = _standin(x, donors, saved)
+                    saved[k] = t
                     continue
                 previous = self._locked
                 self._locked = locked
@@ -967,19 +1037,30 @@ def _feeds_needed(s, slots):
     return False
 
 
-def _standin(s, standins):
-    """Zeros of the dropped tensor s's shape and dtype, on its device, for
-    a gradient that reads only its shape (one per shape in a pass)."""
-    key = (s.shape, s.dtype, s.recipe.device)
-    t = standins.get(key)
-    if t is None:
-        if not context.executing_eagerly():
-            with ops.init_scope():
-                return _standin(s, standins)
-        with ops.device(s.recipe.device):
-            t = array_ops.zeros(s.shape, s.dtype)
-        standins[key] = t
-    return t
+def _standin(s, donors=(), saved=()):
+    """A tensor of the dropped tensor s's shape and dtype, on its device,
+    for a gradient that reads only its shape: a view of a tensor alive
+    anyway (an output gradient of the call, or a tensor it saved) with as
+    many elements (a reshape shares its buffer: nothing allocated), else
+    zeros: TF's own cached zeros while small (an RNN's steps read many of
+    one shape), else made for the call and let go after it (zeros kept
+    for the whole pass were alive where the tape without a budget had let
+    go of the tensor they stand for)."""
+    device = s.recipe.device
+    for d in (*donors, *saved):
+        if type(d) is _EagerTensor and d.dtype == s.dtype and \
+                d._num_elements() == s.nelem and d.device == device:  # pylint: disable=protected-access
+            if d._shape_tuple() == s.shape:  # pylint: disable=protected-access
+                return d
+            if not context.executing_eagerly():
+                break
+            with record.stop_recording():
+                return array_ops.reshape(d, s.shape)
+    if not context.executing_eagerly():
+        with ops.init_scope():
+            return _standin(s)
+    with ops.device(device):
+        return _tf_zeros(s.shape, s.dtype)
 
 
 def _run(recipe, inputs, ctx, devices):
@@ -1087,7 +1168,11 @@ class BudgetVSpace(VSpace):
         super().__init__(base.none_ok_indices)
         self.base = base
         self.store = store
-        self.standins = {}  # (shape, dtype, device) -> zeros, for shape-only reads
+        # A tensor's gradients summed as they arrive (where that gives the
+        # bits of one sum at the end): a sequence that an RNN slices step
+        # by step gets one gradient as large as it per step, all alive
+        # until the last step's without this.
+        self.fold_pending = True
 
     def num_elements(self, grad):
         return self.base.num_elements(grad)
@@ -1096,6 +1181,12 @@ class BudgetVSpace(VSpace):
         return self.base.element_size(grad)
 
     def aggregate(self, grads):
+        return self.base.aggregate(grads)
+
+    def fold(self, grads):
+        for g in grads:
+            if type(g) is not _EagerTensor:
+                return None     # (IndexedSlices, symbolic: summed at the end)
         return self.base.aggregate(grads)
 
     def ones_like(self, meta):
@@ -1121,7 +1212,7 @@ class BudgetVSpace(VSpace):
             # drops them.)
             marked = payload.saved
             payload.saved = store.restore(
-                payload, shape_only(op_type, payload.num_inputs), self.standins)
+                payload, shape_only(op_type, payload.num_inputs), out_grads)
             try:
                 grads = self.base.call_backward(op_type, payload,
                                                 unneeded_indices, out_grads)
