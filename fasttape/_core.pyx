@@ -800,7 +800,10 @@ cdef class GradientTapeCore:
     #    loop pops from the back of its stack but inserts newly ready ops at
     #    the front, so the initial ops run first and then the others, first
     #    ready first run (a queue). Pending lists for one tensor are summed
-    #    early when they hold many large gradients (tape.h's thresholds).
+    #    early when they hold many large gradients (tape.h's thresholds);
+    #    with a vspace that sets fold_pending (a memory budget's), also as
+    #    they arrive where at most MAX_FOLDED can arrive in all (a running
+    #    sum then has the bits of one aggregate at the end).
     # 5. Results: the summed gradient of each source, or None.
     # A non-persistent tape drops every backward payload as soon as it is
     # used (and the unreachable ones at once), so memory falls during the

@@ -378,6 +378,8 @@ def format_family_table(rows):
             f"{np.median(ratios):.2f}, worst {worst['ratio']:.2f} "
             f"({worst['workload']}); held/budget worst "
             f"{max(r['held'] / r['budget'] for r in some):.2f}, bound kept on "
-            f"{sum(r['bound'] for r in some)}/{len(some)}"
-            + (f"; allocator peak fall median {np.median(falls):.0%}" if falls else ""))
+            f"{sum(r['bound'] for r in some)}/{len(some)}, gradients equal on "
+            f"{sum(r['grads_equal'] for r in some)}/{len(some)}"
+            + (f"; allocator peak fall median {np.median(falls):.0%}, worst "
+               f"{min(falls):.0%}" if falls else ""))
     return "\n".join(lines)
