@@ -1274,6 +1274,7 @@ class GraphRecompute:
                                 # what was): recomputed bytes alive
         self._cap = 0           # (trace) what the budget leaves for them
         self._deps = None       # (trace) what the ops re-run for a call come after
+        self._donors = ()       # (trace) the output gradients of that call
         self._after = []        # (trace) what the last such call returned
         self._last_op = None    # (trace) the op re-run last for this call
         self._held_at_start = store.sole_bytes  # what only the tape holds now
@@ -1413,6 +1414,7 @@ class GraphRecompute:
         if not any(type(x) is _Marker for x in saved):
             return stand_in
         self._deps = _tensors(out_grads) + self._after
+        self._donors = _tensors(out_grads)
         read = []
         saved = tuple(self._value(x, read) if type(x) is _Marker else x
                       for x in saved)
@@ -1436,9 +1438,19 @@ class GraphRecompute:
 
     def _value(self, m, read):
         if m.n is None:
+            shape, dtype, device = m.spec
+            n = math.prod(shape)
+            for d in self._donors:
+                # (As the eager pass: an output gradient of the call viewed
+                # in the shape, where it has as many elements.)
+                if d.dtype == dtype and d.shape.is_fully_defined() and \
+                        d.shape.num_elements() == n:
+                    if tuple(d.shape) == tuple(shape):
+                        return d
+                    with ops.device(device):
+                        return array_ops.reshape(d, shape)
             # (After the call's output gradients: zeros made of nothing
             # would be constant-folded into the function's definition.)
-            shape, dtype, device = m.spec
             with ops.device(device), ops.control_dependencies(self._deps):
                 return array_ops.zeros(shape, dtype)
         d = self._desc[m.n]
