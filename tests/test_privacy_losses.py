@@ -287,6 +287,8 @@ class _CallOverridden(keras.losses.Loss):
 
 @pytest.mark.parametrize("loss, error, match", [
     (_CallOverridden(), TypeError, "_CallOverridden"),
+    # two losses for one output: Keras' plain step trains on the first alone
+    (["mse", "mae"], ValueError, "2 losses for the model's one output"),
     (lambda y, p: keras.ops.mean((p - y) ** 2), ValueError, "one value for the whole batch"),
     (keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"),
      ValueError, "mean_with_sample_weight"),
