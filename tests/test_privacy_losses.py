@@ -327,3 +327,21 @@ def test_loss_scale_optimizer_is_refused():
     privacy.make_private(model, l2_norm_clip=1.0, noise_multiplier=0.0)
     with pytest.raises(NotImplementedError, match="LossScaleOptimizer"):
         model.fit(np.ones((4, 4), "float32"), np.ones((4, 2), "float32"), verbose=0)
+
+
+def test_evaluate_after_private_fit_is_keras_own():
+    """Outside the DP step the wrapped losses are Keras' own: evaluate
+    equals a plain model's with the same weights (make_private twice is one
+    make_private)."""
+    x, y_cls, y_reg = _two_output_data()
+    losses = ["sparse_categorical_crossentropy", "mse"]
+    model = _two_outputs(keras, False)
+    model.compile("sgd", losses, loss_weights=[0.3, 2.0], run_eagerly=True)
+    privacy.make_private(model, l2_norm_clip=CLIP, noise_multiplier=0.0)
+    _fit(model, x, [y_cls, y_reg])
+    plain = _two_outputs(keras, False)
+    plain.compile("sgd", losses, loss_weights=[0.3, 2.0], run_eagerly=True)
+    plain.set_weights(model.get_weights())
+    got = model.evaluate(x, [y_cls, y_reg], verbose=0, return_dict=True)
+    want = plain.evaluate(x, [y_cls, y_reg], verbose=0, return_dict=True)
+    assert got == pytest.approx(want, rel=1e-6)
