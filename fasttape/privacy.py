@@ -529,7 +529,7 @@ def _dp_train_step(model, data, dp, keras3):
             "loss scaling): its dynamic scale would have to enter the clipping "
             "norm. Train with the 'mixed_bfloat16' or 'float32' policy, which "
             "scale no loss.")
-    _loss_container(model, keras3)
+    container = _loss_container(model, keras3)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     weights = model.trainable_weights
     sink, outer = [], getattr(_collecting, "sink", None)
@@ -551,10 +551,20 @@ def _dp_train_step(model, data, dp, keras3):
         if not sink:
             raise ValueError("make_private: compile the model with a loss "
                              "(model.compile(optimizer, loss=...)) before fit.")
-        if keras3 and len(sink) > 1 and not keras.tree.is_nested(y_pred):
+        # each compiled loss once (Keras 3 computes them all; tf_keras skips
+        # an output with no target): else Keras computes its loss otherwise
+        # than the per-example losses would sum
+        wrapped = sum(isinstance(e, _PerExampleLoss) for e in (
+            [e.loss for e in container._flat_losses] if keras3  # pylint: disable=protected-access
+            else container._losses))  # pylint: disable=protected-access
+        if keras3 and wrapped > 1 and not keras.tree.is_nested(y_pred):
             raise ValueError(
-                f"make_private: {len(sink)} losses for the model's one output, "
+                f"make_private: {wrapped} losses for the model's one output, "
                 "of which Keras trains on the first alone: give one loss.")
+        if len(sink) > wrapped or keras3 and len(sink) != wrapped:
+            raise _unsupported_keras(
+                f"compiled loss ({len(sink)} losses computed, of {wrapped})",
+                keras3)
         losses = tf.add_n([tf.cast(v, loss.dtype) for v in sink])
     if seed is not None:
         step = model.optimizer.iterations

@@ -320,6 +320,24 @@ def test_keras_internals_missing_raise_naming_the_version(monkeypatch):
         model.fit(np.ones((4, 4), "float32"), np.ones((4, 2), "float32"), verbose=0)
 
 
+def test_a_keras_that_computes_a_loss_twice_is_refused(monkeypatch):
+    """Each compiled loss must reach the per-example losses once, as Keras
+    adds it once; a container that calls one twice raises."""
+    from keras.src.trainers import compile_utils
+    call = compile_utils.CompileLoss.call
+
+    def call_twice(self, *args):
+        call(self, *args)
+        return call(self, *args)
+
+    monkeypatch.setattr(compile_utils.CompileLoss, "call", call_twice)
+    model = _dense()
+    model.compile("sgd", "mse", run_eagerly=True)
+    privacy.make_private(model, l2_norm_clip=1.0, noise_multiplier=0.0)
+    with pytest.raises(RuntimeError, match=r"2 losses computed, of 1"):
+        model.fit(np.ones((4, 4), "float32"), np.ones((4, 2), "float32"), verbose=0)
+
+
 def test_loss_scale_optimizer_is_refused():
     model = _dense()
     model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
