@@ -125,21 +125,32 @@ def test_several_outputs(structure, losses, run_eagerly):
         assert {"loss", "cls_loss", "reg_loss"} <= set(history)
 
 
-@pytest.mark.parametrize("run_eagerly", [True, False])
-def test_tf_keras_several_outputs(run_eagerly):
+@pytest.mark.parametrize("structure, losses, run_eagerly", [
+    ("list", ("cls", "reg"), True), ("list", ("cls", "reg"), False),
+    ("dict", ("cls", "reg"), True), ("dict", ("reg",), True)])
+def test_tf_keras_several_outputs(structure, losses, run_eagerly):
     import tf_keras
+    as_dict = structure == "dict"
     x, y_cls, y_reg = _two_output_data()
-    model = _two_outputs(tf_keras, False)
-    model.compile(tf_keras.optimizers.SGD(0.5),
-                  [tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                   "mse"],
-                  loss_weights=[LOSS_WEIGHTS["cls"], LOSS_WEIGHTS["reg"]],
+    fns = {"cls": tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+           "reg": "mse"}
+    if as_dict:
+        loss = {name: fns[name] for name in losses}
+        weights = {name: LOSS_WEIGHTS[name] for name in losses}
+        y = {"cls": y_cls, "reg": y_reg}
+    else:
+        loss = [fns["cls"], fns["reg"]]
+        weights = [LOSS_WEIGHTS["cls"], LOSS_WEIGHTS["reg"]]
+        y = [y_cls, y_reg]
+    model = _two_outputs(tf_keras, as_dict)
+    model.compile(tf_keras.optimizers.SGD(0.5), loss, loss_weights=weights,
                   run_eagerly=run_eagerly)
-    history = _fit(model, x, [y_cls, y_reg])
-    want = _reference(_two_outputs(tf_keras, False), tf_keras.optimizers.SGD(0.5),
-                      x, [y_cls, y_reg], _two_output_loss(tf_keras, ("cls", "reg")))
+    history = _fit(model, x, y)
+    want = _reference(_two_outputs(tf_keras, as_dict), tf_keras.optimizers.SGD(0.5),
+                      x, y, _two_output_loss(tf_keras, losses))
     _assert_same(model, want)
-    assert {"loss", "cls_loss", "reg_loss"} <= set(history)
+    if len(losses) > 1:
+        assert {"loss", "cls_loss", "reg_loss"} <= set(history)
 
 
 # -- masks and weights along time ---------------------------------------------
