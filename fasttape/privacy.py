@@ -169,12 +169,11 @@ def _frameworks(keras3):
     return tf_keras, f"tf_keras {tf_keras.__version__}"
 
 
-def _unsupported_keras(what, keras3):
+def _unsupported_keras(problem, keras3):
     return RuntimeError(
-        f"make_private reads Keras' {what}, which {_frameworks(keras3)[1]} "
-        "does not have (fasttape.privacy follows Keras 3.15 and tf_keras "
-        "2.21): write the training step with "
-        "fasttape.GradientTape.dp_gradient (docs/privacy.md).")
+        f"make_private: {problem} in {_frameworks(keras3)[1]} (fasttape.privacy "
+        "follows Keras 3.15 and tf_keras 2.21): write the training step "
+        "with fasttape.GradientTape.dp_gradient (docs/privacy.md).")
 
 
 def _private(obj, name, keras3):
@@ -183,7 +182,8 @@ def _private(obj, name, keras3):
     try:
         return getattr(obj, name)
     except AttributeError:
-        raise _unsupported_keras(f"{type(obj).__name__}.{name}", keras3) from None
+        raise _unsupported_keras(
+            f"Keras' {type(obj).__name__}.{name} is missing", keras3) from None
 
 
 def _internals(keras3):
@@ -197,7 +197,8 @@ def _internals(keras3):
         from tf_keras.src.utils import losses_utils  # pylint: disable=import-outside-toplevel
         return losses_utils
     except (ImportError, AttributeError) as e:
-        raise _unsupported_keras(f"loss helpers ({e})", keras3) from None
+        raise _unsupported_keras(f"Keras' loss helpers are missing ({e})",
+                                 keras3) from None
 
 
 def _bypassed_override(model, keras3):
@@ -502,7 +503,9 @@ def _wrap_losses(container, keras3):
         entries = _private(container, "_flat_losses", True)
         if not all(hasattr(e, "_replace") and hasattr(e, "loss")
                    and hasattr(e, "loss_weights") for e in entries):
-            raise _unsupported_keras("CompileLoss._flat_losses entries", True)
+            raise _unsupported_keras("Keras' CompileLoss._flat_losses entries "
+                                     "are not (path, loss, loss_weights, name)",
+                                     True)
         container._flat_losses = [  # pylint: disable=protected-access
             e._replace(loss=wrapped(e.loss, e.loss_weights)) for e in entries]
     else:
@@ -563,8 +566,8 @@ def _dp_train_step(model, data, dp, keras3):
                 "of which Keras trains on the first alone: give one loss.")
         if len(sink) > wrapped or keras3 and len(sink) != wrapped:
             raise _unsupported_keras(
-                f"compiled loss ({len(sink)} losses computed, of {wrapped})",
-                keras3)
+                f"Keras' compiled loss computed {len(sink)} losses for "
+                f"{wrapped} compiled ones", keras3)
         losses = tf.add_n([tf.cast(v, loss.dtype) for v in sink])
     if seed is not None:
         step = model.optimizer.iterations

@@ -327,7 +327,7 @@ def test_keras_internals_missing_raise_naming_the_version(monkeypatch):
     model = _dense()
     model.compile("sgd", "mse", run_eagerly=True)
     privacy.make_private(model, l2_norm_clip=1.0, noise_multiplier=0.0)
-    with pytest.raises(RuntimeError, match=rf"_flat_losses.*Keras {keras.__version__}"):
+    with pytest.raises(RuntimeError, match=rf"_flat_losses is missing in Keras {keras.__version__}"):
         model.fit(np.ones((4, 4), "float32"), np.ones((4, 2), "float32"), verbose=0)
 
 
@@ -345,7 +345,7 @@ def test_a_keras_that_computes_a_loss_twice_is_refused(monkeypatch):
     model = _dense()
     model.compile("sgd", "mse", run_eagerly=True)
     privacy.make_private(model, l2_norm_clip=1.0, noise_multiplier=0.0)
-    with pytest.raises(RuntimeError, match=r"2 losses computed, of 1"):
+    with pytest.raises(RuntimeError, match=r"computed 2 losses for 1 compiled ones in Keras 3"):
         model.fit(np.ones((4, 4), "float32"), np.ones((4, 2), "float32"), verbose=0)
 
 
