@@ -245,13 +245,19 @@ def make_private(model: Any, *, l2_norm_clip: float, noise_multiplier: float,
       TypeError: for a model that is neither a Keras 3 ``keras.Model`` nor
         a ``tf_keras.Model``, or one that overrides ``train_step``,
         ``compute_loss`` or ``make_train_function`` (the DP step would not
-        run them).
+        run them); at the first step, for a ``Loss`` subclass that
+        overrides ``__call__``.
       ValueError: for an ``l2_norm_clip`` that is not positive, a negative
         ``noise_multiplier`` or a ``num_microbatches`` below 1; at the
         first step, for a batch ``num_microbatches`` does not divide, a
-        model compiled without a loss, or a loss with no value per example.
+        model compiled without a loss, a loss with no value per example,
+        ``"mean_with_sample_weight"`` with sample weights, or several
+        losses on one output.
       NotImplementedError: at the first step, with a
         ``LossScaleOptimizer`` (mixed_float16's loss scaling).
+      RuntimeError: at the first step, where the Keras installed lacks or
+        changed the private parts make_private reads (naming them and the
+        version).
     """
     if _tf_keras_model(model):
         keras3 = False
