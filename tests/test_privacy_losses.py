@@ -17,12 +17,16 @@ import tensorflow as tf  # noqa: E402
 from fasttape import privacy  # noqa: E402
 
 CLIP = 0.2
+# Clipping norms between the examples' gradient norms (some clipped, some
+# not: a loss off by a factor for every example changes the step)
+OUTPUTS_CLIP = 6.0
+TOKENS_CLIP = 0.6
 BATCH = 6
 STEPS = 2
 LOSS_WEIGHTS = {"cls": 0.3, "reg": 2.0}
 
 
-def _reference(model, optimizer, x, y, loss_of):
+def _reference(model, optimizer, x, y, loss_of, clip):
     """The hand-written DP-SGD steps: loss_of(model, rows) is the loss of
     the example in `rows` (a slice of one)."""
     for s in range(STEPS):
@@ -35,7 +39,7 @@ def _reference(model, optimizer, x, y, loss_of):
             grads, _ = tf.clip_by_global_norm(
                 [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
                  for g, v in zip(tape.gradient(loss, model.trainable_variables),
-                                 model.trainable_variables)], CLIP)
+                                 model.trainable_variables)], clip)
             total = [t + g for t, g in zip(total, grads)]
         optimizer.apply_gradients(zip([t / BATCH for t in total],
                                       model.trainable_variables))
@@ -49,8 +53,8 @@ def _assert_same(model, want):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
 
 
-def _fit(model, x, y, sample_weight=None):
-    privacy.make_private(model, l2_norm_clip=CLIP, noise_multiplier=0.0)
+def _fit(model, x, y, sample_weight=None, clip=CLIP):
+    privacy.make_private(model, l2_norm_clip=clip, noise_multiplier=0.0)
     return model.fit(x, y, sample_weight=sample_weight, batch_size=BATCH,
                      shuffle=False, verbose=0).history
 
@@ -115,11 +119,11 @@ def test_several_outputs(structure, losses, run_eagerly):
         loss = [fns["cls"], fns["reg"]]
         weights = [LOSS_WEIGHTS["cls"], LOSS_WEIGHTS["reg"]]
         y = [y_cls, y_reg]
-    model.compile(keras.optimizers.SGD(0.5), loss, loss_weights=weights,
+    model.compile(keras.optimizers.SGD(0.05), loss, loss_weights=weights,
                   run_eagerly=run_eagerly)
-    history = _fit(model, x, y)
-    want = _reference(_two_outputs(keras, as_dict), keras.optimizers.SGD(0.5),
-                      x, y, _two_output_loss(keras, losses))
+    history = _fit(model, x, y, clip=OUTPUTS_CLIP)
+    want = _reference(_two_outputs(keras, as_dict), keras.optimizers.SGD(0.05),
+                      x, y, _two_output_loss(keras, losses), OUTPUTS_CLIP)
     _assert_same(model, want)
     if len(losses) > 1:
         assert {"loss", "cls_loss", "reg_loss"} <= set(history)
@@ -143,11 +147,11 @@ def test_tf_keras_several_outputs(structure, losses, run_eagerly):
         weights = [LOSS_WEIGHTS["cls"], LOSS_WEIGHTS["reg"]]
         y = [y_cls, y_reg]
     model = _two_outputs(tf_keras, as_dict)
-    model.compile(tf_keras.optimizers.SGD(0.5), loss, loss_weights=weights,
+    model.compile(tf_keras.optimizers.SGD(0.05), loss, loss_weights=weights,
                   run_eagerly=run_eagerly)
-    history = _fit(model, x, y)
-    want = _reference(_two_outputs(tf_keras, as_dict), tf_keras.optimizers.SGD(0.5),
-                      x, y, _two_output_loss(tf_keras, losses))
+    history = _fit(model, x, y, clip=OUTPUTS_CLIP)
+    want = _reference(_two_outputs(tf_keras, as_dict), tf_keras.optimizers.SGD(0.05),
+                      x, y, _two_output_loss(tf_keras, losses), OUTPUTS_CLIP)
     _assert_same(model, want)
     if len(losses) > 1:
         assert {"loss", "cls_loss", "reg_loss"} <= set(history)
@@ -176,53 +180,63 @@ def _tagger(k):
     return k.Model(inputs, k.layers.Dense(3)(h))
 
 
-@pytest.mark.parametrize("framework, weighted, run_eagerly", [
-    ("keras", False, True), ("keras", False, False), ("keras", True, True),
-    ("tf_keras", False, True), ("tf_keras", True, True)])
-def test_masked_and_time_weighted_losses(framework, weighted, run_eagerly):
+@pytest.mark.parametrize("framework, mode, run_eagerly", [
+    ("keras", "mask", True), ("keras", "mask", False), ("keras", "weights", True),
+    ("keras", "ignore_class", True),
+    ("tf_keras", "mask", True), ("tf_keras", "weights", True)])
+def test_masked_and_time_weighted_losses(framework, mode, run_eagerly):
     """A masked example's loss is the mean over its own valid positions
     (Keras' loss averages over the batch's valid positions, which would tie
-    each example's loss to the others'); with sample weights [B, T] (zeros
+    each example's loss to the others'): a mask from Embedding(mask_zero),
+    or from the loss's ignore_class. With sample weights [B, T] (zeros
     along time) and no mask, the weighted mean over its T positions, as
     Keras' loss per position."""
     import tf_keras
     k = keras if framework == "keras" else tf_keras
     x, y = _tokens()
-    weights = None
-    if weighted:
+    valid = x != 0
+    weights = ignore_class = None
+    if mode != "mask":
+        x = np.maximum(x, 1)    # no mask from the embedding
+    if mode == "weights":
         weights = np.where(np.arange(5) < 3, 1.5, 0.0) * np.ones((len(x), 1))
         weights = weights.astype("float32")
-        x = np.maximum(x, 1)    # no mask: the weights alone
+    elif mode == "ignore_class":
+        ignore_class = -1
+        y = np.where(valid, y, ignore_class)
     model = _tagger(k)
-    model.compile(k.optimizers.SGD(1.0),
-                  k.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  run_eagerly=run_eagerly)
-    history = _fit(model, x, y, weights)
+
+    def compiled(model):
+        kwargs = {} if ignore_class is None else {"ignore_class": ignore_class}
+        model.compile(k.optimizers.SGD(1.0), k.losses.SparseCategoricalCrossentropy(
+            from_logits=True, **kwargs), run_eagerly=run_eagerly)
+        return model
+
+    history = _fit(compiled(model), x, y, weights, TOKENS_CLIP)
 
     def loss_of(model, rows):
         values = k.losses.sparse_categorical_crossentropy(
-            y[rows], model(x[rows], training=True), from_logits=True)[0]
-        if weighted:
+            np.maximum(y[rows], 0), model(x[rows], training=True),
+            from_logits=True)[0]
+        if mode == "weights":
             return tf.reduce_sum(values * weights[rows][0]) / 5
-        mask = tf.cast(x[rows][0] != 0, values.dtype)
+        mask = tf.cast(valid[rows][0], values.dtype)
         return tf.math.divide_no_nan(tf.reduce_sum(values * mask),
                                      tf.reduce_sum(mask))
 
-    want = _reference(_tagger(k), k.optimizers.SGD(1.0), x, y, loss_of)
+    want = _reference(_tagger(k), k.optimizers.SGD(1.0), x, y, loss_of,
+                      TOKENS_CLIP)
     _assert_same(model, want)
-    if not weighted:
+    if mode == "mask":
         # the loss reported is Keras' own: over the batch's valid positions
         # (here not the mean of the examples' losses)
         first = _tagger(k)
         values = k.losses.sparse_categorical_crossentropy(
             y[:BATCH], first(x[:BATCH]), from_logits=True).numpy()
-        valid = x[:BATCH] != 0
-        keras_loss = values[valid].sum() / valid.sum()
+        keras_loss = values[valid[:BATCH]].sum() / valid[:BATCH].sum()
         assert keras_loss != pytest.approx(np.mean(
             [float(loss_of(first, slice(i, i + 1))) for i in range(BATCH)]), rel=1e-2)
-        first.compile(k.optimizers.SGD(1.0), k.losses.SparseCategoricalCrossentropy(
-            from_logits=True), run_eagerly=run_eagerly)
-        reported = _fit(first, x[:BATCH], y[:BATCH])["loss"][0]
+        reported = _fit(compiled(first), x[:BATCH], y[:BATCH])["loss"][0]
         assert reported == pytest.approx(keras_loss, rel=1e-5)
 
 
