@@ -95,8 +95,8 @@ def _reference(make, optimizer, sample_weight=None, microbatches=None,
             part = slice(j * size, (j + 1) * size)
             with tf.GradientTape() as tape:
                 values = loss_fn(yb[part], model(xb[part], training=True))
-                if wb is not None:   # (Keras' own loss takes no [B] weights
-                    values *= tf.reshape(wb[part], [-1] + [1] * (  # on [B, T])
+                if wb is not None:   # a weight per example, over its positions
+                    values *= tf.reshape(wb[part], [-1] + [1] * (
                         len(values.shape) - 1))
                 if len(values.shape) > 1:
                     values = tf.reduce_mean(values, axis=1)
@@ -157,7 +157,9 @@ def test_fit_equals_the_reference_dp_step(make):
 
 
 def test_sample_weight_and_a_time_axis():
-    weights = np.linspace(0.2, 2.0, BATCH * STEPS).astype("float32")
+    # [B, 1]: Keras' loss multiplies [B, T] values by it ([B] would not
+    # broadcast, in Keras' plain step either)
+    weights = np.linspace(0.2, 2.0, BATCH * STEPS).astype("float32")[:, None]
     model, history = _fit(_sequence, keras.optimizers.SGD(0.5),
                           sample_weight=weights)
     want, step_losses = _reference(_sequence, keras.optimizers.SGD(0.5),

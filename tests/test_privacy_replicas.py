@@ -126,6 +126,25 @@ CASES = textwrap.dedent('''
     import contextlib
     out["fit"] = max(float(np.max(np.abs(a - c))) for a, c in zip(
         fitted(strategy.scope()), fitted(contextlib.nullcontext())))
+
+    # tf_keras' fit, compiled, with a sample weight: the same on two replicas
+    import tf_keras
+
+    def tf_keras_fitted(scope):
+        with scope:
+            tf_keras.utils.set_random_seed(1)
+            model = tf_keras.Sequential([tf_keras.layers.Dense(3, input_shape=(5,))])
+            model.compile(tf_keras.optimizers.SGD(0.5), "mse")
+            privacy.make_private(model, l2_norm_clip=0.5, noise_multiplier=0.0)
+        history = model.fit(x, y, sample_weight=np.linspace(0.5, 2, 8),
+                            batch_size=4, shuffle=False, verbose=0).history
+        return [v.numpy() for v in model.trainable_variables], history["loss"][0]
+
+    (two, two_loss), (one, one_loss) = (tf_keras_fitted(strategy.scope()),
+                                        tf_keras_fitted(contextlib.nullcontext()))
+    out["tf_keras fit"] = {
+        "diff": max(float(np.max(np.abs(a - c))) for a, c in zip(two, one)),
+        "loss": [two_loss, one_loss]}
     print("RESULT" + json.dumps(out))
 ''')
 
@@ -168,6 +187,14 @@ def test_make_private_fit_on_two_replicas(results):
     """Keras' optimizer sums the replicas' gradients: make_private gives it
     each replica's share of the whole batch's gradient."""
     assert results["fit"] < 1e-6
+
+
+def test_tf_keras_make_private_fit_on_two_replicas(results):
+    """tf_keras' compiled fit: the weights and the reported loss as on one
+    device."""
+    case = results["tf_keras fit"]
+    assert case["diff"] < 1e-6
+    assert case["loss"][0] == pytest.approx(case["loss"][1], rel=1e-5)
 
 
 def test_unseeded_noise_is_the_same_on_every_replica(results):
