@@ -603,8 +603,8 @@ class _BiasAdd(_Elementwise):
 # squared. The ghost norm wins where T is small and d large; the segments
 # where T is large, d small, or the batch small (the product's fixed cost).
 _GHOST_FIXED_NS = 80_000
-_GHOST_PAIR_NS, _GHOST_MAC_NS = 2.0, 0.012
-_SEGMENT_ID_NS, _SEGMENT_VALUE_NS = 23.0, 0.77
+_GHOST_PAIR_NS, _GHOST_MAC_NS = 2.0, 0.006
+_SEGMENT_ID_NS, _SEGMENT_VALUE_NS = 23.0, 2.0
 
 
 def _ghost_cheaper(b, t, d):
