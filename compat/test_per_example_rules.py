@@ -482,6 +482,25 @@ def gather_method(monkeypatch, request):
     fasttape.clear_caches()
 
 
+def _check_gather(mode, dtype, ids_shape, row_shape, vocab):
+    """per_example_norms and dp_gradient (some examples clipped) of
+    _gather_case in ``mode`` against single-example tapes."""
+    from compat.test_per_example_traced import _expected_dp  # pylint: disable=import-outside-toplevel
+    xs, loss, variables = _gather_case(ids_shape, row_shape, vocab, dtype)
+    ref = _reference(loss, xs, variables)
+    clip, expected = _expected_dp(ref, B)
+
+    def step(*xs):
+        with fasttape.GradientTape(persistent=True) as tape:
+            losses = loss(*xs)
+        return (tape.per_example_norms(losses, variables),
+                tape.dp_gradient(losses, variables, clip))
+    norms, dp = _run(mode, step, *xs)
+    _close(norms, _ref_norms(ref), dtype)
+    for g, e in zip(dp, expected):
+        _close(g, e, dtype)
+
+
 @pytest.mark.parametrize("gather_method", ["ghost", "segments"], indirect=True)
 @pytest.mark.parametrize("case,dtype,mode", [
     pytest.param(c, d, m, id=f"{c}-{d.name}-{m}") for c in GATHERS
@@ -491,37 +510,11 @@ def test_gather_norm_methods_equal_the_loop(case, dtype, mode, gather_method):
     """Both ways to a Gather's per-example norms (the ghost norm, the rows
     summed per example and id) against single-example tapes, with repeated
     ids: per_example_norms and dp_gradient, eagerly, traced and jit."""
-    from compat.test_per_example_traced import _expected_dp  # pylint: disable=import-outside-toplevel
-    xs, loss, variables = _gather_case(*GATHERS[case], dtype)
-    ref = _reference(loss, xs, variables)
-    clip, expected = _expected_dp(ref, B)
-
-    def step(*xs):
-        with fasttape.GradientTape(persistent=True) as tape:
-            losses = loss(*xs)
-        return (tape.per_example_norms(losses, variables),
-                tape.dp_gradient(losses, variables, clip))
-    norms, dp = _run(mode, step, *xs)
+    _check_gather(mode, dtype, *GATHERS[case])
     assert gather_method, "the Gather rule chose no method"
-    _close(norms, _ref_norms(ref), dtype)
-    for g, e in zip(dp, expected):
-        _close(g, e, dtype)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_gather_of_one_id_per_example(mode):
     """ids [B]: each example's gradient is its one row (no sum)."""
-    from compat.test_per_example_traced import _expected_dp  # pylint: disable=import-outside-toplevel
-    xs, loss, variables = _gather_case((), (3,), 4, tf.float32)
-    ref = _reference(loss, xs, variables)
-    clip, expected = _expected_dp(ref, B)
-
-    def step(*xs):
-        with fasttape.GradientTape(persistent=True) as tape:
-            losses = loss(*xs)
-        return (tape.per_example_norms(losses, variables),
-                tape.dp_gradient(losses, variables, clip))
-    norms, dp = _run(mode, step, *xs)
-    _close(norms, _ref_norms(ref), tf.float32)
-    for g, e in zip(dp, expected):
-        _close(g, e, tf.float32)
+    _check_gather(mode, tf.float32, (), (3,), 4)
