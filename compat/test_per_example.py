@@ -786,12 +786,13 @@ def _dp_step(dtype=tf.float32, noise=1.0, case="mlp"):
     return step
 
 
-def test_dp_step_leaks_nothing():
+@pytest.mark.parametrize("case", ["mlp", "embedding_resource"])
+def test_dp_step_leaks_nothing(case):
     """The eager step (no traced post-pass: building one leaves a traced
     graph's reference cycles once)."""
     from compat.harness import assert_leaks_nothing, compiled_mode
     with compiled_mode("off"):
-        assert_leaks_nothing(_dp_step())
+        assert_leaks_nothing(_dp_step(case=case))
 
 
 def test_unseeded_noise_pool_passes_leak_checks(unseeded):
@@ -816,7 +817,8 @@ def test_unseeded_noise_pool_passes_leak_checks(unseeded):
 # it (a source takes per-example rows); the Einsum, depthwise and folded
 # rows rules (the last on a payload the analysis copies each step)
 @pytest.mark.parametrize("case", ["mlp", "fallback", "einsum_heads",
-                                  "depthwise_same", "folded_rows"])
+                                  "depthwise_same", "folded_rows",
+                                  "embedding_resource"])
 @pytest.mark.parametrize("mode", ["auto", "verify"])
 def test_traced_post_pass_passes_leak_checks(mode, case):
     """dp_gradient's traced post-pass (one cached function per structure):

@@ -443,3 +443,78 @@ def test_summary_names_the_rule_of_each_source():
     tape.per_example_norms(losses, [w])
     assert tape.summary().per_example_rules[1] == (
         (f"{w.name} (3, 3)", "per-example rows"),)
+
+
+def _gather_case(ids_shape, row_shape, vocab, dtype):
+    """A table gathered at ids of ``ids_shape`` per example, each example's
+    first id repeated as its last (where it has several)."""
+    rng = np.random.default_rng(19)
+    ids = rng.integers(0, vocab, (B,) + ids_shape)
+    flat = ids.reshape(B, -1)
+    flat[:, -1] = flat[:, 0]
+    table = tf.Variable(rng.normal(size=(vocab,) + row_shape), dtype=dtype)
+    width = int(np.prod(row_shape))
+    w = tf.Variable(rng.normal(size=(width, 2)), dtype=dtype)
+
+    def loss(ids):
+        e = tf.reshape(tf.gather(table, ids), [tf.shape(ids)[0], -1, width])
+        return tf.reduce_sum(tf.cos(tf.reduce_mean(e, 1) @ w), axis=-1)
+    return [tf.constant(flat.reshape(ids.shape))], loss, [table, w]
+
+
+GATHERS = {"ids [B, 5], vocab 4": ((5,), (3,), 4),
+           "ids [B, 2, 3], rows [2, 2]": ((2, 3), (2, 2), 7)}
+
+
+@pytest.fixture
+def gather_method(monkeypatch, request):
+    """The Gather rule's norm forced to one method (the cost model's
+    choice counted); compiled passes built under it are dropped after."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    chosen = []
+
+    def forced(b, t, d):
+        chosen.append((b, t, d))
+        return request.param == "ghost"
+    monkeypatch.setattr(_norm_rules, "_ghost_cheaper", forced)
+    fasttape.clear_caches()
+    yield chosen
+    fasttape.clear_caches()
+
+
+def _check_gather(mode, dtype, ids_shape, row_shape, vocab):
+    """per_example_norms and dp_gradient (some examples clipped) of
+    _gather_case in ``mode`` against single-example tapes."""
+    from compat.test_per_example_traced import _expected_dp  # pylint: disable=import-outside-toplevel
+    xs, loss, variables = _gather_case(ids_shape, row_shape, vocab, dtype)
+    ref = _reference(loss, xs, variables)
+    clip, expected = _expected_dp(ref, B)
+
+    def step(*xs):
+        with fasttape.GradientTape(persistent=True) as tape:
+            losses = loss(*xs)
+        return (tape.per_example_norms(losses, variables),
+                tape.dp_gradient(losses, variables, clip))
+    norms, dp = _run(mode, step, *xs)
+    _close(norms, _ref_norms(ref), dtype)
+    for g, e in zip(dp, expected):
+        _close(g, e, dtype)
+
+
+@pytest.mark.parametrize("gather_method", ["ghost", "segments"], indirect=True)
+@pytest.mark.parametrize("case,dtype,mode", [
+    pytest.param(c, d, m, id=f"{c}-{d.name}-{m}") for c in GATHERS
+    for d, m in ((tf.float32, "eager"), (tf.float64, "eager"),
+                 (tf.float32, "function"), (tf.float32, "jit"))])
+def test_gather_norm_methods_equal_the_loop(case, dtype, mode, gather_method):
+    """Both ways to a Gather's per-example norms (the ghost norm, the rows
+    summed per example and id) against single-example tapes, with repeated
+    ids: per_example_norms and dp_gradient, eagerly, traced and jit."""
+    _check_gather(mode, dtype, *GATHERS[case])
+    assert gather_method, "the Gather rule chose no method"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gather_of_one_id_per_example(mode):
+    """ids [B]: each example's gradient is its one row (no sum)."""
+    _check_gather(mode, tf.float32, (), (3,), 4)

@@ -30,6 +30,7 @@ from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import array_ops_stack
+from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gen_nn_ops
 from tensorflow.python.ops import linalg_ops_impl
 from tensorflow.python.ops import math_ops
@@ -38,6 +39,7 @@ from tensorflow.python.ops import special_math_ops
 from tensorflow.python.eager import context
 from tensorflow.python.framework import constant_op
 from tensorflow.python.framework import op_def_registry
+from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor_util
 
 from fasttape.gradients import _fast_grads
@@ -593,9 +595,33 @@ class _BiasAdd(_Elementwise):
 
 # -- embeddings: Gather on a table --------------------------------------------
 
-# Up to this many ids per example, the Gather rule's norms take the ghost
-# norm (T x T per example) rather than sorting and scattering every id.
-_GHOST_GATHER_MAX = 128
+# The Gather rule's two ways to example i's squared norm, and what each
+# costs per example with T ids of d values (CPU time of traced steps on
+# embedding models, vocabularies 50..50000, T 4..128, d 16..256): the ghost
+# norm, sum over t, t' of example i's positions with equal ids of
+# <g_it, g_it'> ([B, T, T]: a batched product, T^2 d, and an equality mask,
+# T^2, plus the product's fixed cost), or the segments: the rows summed per
+# (example, id) (a hash of each id, then a scatter of its d values) and
+# squared. The ghost norm wins where T is small and d large; the segments
+# where T is large, d small, or the batch small (the product's fixed cost).
+_GHOST_FIXED_NS = 80_000
+_GHOST_PAIR_NS, _GHOST_MAC_NS = 2.0, 0.006
+_SEGMENT_ID_NS, _SEGMENT_VALUE_NS = 23.0, 2.0
+
+
+# Under jit_compile XLA fuses the ghost norm's ops and runs Unique as a
+# sort: the ghost norm up to this many ids an example (the bench's text step
+# under jit_compile, without noise: 1.10x the plain step by the ghost norm,
+# 1.45x by the segments).
+_GHOST_XLA_MAX = 128
+
+
+def _ghost_cheaper(b, t, d):
+    if not context.executing_eagerly() and \
+            control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
+        return t <= _GHOST_XLA_MAX
+    ghost = _GHOST_FIXED_NS + b * t * t * (_GHOST_PAIR_NS + _GHOST_MAC_NS * d)
+    return ghost < b * t * (_SEGMENT_ID_NS + _SEGMENT_VALUE_NS * d)
 
 
 @norm_rule("GatherV2", "ResourceGather")
@@ -630,14 +656,21 @@ class _Gather:
     def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
         ids = payload.inputs[1]
         b, n = ids.shape[0], ids.shape.num_elements()
-        # (n None: a length unknown while tracing; the sort below)
-        t = n // b if b and n is not None else 0
-        if 0 < t <= _GHOST_GATHER_MAX and None not in g.shape:
-            # the ghost norm: sum over t, t' of example i's positions with
-            # equal ids of <g_it, g_it'> ([B, T, T], no sort, no scatter)
+        if not b or not n or None in g.shape:
+            # (a batch or length unknown while tracing: keys built at run time)
+            keys, values, b, rows = self._segments(payload, g, src_shape)
+            unique, segment = array_ops.unique(keys)
+            summed = math_ops.unsorted_segment_sum(
+                values, segment, array_ops.shape(unique)[0])
+            return math_ops.unsorted_segment_sum(
+                sq_rows(summed), unique // rows, b)
+        t = n // b
+        d = g.shape.num_elements() // n
+        if t == 1:      # (one id an example: nothing to sum)
+            return sq_rows(g, memo)
+        if _ghost_cheaper(b, t, d):
             ids = _ex("Reshape", ids, _const((b, t), dtypes.int32))
-            g = _ex("Reshape", g, _const((b, t, g.shape.num_elements() // (b * t)),
-                                         dtypes.int32))
+            g = _ex("Reshape", g, _const((b, t, d), dtypes.int32))
             same = _ex("Cast", _ex("Equal",
                                    _ex("ExpandDims", ids, _const(2, dtypes.int32)),
                                    _ex("ExpandDims", ids, _const(1, dtypes.int32)),
@@ -646,12 +679,24 @@ class _Gather:
             gg = _ex("BatchMatMulV2", g, g, "adj_x", False, "adj_y", True)
             return _ex("Sum", _ex("Mul", gg, same), _const((1, 2), dtypes.int32),
                        "keep_dims", False)
-        keys, values, b, rows = self._segments(payload, g, src_shape)
-        unique, segment = array_ops.unique(keys)
+        # The segments: keys b * V + id (int32 where they fit), each
+        # example's rows summed per key, squared, summed per example (a
+        # key's example is key // V).
+        rows = int(src_shape[0])
+        kind = dtypes.int32 if b * rows < 2 ** 31 else dtypes.int64
+        keys = _ex("Reshape", ids, _const((n,), dtypes.int32))
+        if keys.dtype != kind:
+            keys = _ex("Cast", keys, "DstT", kind.as_datatype_enum, "Truncate", False)
+        keys = _ex("AddV2", keys, _cached(
+            ("gather_keys", b, t, rows, kind),
+            lambda: constant_op.constant(
+                np.repeat(np.arange(b, dtype=np.int64) * rows, t), dtype=kind)))
+        unique, segment = array_ops.unique(keys, out_idx=dtypes.int32)
         summed = math_ops.unsorted_segment_sum(
-            values, segment, array_ops.shape(unique)[0])
+            _ex("Reshape", g, _const((n, d), dtypes.int32)), segment,
+            array_ops.shape(unique)[0])
         return math_ops.unsorted_segment_sum(
-            sq_rows(summed), unique // rows, b)
+            sq_rows(summed), _ex("FloorDiv", unique, _const(rows, kind)), b)
 
     def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
         ids = array_ops.reshape(payload.inputs[1], [-1])
