@@ -267,7 +267,17 @@ _AXIS0_MOVERS = frozenset({
     "Transpose", "ConjugateTranspose", "Einsum", "Reshape", "GatherV2",
     "Gather", "ConcatV2", "Concat", "Pack", "Unpack", "Split", "SplitV",
     "Tile", "ReverseV2", "Roll", "Slice", "StridedSlice", "BatchToSpaceND",
-    "SpaceToBatchND", "MatrixTranspose", "ScatterNd", "TensorScatterUpdate"})
+    "SpaceToBatchND", "MatrixTranspose", "ScatterNd", "TensorScatterUpdate",
+    # functional control flow and the TensorLists a traced loop reads and
+    # writes (a Keras 3 RNN: its steps inside one While, time-major): what
+    # they do to the rows is not seen here
+    "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
+    "TensorListFromTensor", "TensorListStack", "TensorListGetItem",
+    "TensorListSetItem", "TensorListGather", "TensorListScatter",
+    "TensorListScatterV2", "TensorListScatterIntoExistingList",
+    "TensorListConcat", "TensorListConcatV2", "TensorListSplit",
+    "TensorListPopBack", "TensorListPushBack", "TensorListPushBackBatch",
+    "TensorListConcatLists"})
 
 
 def _leading(shape):
@@ -502,6 +512,7 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
             consumers.setdefault(tid, []).append(entry)
     groups = _row_groups(entries, shapes, consumers, batch)
     followed, axes = _track_batch_axis(entries, shapes, batch, alias, consumers)
+    movers = []
     for entry in entries:
         ins = entry.input_ids
         if ins and ins[0] in alias and (
@@ -524,22 +535,24 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
         _check_mixing(what, entry, shapes, batch, groups.separable)
         if (use_rules and id(entry) not in groups.accepted
                 and id(entry) not in followed and not _keeps_axis0(entry, shapes, batch, alias)):
-            use_rules = False
+            movers.append(entry)
             logs.append(f"fasttape {what}: a {entry.op_type} op may move rows "
-                        "across the batch axis: every source takes per-example "
-                        "rows")
+                        "across the batch axis: the sources read before it "
+                        "take per-example rows")
             logging.debug(logs[-1])
         for o, meta in zip(entry.output_ids, entry.output_meta):
             shape = _meta_shape(meta)
             if shape is not None:
                 shapes[o] = shape
+    before = _before(movers, entries)
     result = _Analysis()
     for k, used in uses.items():
         if not used:
             continue    # not connected: None, as gradient()
         src_shape = tuple(flat_raw[k].shape.as_list())
         rule = None
-        if use_rules and len(used) == 1 and None not in src_shape:
+        ruled = use_rules and not any(id(e) in before for e, _ in used)
+        if ruled and len(used) == 1 and None not in src_shape:
             entry, pos = used[0]
             rule = _norm_rules.candidate(entry.op_type, entry.payload)
             if rule is not None and (axes is not None and any(
@@ -566,11 +579,37 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
             result.out_shapes[k] = shapes.get(entry.output_ids[0])
         else:
             result.fallback[k] = sorted({e.op_type for e, _ in used})
-            if use_rules and None not in src_shape:
+            if ruled and None not in src_shape:
                 uses = _uses(used, axes, batch, shapes, consumers)
                 if uses and (len(used) > 1 or uses[0][0] == "chain"):
                     result.uses[k] = uses
     return result
+
+
+def _before(movers, entries):
+    """Ids of the entries from which one of ``movers`` (ops that may move
+    rows across the batch axis) is reached, the movers with them. A rule
+    reads row j of its op's output gradient as example j's: that holds
+    while every op after it keeps the rows (row j reaches loss j only),
+    whatever the ops before it did to its saved inputs (its per-example
+    gradient is row j's term, what row j holds). So a mover sends the
+    sources read before it to rows, not the ones read after it (a Dense
+    head after a traced RNN's loop and its time-major outputs)."""
+    if not movers:
+        return frozenset()
+    producer = {}
+    for entry in entries:
+        for o in entry.output_ids:
+            producer[o] = entry
+    seen = {id(e) for e in movers}
+    stack = list(movers)
+    while stack:
+        for tid in stack.pop().input_ids:
+            entry = producer.get(tid)
+            if entry is not None and id(entry) not in seen:
+                seen.add(id(entry))
+                stack.append(entry)
+    return seen
 
 
 def _fold_rows(entry, shapes, consumers, batch):
