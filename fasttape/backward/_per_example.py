@@ -1824,7 +1824,7 @@ def _row_groups(entries, shapes, consumers, batch):
 
 
 _TRACKED = frozenset({"Transpose", "Unpack", "Pack", "StridedSlice", "Split",
-                      "SplitV"})
+                      "SplitV", "Tile", "ReverseV2"})
 _ELEMENTWISE = (_SAME_SHAPE - {"Softmax", "LogSoftmax"}) | frozenset({
     "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "Maximum", "Minimum",
     "SquaredDifference", "Pow", "Select", "SelectV2", "ZerosLike",
@@ -2177,6 +2177,16 @@ def _moved_axis(entry, shapes, axis, batch):
     if op == "Transpose":
         perm = _config(payload, 1)
         return perm.index(axis) if perm and axis in perm else None
+    if op in ("Tile", "ReverseV2"):
+        # (a mask tiled over the features; a sequence reversed in time)
+        config = _config(payload, 1)
+        t = payload.inputs[0] if payload.inputs else None
+        rank = t.shape.rank if t is not None else None
+        if config is None or rank is None:
+            return None
+        if op == "Tile":
+            return axis if len(config) == rank and config[axis] == 1 else None
+        return None if axis in {int(a) % rank for a in nest.flatten(config)} else axis
     if op in ("Unpack", "Split", "SplitV", "Pack"):
         a = _config_axis(entry, shapes)
         if a is None or (a == axis and op != "Pack"):
