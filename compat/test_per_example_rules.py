@@ -548,6 +548,8 @@ def _loop_case(body_kind):
                 z = z + tf.reduce_sum(tf.square(w))
             elif body_kind == "weight_elementwise":
                 z = z * w[0]
+            elif body_kind == "read_twice":             # two reads of w
+                z = z + h @ w
             return t + 1, tf.tanh(z)
         _, h = tf.while_loop(lambda t, h: t < 4, body,
                              [tf.constant(0), tf.zeros([tf.shape(x)[0], 3])])
@@ -555,8 +557,8 @@ def _loop_case(body_kind):
     return x, loss, [w, v]
 
 
-@pytest.mark.parametrize("body_kind", ["matmul", "mixes_rows",
-                                       "squares_the_weight", "weight_elementwise"])
+@pytest.mark.parametrize("body_kind", ["matmul", "mixes_rows", "squares_the_weight",
+                                       "weight_elementwise", "read_twice"])
 def test_a_loop_the_rule_does_not_prove_takes_rows(body_kind):
     """Only a body the analysis proves (each example's rows its own, the
     variable read by batch-major MatMul, BiasAdd or Add) takes the loop's

@@ -2070,11 +2070,9 @@ def _body_axes(entries, body, start, batch):
                 if kind == "ReadVariableOp":
                     shape = tuple(op.outputs[0].shape.as_list()) if (
                         op.outputs[0].shape.rank is not None) else None
-                    if shape is None or None in shape:
-                        return None
-                    plan = plans.setdefault(i, (shape, op.outputs[0].dtype, {}))
-                    if plan[0] != shape:
-                        return None
+                    if shape is None or None in shape or i in plans:
+                        return None     # (one read a variable: its gradient's)
+                    plans[i] = (shape, op.outputs[0].dtype, {})
                 elif i not in plans:
                     return None
                 plans[i][2][id(op)] = "weight"
@@ -2130,6 +2128,8 @@ def _meets(op):
     """Whether a MatMul, BiasAdd or Add of the batch (input 0, axis 0) and
     a weight (input 1) is one _while_grads gives per-example terms of."""
     x, w = op.inputs[0], op.inputs[1]
+    if not (x.shape.is_fully_defined() and op.outputs[0].shape.is_fully_defined()):
+        return False
     if op.type == "MatMul":
         return x.shape.rank == 2 and w.shape.rank == 2 and not op.get_attr("transpose_a")
     if op.type == "BiasAdd":

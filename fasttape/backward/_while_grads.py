@@ -129,7 +129,7 @@ def per_example(while_op, grads, plans, batch):
         for op in meets:
             overrides[op] = _hand_over(op, handed, batch, stacked)
         for op in reads:
-            overrides[op] = _collect(i, slots.get(i), kinds, by_id, handed, batch)
+            overrides[op] = _collect(slots.get(i), kinds, by_id, handed, batch)
     saved = {op: op._gradient_function for op in overrides}  # pylint: disable=protected-access
     try:
         for op, fn in overrides.items():
@@ -186,13 +186,12 @@ def _hand_over(op, handed, batch, stacked):
     return grad
 
 
-def _collect(i, slots, kinds, by_id, handed, batch):
+def _collect(slots, kinds, by_id, handed, batch):
     """The variable read's gradient, which TF's loop carries for the
     resource (TF checks no resource gradient's shape): this iteration's
     columns in a list with only the counter's element set (adding lists
     takes each element from the one that holds it), or the per-example
     gradient."""
-    del i
 
     def grad(read, _):
         if slots is None:
@@ -202,7 +201,10 @@ def _collect(i, slots, kinds, by_id, handed, batch):
             return _back_to_variable(kinds, terms, by_id, batch)[read]
         graph = ops.get_default_graph()
         counter, total = graph.inputs[0], graph.inputs[2]
-        row = array_ops.concat([handed[op] for op, _ in slots], 1)
+        # (an op no gradient reached this iteration: zeros)
+        row = array_ops.concat([
+            handed[op] if op in handed else array_ops.zeros([batch, w], read.outputs[0].dtype)
+            for op, w in slots], 1)
         empty = list_ops.tensor_list_reserve(None, total, row.dtype)
         return list_ops.tensor_list_set_item(empty, counter, row)
     return grad
