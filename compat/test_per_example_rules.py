@@ -581,3 +581,32 @@ def test_a_loop_the_rule_does_not_prove_takes_rows(body_kind):
     expected = ("While: the rules of its body's MatMul, summed over its iterations"
                 if body_kind == "matmul" else "per-example rows")
     assert [how for _, how in rules[-1]] == [expected, "MatMul"]
+
+
+def test_keras_rnn_with_its_length_unknown_while_tracing():
+    """A sequence length unknown while tracing (an input_signature with
+    None): the loop rule still applies, exact at two lengths."""
+    import keras  # pylint: disable=import-outside-toplevel
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((None, 2)), keras.layers.GRU(3),
+                              keras.layers.Dense(2)])
+    variables = model.trainable_variables
+
+    def loss(x):
+        return tf.reduce_sum(tf.square(model(x)), axis=-1)
+    rules = []
+
+    @tf.function(input_signature=[tf.TensorSpec([B, None, 2], tf.float32)])
+    def step(x):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        out = tape.per_example_gradients(losses, variables)
+        rules.append(tape.summary().per_example_rules[1])
+        return out
+
+    for t in (5, 7):
+        x = tf.constant(np.random.default_rng(t).normal(size=(B, t, 2)), tf.float32)
+        for g, r in zip(step(x), _reference(loss, [x], variables)):
+            _close(g, r, tf.float32)
+    assert len(rules) == 1 and [how.split(":")[0] for _, how in rules[0]] == [
+        "While", "While", "While", "MatMul", "BiasAdd"]
