@@ -914,6 +914,40 @@ def test_rows_moved_across_the_batch_axis(build, dtype):
     assert not analysis.ruled and analysis.fallback
 
 
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_rows_moved_before_a_rule_keep_it(mode):
+    """Rows permuted (and a time-major transpose) before a dense layer:
+    loss i reads row i of its output, whatever that row holds, so the
+    layer keeps its rule (its per-example gradient is row i's term); a
+    weight read before the moves takes rows. Values: the gradient of
+    losses[i] on the full batch, for each i."""
+    rng = np.random.default_rng(18)
+    x = tf.constant(rng.normal(size=(B, B, 4)), tf.float32)
+    w0, w, bias = (_var(rng, s, tf.float32) for s in ((4, 4), (4, 3), (3,)))
+    perm = tf.constant([3, 0, 5, 1, 4, 2])
+
+    def loss(x):
+        h = tf.transpose(tf.tanh(x @ w0), [1, 0, 2])     # [T, B, 4], T == B
+        z = tf.gather(tf.reduce_sum(h, 1), perm) @ w + bias
+        return tf.reduce_sum(tf.sin(z), -1)
+    variables = [w0, w, bias]
+    ref = _full_batch_reference(loss, [x], variables)
+
+    def step(x):
+        with fasttape.GradientTape(persistent=True) as tape:
+            losses = loss(x)
+        out = (tape.per_example_gradients(losses, variables),
+               tape.per_example_norms(losses, variables))
+        rules.append(tape.summary().per_example_rules[1])
+        return out
+    rules = []
+    got, norms = step(x) if mode == "eager" else tf.function(step)(x)
+    for g, r in zip(got, ref):
+        _close(g, r, tf.float32)
+    _close(norms, _ref_norms(ref), tf.float32)
+    assert [how for _, how in rules[-1]] == ["per-example rows", "MatMul", "AddV2"]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 def test_time_major_rows_folded_into_one_matmul(dtype):
     """x [B, T, d] run time-major and folded ([T*B, d] @ W, T = 2B, so every

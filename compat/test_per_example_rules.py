@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import fasttape
 from compat.test_per_example import B, DTYPES, _close, _ref_norms, _reference
+from compat.test_per_example import _full_batch_reference
 
 
 def _keras_model(kind, name):
@@ -160,8 +161,9 @@ CASES = {
 # Sources that still take rows (none).
 ROWS = {}
 # Keras 3's RNNs in a tf.function are one While op (its steps inside it,
-# unseen by the tape): every source takes rows there (pfor over one backward
-# pass; under jit_compile a while loop of them, which XLA compiles).
+# unseen by the tape): the variables its body reads take the loop's rule
+# (the body's MatMul, BiasAdd and Add rules, summed over its iterations),
+# where eagerly (the steps unrolled) they take the rules of each step's ops.
 RECURRENT = ("keras_lstm", "keras_simple_rnn", "keras_gru_sequences")
 MODES = {"eager": None, "function": {}, "jit": {"jit_compile": True}}
 PAIRS = [pytest.param(c, d, "eager", id=f"{c}-{d.name}")
@@ -171,8 +173,6 @@ TRACED = [pytest.param(c, tf.float32, m, id=f"{c}-float32-{m}")
 
 
 def _expected_rows(case, mode, variables):
-    if mode != "eager" and case in RECURRENT:
-        return tuple(f"{v.name} {tuple(v.shape)}" for v in variables)
     return ROWS.get(case, ())
 
 
@@ -241,8 +241,20 @@ def _check_summary(summary, method, case, mode, variables, traced_keys):
     return [how for _, how in rules]    # (tf_keras names its layers anew)
 
 
-@pytest.mark.parametrize("case,dtype,mode", PAIRS + [
-    p for p in TRACED if p.values[0] not in RECURRENT])
+def _same_rules(case, traced, eager):
+    """The traced rules are the eager ones, but for a recurrent layer's
+    variables: the loop's rule where eagerly each step's."""
+    eager = [how for _, how in eager]
+    if case in RECURRENT:
+        loop = [k for k, how in enumerate(traced) if how.startswith("While: ")]
+        assert loop and all(eager[k].endswith("ops, summed") for k in loop), (
+            traced, eager)
+        traced = [how for k, how in enumerate(traced) if k not in loop]
+        eager = [how for k, how in enumerate(eager) if k not in loop]
+    assert traced == eager
+
+
+@pytest.mark.parametrize("case,dtype,mode", PAIRS + TRACED)
 def test_per_example_gradients_and_norms(case, dtype, mode):
     methods = [("per_example_gradients",), ("per_example_norms",)]
     got, summaries, traced, (xs, loss, variables) = _calls(case, dtype, mode, methods)
@@ -257,7 +269,7 @@ def test_per_example_gradients_and_norms(case, dtype, mode):
         # the same rules as eagerly, and the same values
         eager, eager_summaries, _, _ = _calls(case, dtype, "eager", methods)
         for m, in methods:
-            assert rules[m] == [how for _, how in eager_summaries[m].per_example_rules[1]]
+            _same_rules(case, rules[m], eager_summaries[m].per_example_rules[1])
             for g, e in zip(tf.nest.flatten(got[m]), tf.nest.flatten(eager[m])):
                 _close(g, e, dtype)
 
@@ -284,9 +296,7 @@ def test_dp_gradient(case, dtype, mode):
                                                   [("dp_gradient", clip)])
         for g, e in zip(got["dp_gradient"], eager["dp_gradient"]):
             _close(g, e, dtype)
-        if case not in RECURRENT:
-            assert rules == [how for _, how in
-                             eager_summaries["dp_gradient"].per_example_rules[1]]
+        _same_rules(case, rules, eager_summaries["dp_gradient"].per_example_rules[1])
         break           # (traced: one trace; a second would only retrace)
 
 
@@ -518,3 +528,160 @@ def test_gather_norm_methods_equal_the_loop(case, dtype, mode, gather_method):
 def test_gather_of_one_id_per_example(mode):
     """ids [B]: each example's gradient is its one row (no sum)."""
     _check_gather(mode, tf.float32, (), (3,), 4)
+
+
+# -- a traced loop's variables: the While rule -------------------------------
+# Keras 3 RNNs in tf.function (one While each): every variable its body
+# reads takes the loop's rule; values against B single-example tapes.
+
+def _rnn_model(kind, sequences, mask, stacked, dense_first, backwards):
+    import keras  # pylint: disable=import-outside-toplevel
+    L = keras.layers
+    keras.utils.set_random_seed(0)
+    rnn = {"lstm": L.LSTM, "gru": L.GRU, "simple_rnn": L.SimpleRNN}[kind]
+    layers = [L.Masking(0.0)] if mask else []
+    if dense_first:
+        layers.append(L.Dense(3, activation="tanh"))
+    if stacked:
+        layers.append(rnn(4, return_sequences=True, go_backwards=backwards))
+    layers.append(rnn(3, return_sequences=sequences, go_backwards=backwards))
+    if sequences:
+        layers.append(L.GlobalAveragePooling1D())
+    model = keras.Sequential([keras.Input((4, 2))] + layers + [L.Dense(2)])
+    x = np.random.default_rng(19).normal(size=(B, 4, 2))
+    if mask:                # two examples shorter than the others
+        x[1, 2:] = 0.0
+        x[3, 3:] = 0.0
+
+    def loss(x):
+        return tf.reduce_sum(tf.square(model(x)), axis=-1)
+    return [tf.constant(x, tf.float32)], loss, model.trainable_variables
+
+
+RNNS = {
+    "lstm_sequences": ("lstm", True, False, False, False, False),
+    "lstm_masked": ("lstm", False, True, False, False, False),
+    "gru_masked_stacked": ("gru", False, True, True, False, False),
+    "simple_rnn_dense_first_masked": ("simple_rnn", True, True, False, True, False),
+    "simple_rnn_stacked_backwards": ("simple_rnn", False, False, True, False, True),
+}
+
+
+@pytest.mark.parametrize("case,mode", [(c, "function") for c in sorted(RNNS)]
+                         + [("lstm_masked", "jit")])
+def test_keras_rnn_variables_take_the_loop_rule(case, mode):
+    xs, loss, variables = _rnn_model(*RNNS[case])
+    ref = _reference(loss, xs, variables)
+    norms = _ref_norms(ref)
+    clip = float(np.median(norms.numpy()))
+    scale = clip / tf.maximum(norms, clip)
+    expected = [tf.tensordot(scale, g, 1) / B for g in ref]
+    rules = []
+
+    def step(x):
+        out = []
+        for method, *args in [("per_example_gradients",), ("dp_gradient", clip)]:
+            with fasttape.GradientTape() as tape:
+                losses = loss(x)
+            out.append(getattr(tape, method)(losses, variables, *args))
+            rules.append(tape.summary().per_example_rules[1])
+        return out
+
+    per_example, dp = _run(mode, step, *xs)
+    for g, r in zip(per_example, ref):
+        _close(g, r, tf.float32)
+    for g, e in zip(dp, expected):
+        _close(g, e, tf.float32)
+    for summary in rules:
+        hows = [how for _, how in summary]
+        assert hows[-2:] == ["MatMul", "BiasAdd"]
+        loop = [how for how in hows[:-2] if how.startswith("While: ")]
+        assert len(loop) == (6 if "stacked" in case else 3), hows
+        assert hows[:-2] == (["MatMul", "BiasAdd"] if "dense_first" in case
+                             else []) + loop
+
+
+def _loop_case(body_kind):
+    """A hand-written tf.while_loop over time (a TensorArray of the
+    steps, as Keras' RNNs), whose body reads w: through a MatMul (the
+    rule), or in a way the rule does not cover (rows)."""
+    rng = np.random.default_rng(20)
+    x = tf.constant(rng.normal(size=(B, 4, 3)), tf.float32)
+    w = tf.Variable(rng.normal(size=(3, 3)) * 0.5, dtype=tf.float32)
+    v = tf.Variable(rng.normal(size=(3, 2)), dtype=tf.float32)
+
+    def loss(x):
+        steps = tf.TensorArray(tf.float32, size=4).unstack(tf.transpose(x, [1, 0, 2]))
+
+        def body(t, h):
+            z = steps.read(t) @ w + h
+            if body_kind == "mixes_rows":           # each row reads its neighbour's
+                z = z + 0.5 * tf.roll(h, 1, axis=0)
+            elif body_kind == "squares_the_weight":
+                z = z + tf.reduce_sum(tf.square(w))
+            elif body_kind == "weight_elementwise":
+                z = z * w[0]
+            elif body_kind == "read_twice":             # two reads of w
+                z = z + h @ w
+            return t + 1, tf.tanh(z)
+        _, h = tf.while_loop(lambda t, h: t < 4, body,
+                             [tf.constant(0), tf.zeros([tf.shape(x)[0], 3])])
+        return tf.reduce_sum(tf.square(h @ v), -1)
+    return x, loss, [w, v]
+
+
+@pytest.mark.parametrize("body_kind", ["matmul", "mixes_rows", "squares_the_weight",
+                                       "weight_elementwise", "read_twice"])
+def test_a_loop_the_rule_does_not_prove_takes_rows(body_kind):
+    """Only a body the analysis proves (each example's rows its own, the
+    variable read by batch-major MatMul, BiasAdd or Add) takes the loop's
+    rule: any other loop's variable takes the exact rows."""
+    x, loss, variables = _loop_case(body_kind)
+    if body_kind == "mixes_rows":
+        ref = _full_batch_reference(loss, [x], variables)
+    else:
+        ref = _reference(loss, [x], variables)
+    rules = []
+
+    @tf.function
+    def step(x):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        out = tape.per_example_gradients(losses, variables)
+        rules.append(tape.summary().per_example_rules[1])
+        return out
+
+    for g, r in zip(step(x), ref):
+        _close(g, r, tf.float32)
+    expected = ("While: the rules of its body's MatMul, summed over its iterations"
+                if body_kind == "matmul" else "per-example rows")
+    assert [how for _, how in rules[-1]] == [expected, "MatMul"]
+
+
+def test_keras_rnn_with_its_length_unknown_while_tracing():
+    """A sequence length unknown while tracing (an input_signature with
+    None): the loop rule still applies, exact at two lengths."""
+    import keras  # pylint: disable=import-outside-toplevel
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((None, 2)), keras.layers.GRU(3),
+                              keras.layers.Dense(2)])
+    variables = model.trainable_variables
+
+    def loss(x):
+        return tf.reduce_sum(tf.square(model(x)), axis=-1)
+    rules = []
+
+    @tf.function(input_signature=[tf.TensorSpec([B, None, 2], tf.float32)])
+    def step(x):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        out = tape.per_example_gradients(losses, variables)
+        rules.append(tape.summary().per_example_rules[1])
+        return out
+
+    for t in (5, 7):
+        x = tf.constant(np.random.default_rng(t).normal(size=(B, t, 2)), tf.float32)
+        for g, r in zip(step(x), _reference(loss, [x], variables)):
+            _close(g, r, tf.float32)
+    assert len(rules) == 1 and [how.split(":")[0] for _, how in rules[0]] == [
+        "While", "While", "While", "MatMul", "BiasAdd"]

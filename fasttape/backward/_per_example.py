@@ -59,6 +59,7 @@ from tensorflow.python.util import nest
 
 from fasttape.backward import _gradient
 from fasttape.backward import _jacobians
+from fasttape.backward import _while_grads
 from fasttape.diagnostics import _frames
 from fasttape.diagnostics import anomaly as _anomaly
 from fasttape.gradients import _compiled
@@ -267,7 +268,17 @@ _AXIS0_MOVERS = frozenset({
     "Transpose", "ConjugateTranspose", "Einsum", "Reshape", "GatherV2",
     "Gather", "ConcatV2", "Concat", "Pack", "Unpack", "Split", "SplitV",
     "Tile", "ReverseV2", "Roll", "Slice", "StridedSlice", "BatchToSpaceND",
-    "SpaceToBatchND", "MatrixTranspose", "ScatterNd", "TensorScatterUpdate"})
+    "SpaceToBatchND", "MatrixTranspose", "ScatterNd", "TensorScatterUpdate",
+    # functional control flow and the TensorLists a traced loop reads and
+    # writes (a Keras 3 RNN: its steps inside one While, time-major): what
+    # they do to the rows is not seen here
+    "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
+    "TensorListFromTensor", "TensorListStack", "TensorListGetItem",
+    "TensorListSetItem", "TensorListGather", "TensorListScatter",
+    "TensorListScatterV2", "TensorListScatterIntoExistingList",
+    "TensorListConcat", "TensorListConcatV2", "TensorListSplit",
+    "TensorListPopBack", "TensorListPushBack", "TensorListPushBackBatch",
+    "TensorListConcatLists"})
 
 
 def _leading(shape):
@@ -501,7 +512,9 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
         for tid in entry.input_ids:
             consumers.setdefault(tid, []).append(entry)
     groups = _row_groups(entries, shapes, consumers, batch)
-    followed, axes = _track_batch_axis(entries, shapes, batch, alias, consumers)
+    followed, axes, loops = _track_batch_axis(entries, shapes, batch, alias,
+                                              consumers)
+    movers = []
     for entry in entries:
         ins = entry.input_ids
         if ins and ins[0] in alias and (
@@ -524,22 +537,24 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
         _check_mixing(what, entry, shapes, batch, groups.separable)
         if (use_rules and id(entry) not in groups.accepted
                 and id(entry) not in followed and not _keeps_axis0(entry, shapes, batch, alias)):
-            use_rules = False
+            movers.append(entry)
             logs.append(f"fasttape {what}: a {entry.op_type} op may move rows "
-                        "across the batch axis: every source takes per-example "
-                        "rows")
+                        "across the batch axis: the sources read before it "
+                        "take per-example rows")
             logging.debug(logs[-1])
         for o, meta in zip(entry.output_ids, entry.output_meta):
             shape = _meta_shape(meta)
             if shape is not None:
                 shapes[o] = shape
+    before = _before(movers, entries)
     result = _Analysis()
     for k, used in uses.items():
         if not used:
             continue    # not connected: None, as gradient()
         src_shape = tuple(flat_raw[k].shape.as_list())
         rule = None
-        if use_rules and len(used) == 1 and None not in src_shape:
+        ruled = use_rules and not any(id(e) in before for e, _ in used)
+        if ruled and len(used) == 1 and None not in src_shape:
             entry, pos = used[0]
             rule = _norm_rules.candidate(entry.op_type, entry.payload)
             if rule is not None and (axes is not None and any(
@@ -566,11 +581,37 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
             result.out_shapes[k] = shapes.get(entry.output_ids[0])
         else:
             result.fallback[k] = sorted({e.op_type for e, _ in used})
-            if use_rules and None not in src_shape:
-                uses = _uses(used, axes, batch, shapes, consumers)
-                if uses and (len(used) > 1 or uses[0][0] == "chain"):
+            if ruled and None not in src_shape:
+                uses = _uses(used, axes, batch, shapes, consumers, loops=loops)
+                if uses and (len(used) > 1 or uses[0][0] != "rule"):
                     result.uses[k] = uses
     return result
+
+
+def _before(movers, entries):
+    """Ids of the entries from which one of ``movers`` (ops that may move
+    rows across the batch axis) is reached, the movers with them. A rule
+    reads row j of its op's output gradient as example j's: that holds
+    while every op after it keeps the rows (row j reaches loss j only),
+    whatever the ops before it did to its saved inputs (its per-example
+    gradient is row j's term, what row j holds). So a mover sends the
+    sources read before it to rows, not the ones read after it (a Dense
+    head after a traced RNN's loop and its time-major outputs)."""
+    if not movers:
+        return frozenset()
+    producer = {}
+    for entry in entries:
+        for o in entry.output_ids:
+            producer[o] = entry
+    seen = {id(e) for e in movers}
+    stack = list(movers)
+    while stack:
+        for tid in stack.pop().input_ids:
+            entry = producer.get(tid)
+            if entry is not None and id(entry) not in seen:
+                seen.add(id(entry))
+                stack.append(entry)
+    return seen
 
 
 def _fold_rows(entry, shapes, consumers, batch):
@@ -1783,7 +1824,7 @@ def _row_groups(entries, shapes, consumers, batch):
 
 
 _TRACKED = frozenset({"Transpose", "Unpack", "Pack", "StridedSlice", "Split",
-                      "SplitV"})
+                      "SplitV", "Tile", "ReverseV2"})
 _ELEMENTWISE = (_SAME_SHAPE - {"Softmax", "LogSoftmax"}) | frozenset({
     "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "Maximum", "Minimum",
     "SquaredDifference", "Pow", "Select", "SelectV2", "ZerosLike",
@@ -1802,7 +1843,8 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers):
     to lead with the batch, as _keeps_axis0 takes them."""
     axes = {}
     followed = set()
-    none = (set(), None)
+    loops = {}      # id of a While's entry -> its plans (_loop_proof)
+    none = (set(), None, {})
     if batch is None:       # unknown while tracing: every source takes rows
         return none
 
@@ -1816,6 +1858,8 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers):
             shape = tuple(t.shape.as_list())
         return 0 if shape and shape[0] == batch else -1
 
+    produced = {o for entry in entries for o in entry.output_ids}
+    lists = set()       # TensorLists: their axis is the batch's once stacked
     for entry in entries:
         payload = entry.payload
         inputs = getattr(payload, "inputs", None) or ()
@@ -1825,6 +1869,29 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers):
         data = ins[1] if op == "Split" and len(ins) > 1 else (ins[0] if ins else -1)
         if op == "Pack" and len(set(ins)) > 1:
             return none
+        if op in _LOOPS:
+            proof = _loop_proof(entry, [
+                None if tid not in produced and tid not in alias else a
+                for tid, a in zip(entry.input_ids, ins)], batch)
+            if proof is None:
+                return none
+            followed.add(id(entry))
+            loops[id(entry)] = proof[2]
+            for o, a, is_list in zip(entry.output_ids, *proof[:2]):
+                axes[o] = a
+                if is_list:
+                    lists.add(o)
+            continue
+        if op in _LIST_OPS:
+            out = _list_axis(op, ins, batch, entry)
+            if out is None:
+                return none
+            followed.add(id(entry))
+            for o in entry.output_ids:
+                axes[o] = out
+                if op != "TensorListStack" and op != "TensorListGetItem":
+                    lists.add(o)
+            continue
         if op in _TRACKED and data >= 0:
             out = _moved_axis(entry, shapes, data, batch)
             if out is None:
@@ -1848,9 +1915,231 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers):
             axes[o] = out
     for entry in entries:
         for o in entry.output_ids:
-            if o not in consumers and axes.get(o, 0) > 0:
+            if o not in consumers and o not in lists and axes.get(o, 0) > 0:
                 return none
-    return followed, axes
+    return followed, axes, loops
+
+
+_LOOPS = frozenset({"While", "StatelessWhile"})
+_LIST_OPS = frozenset({"TensorListFromTensor", "TensorListStack",
+                       "TensorListGetItem", "TensorListSetItem"})
+# a TensorList off the path: its elements taken to lead with the batch
+_OFF = object()
+
+
+def _list_axis(op, ins, batch, entry):
+    """The batch axis after a TensorList op (a list's: its axis once
+    stacked), given its inputs' (a list's alike; _OFF: a list off the
+    path); None where it may move rows (a tensor unstacked along its batch,
+    a list of another layout written)."""
+    if any(a is not _OFF and a is not None and a >= 0 for a in ins[1:2]) and (
+            op != "TensorListFromTensor"):
+        return None     # an index or element shape that holds the batch
+    first = ins[0] if ins else -1
+    if op == "TensorListFromTensor":
+        return None if first == 0 else first
+    if op == "TensorListStack":
+        return -1 if first is _OFF else first
+    if op == "TensorListGetItem":
+        if first is _OFF:
+            out = _meta_shape(entry.output_meta[0]) if entry.output_meta else None
+            return 0 if out and out[0] == batch else -1
+        return first - 1 if first > 0 else -1
+    # TensorListSetItem: the list takes its elements' layout
+    item = ins[2] if len(ins) > 2 else -1
+    if item is _OFF or item is None:
+        return None
+    if item < 0:
+        return -1 if first in (-1, _OFF) else None
+    return item + 1 if first in (-1, _OFF, item + 1) else None
+
+
+class _BodyEntry:
+    """A body op of a traced loop, as the analysis reads a recorded one."""
+
+    __slots__ = ("op_type", "input_ids", "output_ids", "output_meta",
+                 "payload", "op")
+
+    def __init__(self, op):
+        self.op = op
+        self.op_type = op.type
+        self.input_ids = [t._id for t in op.inputs]  # pylint: disable=protected-access
+        self.output_ids = [t._id for t in op.outputs]  # pylint: disable=protected-access
+        self.output_meta = tuple(
+            (tuple(t.shape.as_list()), t.dtype) if t.shape.rank is not None
+            else None for t in op.outputs)
+        attrs = []
+        for name in sorted(op.node_def.attr):
+            attrs += [name, op.get_attr(name)]
+        self.payload = EagerOp(tuple(attrs), tuple(op.inputs) + tuple(op.outputs),
+                               len(op.inputs))
+
+
+def _loop_op(payload):
+    """The tf.Operation of a recorded loop (_GraphEntry's payload)."""
+    outputs = getattr(payload, "outputs", None) or ()
+    return outputs[0].op if outputs and outputs[0] is not None else None
+
+
+def _loop_proof(entry, ins, batch):
+    """A traced While's layout, from its body: (the batch axis of each
+    output, whether it is a TensorList, {input i: (shape, dtype, {id(op):
+    "weight" or "meet"})} for each resource it reads: the body ops that
+    give its per-example gradient, see _while_grads); None where the body
+    may move rows across the batch axis, or reads a variable otherwise.
+    ``ins``: its inputs' axes (None: off the path, taken to lead with the
+    batch; a TensorList's elements too)."""
+    op = _loop_op(entry.payload)
+    body = getattr(op, "_body_graph", None)
+    if body is None or batch is None or len(body.inputs) < len(ins):
+        return None
+    n = len(entry.output_ids)
+    outs = body.outputs[:n]
+    # the ops the loop's outputs read (not the accumulators of a gradient
+    # built before)
+    need, stack = set(), [t.op for t in outs]
+    while stack:
+        o = stack.pop()
+        if id(o) not in need:
+            need.add(id(o))
+            stack.extend(t.op for t in o.inputs)
+            stack.extend(o.control_inputs)
+    entries = [_BodyEntry(o) for o in body.get_operations() if id(o) in need]
+    start = []
+    for a, t in zip(ins, body.inputs):
+        if a is None:
+            a = _OFF if t.dtype == dtypes.variant else (
+                0 if t.shape.rank and t.shape[0] == batch else -1)
+        start.append(a)
+    for _ in range(3):
+        got = _body_axes(entries, body, start, batch)
+        if got is None:
+            return None
+        axes, plans = got
+        out = [_known(axes.get(t._id, -1)) for t in outs]  # pylint: disable=protected-access
+        if out == [_known(b) for b in start]:
+            break
+        # a list the loop fills (from a TensorListReserve): its layout
+        for i, (a, b) in enumerate(zip(out, start)):
+            if a != _known(b):
+                if outs[i].dtype != dtypes.variant or _known(b) != -1 or a < 1:
+                    return None
+                start[i] = a
+    else:
+        return None
+    for i, t in enumerate(outs):
+        if t._id in plans.get("values", ()) and not (  # pylint: disable=protected-access
+                t is body.inputs[i]):
+            return None     # a variable's value out of the loop
+    plans.pop("values", None)
+    return out, [t.dtype == dtypes.variant for t in outs], plans
+
+
+def _known(axis):
+    return -1 if axis is _OFF else axis
+
+
+_BODY_ELEMENTWISE = _ELEMENTWISE | frozenset({"Identity", "Cast"})
+
+
+def _body_axes(entries, body, start, batch):
+    """({tensor id: batch axis}, plans) over a loop body's ops from its
+    inputs' axes ``start``; None where an op may move rows (see
+    _loop_proof)."""
+    axes, weight = {}, {}     # weight: tensor id -> the resource input's index
+    plans = {}
+    for i, (a, t) in enumerate(zip(start, body.inputs)):
+        axes[t._id] = a  # pylint: disable=protected-access
+        if t.dtype == dtypes.resource:
+            weight[t._id] = i  # pylint: disable=protected-access
+    values = set()
+    for entry in entries:
+        op, kind = entry.op, entry.op_type
+        if kind == "Placeholder":
+            continue        # an input: its axis is start's
+        ins = [axes.get(tid, -1) for tid in entry.input_ids]
+        owners = {weight[tid] for tid in entry.input_ids if tid in weight}
+        if owners:
+            if len(owners) > 1:
+                return None
+            i = owners.pop()
+            at = [p for p, tid in enumerate(entry.input_ids) if tid in weight]
+            others = [a for p, a in enumerate(ins) if p not in at]
+            if (kind in _while_grads.WEIGHT_OPS and at == [1 if kind == "Split" else 0]
+                    and not any(a is _OFF or a >= 0 for a in others)):
+                if kind == "ReadVariableOp":
+                    shape = tuple(op.outputs[0].shape.as_list()) if (
+                        op.outputs[0].shape.rank is not None) else None
+                    if shape is None or None in shape or i in plans:
+                        return None     # (one read a variable: its gradient's)
+                    plans[i] = (shape, op.outputs[0].dtype, {})
+                elif i not in plans:
+                    return None
+                plans[i][2][id(op)] = "weight"
+                for tid in entry.output_ids:
+                    weight[tid] = i
+                    values.add(tid)
+                    axes[tid] = -1
+                continue
+            if not (kind in _while_grads.MEETS and at == [1] and ins[0] == 0
+                    and i in plans and _meets(op)):
+                return None
+            plans[i][2][id(op)] = "meet"
+            axes[entry.output_ids[0]] = 0
+            continue
+        if any(a is _OFF for a in ins) and kind not in _LIST_OPS:
+            return None
+        batched = {a for a in ins if a is not _OFF and a >= 0}
+        if kind in _LIST_OPS:
+            out = _list_axis(kind, ins, batch, entry)
+        elif not batched:
+            out = -1
+        elif kind == "MatMul":
+            out = 0 if (ins == [0, -1] and not op.get_attr("transpose_a")) else None
+        elif kind == "BiasAdd":
+            out = 0 if ins == [0, -1] and _nhwc(op) else None
+        elif kind in _BODY_ELEMENTWISE:
+            rank = op.outputs[0].shape.rank
+            out = batched.pop() if len(batched) == 1 and all(
+                t.shape.rank == rank for t, a in zip(op.inputs, ins) if a >= 0) else None
+        elif kind in _TRACKED:
+            data = ins[1] if kind == "Split" else ins[0]
+            if kind == "Pack" and len(set(ins)) > 1:
+                return None
+            out = _moved_axis(entry, {}, data, batch) if data >= 0 else None
+        else:
+            out = None
+        if out is None:
+            return None
+        for tid in entry.output_ids:
+            axes[tid] = out
+    for i in [i for i in plans if not plans[i][2]]:
+        del plans[i]
+    plans["values"] = values
+    return axes, plans
+
+
+def _nhwc(op):
+    fmt = op.get_attr("data_format") if "data_format" in op.node_def.attr else b"NHWC"
+    return fmt in (b"NHWC", "NHWC")
+
+
+def _meets(op):
+    """Whether a MatMul, BiasAdd or Add of the batch (input 0, axis 0) and
+    a weight (input 1) is one _while_grads gives per-example terms of."""
+    x, w = op.inputs[0], op.inputs[1]
+    if not (x.shape.is_fully_defined() and op.outputs[0].shape.is_fully_defined()):
+        return False
+    if op.type == "MatMul":
+        return x.shape.rank == 2 and w.shape.rank == 2 and not op.get_attr("transpose_a")
+    if op.type == "BiasAdd":
+        return _nhwc(op)
+    out = op.outputs[0].shape
+    if (w.shape.rank is None or out.rank is None or x.shape.rank != out.rank
+            or w.shape.rank >= out.rank or not w.shape.is_fully_defined()):
+        return False
+    return (x.shape.as_list() == out.as_list()
+            and out.as_list()[out.rank - w.shape.rank:] == w.shape.as_list())
 
 
 def _config_axis(entry, shapes):
@@ -1888,6 +2177,16 @@ def _moved_axis(entry, shapes, axis, batch):
     if op == "Transpose":
         perm = _config(payload, 1)
         return perm.index(axis) if perm and axis in perm else None
+    if op in ("Tile", "ReverseV2"):
+        # (a mask tiled over the features; a sequence reversed in time)
+        config = _config(payload, 1)
+        t = payload.inputs[0] if payload.inputs else None
+        rank = t.shape.rank if t is not None else None
+        if config is None or rank is None:
+            return None
+        if op == "Tile":
+            return axis if len(config) == rank and config[axis] == 1 else None
+        return None if axis in {int(a) % rank for a in nest.flatten(config)} else axis
     if op in ("Unpack", "Split", "SplitV", "Pack"):
         a = _config_axis(entry, shapes)
         if a is None or (a == axis and op != "Pack"):
@@ -1921,15 +2220,19 @@ _CHAIN_RESHAPES = frozenset({"Squeeze", "Reshape", "ExpandDims", "Identity"})
 _MAX_USES = 1 << 14
 
 
-def _uses(used, axes, batch, shapes, consumers, depth=0, budget=None):
+def _uses(used, axes, batch, shapes, consumers, depth=0, budget=None,
+          loops=None):
     """For a source read by several ops that each have a rule (a recurrent
     layer's kernel, recurrent kernel and bias, read once a time step), or
     through a chain of elementwise ops on tensors of its own shape that
     hold no batch (Keras' BatchNormalization in inference: gamma times
     rsqrt(variance + eps), read by x * inv and mean * inv): the tree of
     its uses, each ("rule", payload, pos, rule, output id) or ("chain",
-    payload, pos, op type, in shape, its output's uses); None where a use
-    is neither, or its batch is not on axis 0, or its rows fold time."""
+    payload, pos, op type, in shape, its output's uses), or, for a
+    variable a traced loop reads (a Keras 3 RNN's While: ``loops``, see
+    _loop_proof), ("while", payload, pos, its plan, the loop's output
+    ids); None where a use is none of these, or its batch is not on axis
+    0, or its rows fold time."""
     budget = budget if budget is not None else [_MAX_USES]
     out = []
     for entry, pos in used:
@@ -1937,6 +2240,12 @@ def _uses(used, axes, batch, shapes, consumers, depth=0, budget=None):
         if budget[0] < 0 or depth > 8:
             return None
         o = entry.output_ids[0] if entry.output_ids else None
+        if entry.op_type in _LOOPS:
+            plan = (loops or {}).get(id(entry), {}).get(pos)
+            if plan is None or len(used) > 1:
+                return None
+            out.append(("while", entry.payload, pos, plan, tuple(entry.output_ids)))
+            continue
         if axes is not None and any(
                 axes.get(t, 0) > 0 for t in entry.input_ids + entry.output_ids[:1]):
             return None
@@ -2049,7 +2358,7 @@ def _uses_layout(node, at):
     out = []
     for item in node:
         j = at.get(id(item[1]))
-        if j is None:
+        if j is None or item[0] == "while":     # (a loop: traced, not kept)
             return None
         if item[0] == "rule":
             out.append(("rule", j, item[2], item[3]))
@@ -2188,9 +2497,14 @@ def _per_example_of_uses(tape_state, losses, uses, shapes):
     its ops), in one traced function in a training loop; a source one of
     whose rules declines is left out (rows)."""
     batch = int(losses.shape[0])
+    loops = {k: node[0] for k, node in uses.items() if node[0][0] == "while"}
+    got = _per_example_of_loops(tape_state, losses, loops, batch) if loops else {}
+    uses = {k: node for k, node in uses.items() if k not in loops}
+    if not uses:
+        return got
     out_ids = list(dict.fromkeys(o for node in uses.values() for o in _leaves(node)))
     if not out_ids:
-        return {}
+        return got
     grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
     feeds, index = [], {}
 
@@ -2209,7 +2523,7 @@ def _per_example_of_uses(tape_state, losses, uses, shapes):
         if spec is not None:
             specs.append((k, shapes[k], spec))
     if not specs:
-        return {}
+        return got
     specs = tuple(specs)
     try:
         hash(specs)
@@ -2220,7 +2534,30 @@ def _per_example_of_uses(tape_state, losses, uses, shapes):
             ("dp_uses", specs, batch),
             lambda *t: [_uses_value(spec, shape, t, batch) for _, shape, spec in specs],
             feeds)
-    return {k: v for (k, _, _), v in zip(specs, values)}
+    got.update({k: v for (k, _, _), v in zip(specs, values)})
+    return got
+
+
+def _per_example_of_loops(tape_state, losses, loops, batch):
+    """{k: [B] + source shape} for the variables traced loops read
+    (``loops``: k -> its ("while", payload, pos, plan, output ids)): one
+    backward pass of the losses to the loops' outputs, then each loop's
+    gradient with per-example accumulators (_while_grads), one per loop
+    for all its variables."""
+    out_ids = list(dict.fromkeys(o for item in loops.values() for o in item[4]))
+    grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
+    by_loop = {}
+    for k, item in loops.items():
+        by_loop.setdefault(id(item[1]), (item, {}))[1][k] = item
+    got = {}
+    for item, members in by_loop.values():
+        op = _loop_op(item[1])
+        plans = {m[2]: m[3] for m in members.values()}
+        values = _while_grads.per_example(
+            op, [grads.get(o) for o in item[4]], plans, batch)
+        for k, m in members.items():
+            got[k] = values[m[2]]
+    return got
 
 
 def _rules_of(flat_raw, analysis):
@@ -2231,6 +2568,10 @@ def _rules_of(flat_raw, analysis):
     for k in range(len(flat_raw)):
         if k in analysis.ruled:
             how = analysis.op_types[k]
+        elif k in analysis.uses and analysis.uses[k][0][0] == "while":
+            meets = sorted({kind for kind in _while_kinds(analysis.uses[k][0])})
+            how = (f"While: the rules of its body's {', '.join(meets)}, "
+                   "summed over its iterations")
         elif k in analysis.uses:
             how = (f"{', '.join(analysis.fallback[k])}: the rules of "
                    f"{len(list(_leaves(analysis.uses[k])))} ops, summed")
@@ -2240,6 +2581,14 @@ def _rules_of(flat_raw, analysis):
             continue
         out.append((_source_name(flat_raw[k]), how))
     return tuple(out)
+
+
+def _while_kinds(item):
+    """The op types of a loop's body meeting the variable (_uses' "while")."""
+    op = _loop_op(item[1])
+    by_id = {id(o): o.type for o in op._body_graph.get_operations()}  # pylint: disable=protected-access
+    return [by_id[key] for key, kind in item[3][2].items()
+            if kind == "meet" and key in by_id]
 
 
 def _carry_shape(entry, shapes):

@@ -1,0 +1,211 @@
+"""Per-example gradients of the loop invariants of a traced While (a Keras 3
+RNN's kernel, recurrent kernel and bias, captured by its one While op),
+from TF's own gradient of the loop (while_v2's _WhileGrad: a backward
+While over the body's gradient). Inside the body each op that meets the
+weight and the batch (``plan``: a MatMul, a BiasAdd, a broadcast Add of a
+bias) hands over what each example's term needs (a_t and g_t; g_t), in
+place of their sum over the batch, through the loop variable TF carries
+the variable's gradient in:
+
+- a TensorList, one element per iteration (set at the backward loop's
+  counter), stacked after the loop: a MatMul's terms are then one batched
+  product over the iterations, [B, in, T] x [B, T, out];
+- under XLA (whose lists are dense buffers, so that adding one to another
+  costs the whole list), a [B] + shape accumulator, each iteration's terms
+  added to it.
+
+The weight's own ops between its read and those (a Split, Squeeze or
+Unpack of GRU's two biases) then carry the terms back to the variable,
+the batch axis in front. The analysis (_per_example._loop_proof) proves the
+plan: the body keeps every example's rows its own, and reads the weight
+only through these ops.
+"""
+
+from tensorflow.python.framework import ops
+from tensorflow.python.framework import tensor_util
+from tensorflow.python.ops import array_ops
+from tensorflow.python.ops import array_ops_stack
+from tensorflow.python.ops import control_flow_util
+from tensorflow.python.ops import list_ops
+from tensorflow.python.ops import math_ops
+from tensorflow.python.ops import special_math_ops
+from tensorflow.python.ops import while_v2
+
+# ops on a weight's values alone (no batch), by how a per-example gradient
+# goes back through them: their batch axis in front
+WEIGHT_OPS = frozenset({"ReadVariableOp", "Identity", "Squeeze", "Reshape",
+                        "ExpandDims", "Split", "SplitV", "Unpack"})
+# ops meeting a weight (at input 1) and the batch (input 0, axis 0)
+MEETS = frozenset({"MatMul", "BiasAdd", "Add", "AddV2"})
+
+
+def _zeros(t, batch):
+    return array_ops.zeros([batch] + t.shape.as_list(), t.dtype)
+
+
+def _back(op, pieces, batch):
+    """A weight-side op's input's per-example gradient from its outputs'
+    (``pieces``, [B] in front, None where none reached)."""
+    kind = op.type
+    pieces = [_zeros(o, batch) if p is None else p for p, o in zip(pieces, op.outputs)]
+    if kind in ("ReadVariableOp", "Identity"):
+        return pieces[0]
+    if kind in ("Squeeze", "Reshape", "ExpandDims"):
+        return array_ops.reshape(pieces[0], [batch] + op.inputs[0].shape.as_list())
+    if kind == "Unpack":
+        return array_ops_stack.stack(pieces, axis=int(op.get_attr("axis")) % (
+            op.inputs[0].shape.rank) + 1)
+    rank = op.inputs[0 if kind == "SplitV" else 1].shape.rank
+    axis = int(tensor_util.constant_value(op.inputs[2 if kind == "SplitV" else 0])) % rank
+    return array_ops.concat(pieces, axis + 1)
+
+
+def _term(op, a, g):
+    """A meeting op's per-example term for its weight, [B] + the weight's
+    shape, from its input a and output gradient g; [T, B, ...] of each
+    (stacked iterations) give the sum over them."""
+    if op.type == "MatMul":
+        eq = "bi,bo->boi" if op.get_attr("transpose_b") else "bi,bo->bio"
+        if g.shape.rank == 3:
+            eq = "t" + eq.replace(",", ",t")
+        return special_math_ops.einsum(eq, a, g)
+    lead = g.shape.rank - op.outputs[0].shape.rank     # 1: stacked iterations
+    axes = list(range(lead)) + list(range(lead + 1, g.shape.rank - op.inputs[1].shape.rank))
+    return math_ops.reduce_sum(g, axes) if axes else g
+
+
+def _back_to_variable(kinds, terms, by_id, batch):
+    """{read op: the variable's per-example gradient}: the terms of the
+    meeting ops (``terms``: weight tensor id -> [B] + its shape) carried
+    back through the weight-side ops, last first."""
+    weight_ops = [by_id[key] for key, kind in kinds.items() if kind == "weight"]
+    out = {}
+    for op in sorted(weight_ops, key=lambda o: -o._id):  # pylint: disable=protected-access
+        pieces = [_sum(terms.get(o._id)) for o in op.outputs]  # pylint: disable=protected-access
+        value = _back(op, pieces, batch)
+        if op.type == "ReadVariableOp":
+            out[op] = value
+        else:
+            terms.setdefault(op.inputs[1 if op.type == "Split" else 0]._id, []).append(value)  # pylint: disable=protected-access
+    return out
+
+
+def _sum(terms):
+    if not terms:
+        return None
+    return terms[0] if len(terms) == 1 else math_ops.add_n(terms)
+
+
+def per_example(while_op, grads, plans, batch):
+    """{i: [B] + shape} per-example gradients of the While's resource
+    inputs i of ``plans`` (i -> (the variable's shape, dtype, {id(op):
+    "weight" or "meet"} of the body ops it flows through)), from ``grads``
+    of its outputs (the pass of the losses to them)."""
+    body = while_op._body_graph  # pylint: disable=protected-access
+    by_id = {id(op): op for op in body.get_operations()}
+    stacked = not control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
+    # A loop variable none of the losses reads gets zeros, as TF's pass
+    # gives it (with None, _WhileGrad leaves it out of the backward loop,
+    # and so the gradient its later steps carry back through it: a
+    # recurrent state). (A While differentiated before holds more outputs:
+    # none of theirs.)
+    grads = [array_ops.zeros_like(o) if g is None and o.dtype.is_floating else g
+             for g, o in zip(grads, while_op.outputs)]
+    grads += [None] * (len(while_op.outputs) - len(grads))
+    slots = {}        # i -> meets, in order: [(op, width of its columns)]
+    overrides = {}
+    for i, (shape, dtype, kinds) in plans.items():
+        meets = [by_id[key] for key, kind in kinds.items() if kind == "meet"]
+        meets.sort(key=lambda o: o._id)  # pylint: disable=protected-access
+        if stacked:
+            slots[i] = [(op, _width(op)) for op in meets]
+            grads[i] = list_ops.tensor_list_reserve(
+                None, while_op.outputs[0], dtype)
+        else:
+            grads[i] = array_ops.zeros([batch] + list(shape), dtype)
+        reads = [by_id[key] for key, kind in kinds.items()
+                 if kind == "weight" and by_id[key].type == "ReadVariableOp"]
+        handed = {}        # meet op -> what it handed over this iteration
+        for op in meets:
+            overrides[op] = _hand_over(op, handed, batch, stacked)
+        for op in reads:
+            overrides[op] = _collect(slots.get(i), kinds, by_id, handed, batch)
+    saved = {op: op._gradient_function for op in overrides}  # pylint: disable=protected-access
+    try:
+        for op, fn in overrides.items():
+            op._gradient_function = fn  # pylint: disable=protected-access
+        out = while_v2._WhileGrad(while_op, *grads)  # pylint: disable=protected-access
+    finally:
+        for op, fn in saved.items():
+            op._gradient_function = fn  # pylint: disable=protected-access
+    if not stacked:
+        return {i: out[i] for i in plans}
+    result = {}
+    for i, (shape, dtype, kinds) in plans.items():
+        width = sum(w for _, w in slots[i])
+        rows = list_ops.tensor_list_stack(out[i], dtype, element_shape=[batch, width])
+        terms, at = {}, 0
+        for op, w in slots[i]:
+            cols = rows[:, :, at:at + w]
+            at += w
+            if op.type == "MatMul":
+                k = op.inputs[0].shape[1]
+                term = _term(op, cols[:, :, :k], cols[:, :, k:])
+            else:
+                term = _term(op, None, array_ops.reshape(
+                    cols, [-1, batch] + op.outputs[0].shape.as_list()[1:]))
+            terms.setdefault(op.inputs[1]._id, []).append(term)  # pylint: disable=protected-access
+        result[i] = next(iter(_back_to_variable(kinds, terms, by_id, batch).values()))
+    return result
+
+
+def _width(op):
+    """The columns a meeting op hands over each iteration: a and g for a
+    MatMul, g for a BiasAdd or Add."""
+    out = op.outputs[0].shape.num_elements() // int(op.outputs[0].shape[0])
+    return out + (int(op.inputs[0].shape[1]) if op.type == "MatMul" else 0)
+
+
+def _hand_over(op, handed, batch, stacked):
+    """A meeting op's gradient: TF's for its batch input; for the weight,
+    zeros to TF's pass (it checks each gradient's shape against its
+    input's), and what its per-example term needs to ``handed``: [B, width]
+    columns (stacked), or the term."""
+    original = ops.get_gradient_function(op)
+
+    def grad(_, g):
+        first = original(op, g)[0]
+        if stacked:
+            flat = array_ops.reshape(g, [batch, -1])
+            handed[op] = (array_ops.concat([op.inputs[0], flat], 1)
+                          if op.type == "MatMul" else flat)
+        else:
+            handed[op] = _term(op, op.inputs[0], g)
+        w = op.inputs[1]
+        return [first, array_ops.zeros(w.shape, w.dtype)]
+    return grad
+
+
+def _collect(slots, kinds, by_id, handed, batch):
+    """The variable read's gradient, which TF's loop carries for the
+    resource (TF checks no resource gradient's shape): this iteration's
+    columns in a list with only the counter's element set (adding lists
+    takes each element from the one that holds it), or the per-example
+    gradient."""
+
+    def grad(read, _):
+        if slots is None:
+            terms = {}
+            for op, term in handed.items():
+                terms.setdefault(op.inputs[1]._id, []).append(term)  # pylint: disable=protected-access
+            return _back_to_variable(kinds, terms, by_id, batch)[read]
+        graph = ops.get_default_graph()
+        counter, total = graph.inputs[0], graph.inputs[2]
+        # (an op no gradient reached this iteration: zeros)
+        row = array_ops.concat([
+            handed[op] if op in handed else array_ops.zeros([batch, w], read.outputs[0].dtype)
+            for op, w in slots], 1)
+        empty = list_ops.tensor_list_reserve(None, total, row.dtype)
+        return list_ops.tensor_list_set_item(empty, counter, row)
+    return grad
+
