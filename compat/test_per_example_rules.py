@@ -443,3 +443,27 @@ def test_summary_names_the_rule_of_each_source():
     tape.per_example_norms(losses, [w])
     assert tape.summary().per_example_rules[1] == (
         (f"{w.name} (3, 3)", "per-example rows"),)
+
+
+@pytest.mark.parametrize("method", ["per_example_gradients", "per_example_norms",
+                                    "dp_gradient"])
+def test_summed_rules_share_the_ruled_ops_backward_pass(method, monkeypatch):
+    """A batch norm's gamma and beta in inference (a chain: their rules
+    summed) get their output gradients from the one backward pass that the
+    other sources' ruled ops take: not a second pass over the model."""
+    from fasttape.backward import _per_example  # pylint: disable=import-outside-toplevel
+    xs, loss, variables = CASES["keras_batchnorm_inference"](tf.float32)
+    passes = []
+    original = _per_example._pass_to  # pylint: disable=protected-access
+
+    def counted(*args, **kwargs):
+        passes.append(args[2])
+        return original(*args, **kwargs)
+    monkeypatch.setattr(_per_example, "_pass_to", counted)
+    with fasttape.GradientTape() as tape:
+        losses = loss(*xs)
+    args = (1.0,) if method == "dp_gradient" else ()
+    getattr(tape, method)(losses, variables, *args)
+    assert len(passes) == 1, passes
+    rules = dict(tape.summary().per_example_rules[1])
+    assert sum("summed" in how for how in rules.values()) == 2, rules
