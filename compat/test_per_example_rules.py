@@ -30,6 +30,18 @@ def _keras_model(kind, name):
         return (5, 5, 16), [L.Conv2D(16, 3, dilation_rate=2, padding="same",
                                      dtype=name),
                             L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "conv_many_inputs":
+        # many input channels to few outputs, many positions: each
+        # example's kernel gradient from patches of slices at stride 1
+        # (SAME with an odd and an even kernel), from TF's kernel gradient
+        # of each example at stride 2
+        return (7, 7, 3), [L.Conv2D(8, 1, activation="tanh", dtype=name),
+                           L.Conv2D(2, 3, padding="same", activation="tanh",
+                                    dtype=name),
+                           L.Conv2D(2, 2, padding="same", activation="tanh",
+                                    dtype=name),
+                           L.Conv2D(2, 3, strides=2, dtype=name),
+                           L.Flatten(dtype=name), L.Dense(2, dtype=name)]
     if kind == "conv1d_dilated":        # WaveNet-style, causal
         return (11, 2), [L.Conv1D(3, 2, dilation_rate=2, padding="causal",
                                   activation="tanh", dtype=name),
@@ -153,6 +165,7 @@ CASES = {
     "tf_keras_batchnorm": _tf_keras_batchnorm,
     "keras_conv_dilated": _keras_case("conv_dilated"),
     "keras_conv_dilated_wide": _keras_case("conv_dilated_wide"),
+    "keras_conv_many_inputs": _keras_case("conv_many_inputs"),
     "keras_conv1d_dilated": _keras_case("conv1d_dilated"),
     "keras_depthwise_dilated": _keras_case("depthwise_dilated"),
     "tf_keras_layernorm": _tf_keras_layernorm,
