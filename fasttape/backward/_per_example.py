@@ -15,8 +15,8 @@ the ruled ops' outputs (so a training loop's pass is compiled and replayed
 like gradient()'s, and no ruled op's own gradient is computed). A source
 read by several ruled ops (a recurrent weight, once a time step), or through
 a chain of elementwise ops on values of its own shape (a batch norm's gamma
-in inference), gets its per-example gradient from one more pass to those
-ops' outputs (_uses). Every other source
+in inference), gets its per-example gradient from those ops' output
+gradients, which the same pass goes to (_uses). Every other source
 goes through per-example rows: one backward pass per example over the same
 trace (the Jacobian's machinery).
 
