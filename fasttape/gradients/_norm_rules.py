@@ -688,6 +688,9 @@ def applies(rule, payload, pos, out_shape, src_shape, batch):
 # Up to this batch size, a convolution with many input channels to few
 # outputs builds its per-example kernel gradients one example at a time.
 _MAX_LOOPED = 128
+# Up to this size in bytes of its patches (B T K values), such a
+# convolution at stride 1 builds them from slices (_Conv2DBlocks._sliced).
+_MAX_SLICED_BYTES = 1 << 26
 
 # An attribute the analysis adds to a convolution's payload (a copy) whose
 # batch axis holds nb blocks of the B examples, block-major (TF runs a
@@ -767,7 +770,8 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         convolution's patches would cost more (K^2 products per position
         against K N): many input channels to few outputs, many positions
         (no ghost norm), no dilation. At stride 1, from patches built by
-        kh kw slices of x (copies, no products: _sliced); else by TF's own
+        kh kw slices of x (copies, no products: _sliced) where they take
+        at most _MAX_SLICED_BYTES; else by TF's own
         kernel gradient of each example's rows (of every block), for a
         batch of at most _MAX_LOOPED examples; else None."""
         x = payload.inputs[0]
@@ -785,7 +789,8 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
             return None
         strides = list(attr(payload, "strides"))
         padding = _decoded(payload, "padding")
-        if strides == [1, 1, 1, 1] and None not in x.shape[1:3]:
+        if (strides == [1, 1, 1, 1] and None not in x.shape[1:3]
+                and b * t * k * x.dtype.size <= _MAX_SLICED_BYTES):
             return self._sliced(x, g, src_shape, nb, padding)
         if b > _MAX_LOOPED:
             return None
