@@ -31,6 +31,18 @@ def _keras_model(kind, name):
         return (5, 5, 16), [L.Conv2D(16, 3, dilation_rate=2, padding="same",
                                      dtype=name),
                             L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "conv_many_inputs":
+        # many input channels to few outputs, many positions: each
+        # example's kernel gradient from patches of slices at stride 1
+        # (SAME with an odd and an even kernel), from TF's kernel gradient
+        # of each example at stride 2
+        return (7, 7, 3), [L.Conv2D(8, 1, activation="tanh", dtype=name),
+                           L.Conv2D(2, 3, padding="same", activation="tanh",
+                                    dtype=name),
+                           L.Conv2D(2, 2, padding="same", activation="tanh",
+                                    dtype=name),
+                           L.Conv2D(2, 3, strides=2, dtype=name),
+                           L.Flatten(dtype=name), L.Dense(2, dtype=name)]
     if kind == "conv1d_dilated":        # WaveNet-style, causal
         return (11, 2), [L.Conv1D(3, 2, dilation_rate=2, padding="causal",
                                   activation="tanh", dtype=name),
@@ -154,6 +166,7 @@ CASES = {
     "tf_keras_batchnorm": _tf_keras_batchnorm,
     "keras_conv_dilated": _keras_case("conv_dilated"),
     "keras_conv_dilated_wide": _keras_case("conv_dilated_wide"),
+    "keras_conv_many_inputs": _keras_case("conv_many_inputs"),
     "keras_conv1d_dilated": _keras_case("conv1d_dilated"),
     "keras_depthwise_dilated": _keras_case("depthwise_dilated"),
     "tf_keras_layernorm": _tf_keras_layernorm,
@@ -685,3 +698,27 @@ def test_keras_rnn_with_its_length_unknown_while_tracing():
             _close(g, r, tf.float32)
     assert len(rules) == 1 and [how.split(":")[0] for _, how in rules[0]] == [
         "While", "While", "While", "MatMul", "BiasAdd"]
+
+
+@pytest.mark.parametrize("method", ["per_example_gradients", "per_example_norms",
+                                    "dp_gradient"])
+def test_summed_rules_share_the_ruled_ops_backward_pass(method, monkeypatch):
+    """A batch norm's gamma and beta in inference (a chain: their rules
+    summed) get their output gradients from the one backward pass that the
+    other sources' ruled ops take: not a second pass over the model."""
+    from fasttape.backward import _per_example  # pylint: disable=import-outside-toplevel
+    xs, loss, variables = CASES["keras_batchnorm_inference"](tf.float32)
+    passes = []
+    original = _per_example._pass_to  # pylint: disable=protected-access
+
+    def counted(*args, **kwargs):
+        passes.append(args[2])
+        return original(*args, **kwargs)
+    monkeypatch.setattr(_per_example, "_pass_to", counted)
+    with fasttape.GradientTape() as tape:
+        losses = loss(*xs)
+    args = (1.0,) if method == "dp_gradient" else ()
+    getattr(tape, method)(losses, variables, *args)
+    assert len(passes) == 1, passes
+    rules = dict(tape.summary().per_example_rules[1])
+    assert sum("summed" in how for how in rules.values()) == 2, rules

@@ -15,8 +15,8 @@ the ruled ops' outputs (so a training loop's pass is compiled and replayed
 like gradient()'s, and no ruled op's own gradient is computed). A source
 read by several ruled ops (a recurrent weight, once a time step), or through
 a chain of elementwise ops on values of its own shape (a batch norm's gamma
-in inference), gets its per-example gradient from one more pass to those
-ops' outputs (_uses). Every other source
+in inference), gets its per-example gradient from those ops' output
+gradients, which the same pass goes to (_uses). Every other source
 goes through per-example rows: one backward pass per example over the same
 trace (the Jacobian's machinery).
 
@@ -689,18 +689,25 @@ def _pass_to(tape_state, losses, out_ids, post=None, remember=None):
                               eager_pass, post=post, remember=remember)
 
 
-def _ruled_pass(what, tape_state, losses, flat, analysis):
+def _ruled_pass(what, tape_state, losses, flat, analysis, use_grads=None):
     """The output gradients of the ruled ops: one backward pass of
     sum(losses) to those ops' outputs, through the compiled-pass cache like
     any gradient() (it runs no ruled op's gradient, and of the ops between
     them only what the outputs need). Returns {k: (payload, pos, rule,
     src_shape, g)}. A source whose rule declines (the output's shape, an
-    attribute) moves to analysis.fallback."""
+    attribute) moves to analysis.fallback. ``use_grads`` (a dict): the same
+    pass also goes to the outputs of analysis.uses' ops, whose gradients
+    it receives by id (for _rows: no second backward pass)."""
     if not analysis.ruled:
         return {}
     batch = int(losses.shape[0])
     out_ids = list(dict.fromkeys(analysis.out_ids[k] for k in analysis.ruled))
+    if use_grads is not None:
+        out_ids = list(dict.fromkeys(out_ids + [
+            o for node in analysis.uses.values() for o in _leaves(node)]))
     grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
+    if use_grads is not None:
+        use_grads.update(grads)
     captured = {}
     for k, (payload, pos, rule, src_shape) in list(analysis.ruled.items()):
         g = grads.get(analysis.out_ids[k])
@@ -722,14 +729,15 @@ def _ruled_pass(what, tape_state, losses, flat, analysis):
     return captured
 
 
-def _rows(tape, losses, flat_raw, keys, basis=None, uses=None):
+def _rows(tape, losses, flat_raw, keys, basis=None, uses=None, grads=None):
     """{k: per-example (or per-basis-row) gradients of source k, or None}.
     ``uses``: the analysis' sources read by several ruled ops (_uses), whose
-    per-example gradients come from one pass to those ops' outputs."""
+    per-example gradients come from one pass to those ops' outputs (or from
+    ``grads``, their gradients by output id, where _ruled_pass's had them)."""
     if uses and basis is None:
         got = _per_example_of_uses(tape._tape, losses, {  # pylint: disable=protected-access
             k: uses[k] for k in keys if k in uses},
-            {k: tuple(flat_raw[k].shape.as_list()) for k in keys})
+            {k: tuple(flat_raw[k].shape.as_list()) for k in keys}, grads)
         for k in [k for k in uses if k not in got]:
             del uses[k]     # a rule declined: rows (and so in the summary)
         rest = _rows(tape, losses, flat_raw, [k for k in keys if k not in got])
@@ -806,14 +814,16 @@ def per_example_gradients(tape, losses, sources):
         analysis = _analyse("per_example_gradients", tape_state, losses, flat,
                             flat_raw, batch)
         out = [None] * len(flat)
+        use_grads = {}
         for k, (payload, pos, rule, src_shape, g) in _ruled_pass(
-                "per_example_gradients", tape_state, losses, flat, analysis).items():
+                "per_example_gradients", tape_state, losses, flat, analysis,
+                use_grads).items():
             out[k] = array_ops.reshape(
                 rule.per_example(payload, pos, g, src_shape=src_shape),
                 [batch] + flat_raw[k].shape.as_list())
         _note_fallback("per_example_gradients", tape, flat_raw, analysis)
         for k, rows in _rows(tape, losses, flat_raw, list(analysis.fallback),
-                             uses=analysis.uses).items():
+                             uses=analysis.uses, grads=use_grads).items():
             out[k] = rows
     finally:
         _end(tape, tape_state)
@@ -823,10 +833,11 @@ def per_example_gradients(tape, losses, sources):
 def _sq_norms(what, tape, tape_state, losses, flat, flat_raw, analysis):
     """[B] squared norms summed over sources, and what dp_gradient needs to
     finish without another pass (ruled contexts, fallback rows)."""
-    ruled = _ruled_pass(what, tape_state, losses, flat, analysis)
+    use_grads = {}
+    ruled = _ruled_pass(what, tape_state, losses, flat, analysis, use_grads)
     _note_fallback(what, tape, flat_raw, analysis)
     rows = _rows(tape, losses, flat_raw, list(analysis.fallback),
-                 uses=analysis.uses)
+                 uses=analysis.uses, grads=use_grads)
     total = None
     memo = {}
     for payload, pos, rule, src_shape, g in ruled.values():
@@ -1416,11 +1427,13 @@ def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
     if m == batch:
         analysis = _analyse("dp_gradient", tape_state, losses, flat, flat_raw,
                             batch)
-        ruled = _ruled_pass("dp_gradient", tape_state, losses, flat, analysis)
+        use_grads = {}
+        ruled = _ruled_pass("dp_gradient", tape_state, losses, flat, analysis,
+                            use_grads)
         # (a source read by several ruled ops or through a chain: their
         # rules summed, as eagerly; the summary says so)
         rows = _rows(tape, losses, flat_raw, list(analysis.fallback),
-                     uses=analysis.uses)
+                     uses=analysis.uses, grads=use_grads)
     else:
         # (as eagerly: a microbatch's gradient goes through rows)
         analysis = _analyse("dp_gradient", tape_state, losses, flat, flat_raw,
@@ -1665,10 +1678,11 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
                     pass
             analysis.entries = None     # (their tensors: not held longer)
             if spec is None:
+                use_grads = {}
                 ruled = _ruled_pass("dp_gradient", tape_state, losses, flat,
-                                    analysis)
+                                    analysis, use_grads)
                 rows = _rows(tape, losses, flat_raw, list(analysis.fallback),
-                             uses=analysis.uses)
+                             uses=analysis.uses, grads=use_grads)
                 spec = _dp_finish(tape_state, losses, flat_raw, analysis,
                                   ruled, rows, clip, m, noise, out)
         else:
@@ -2490,12 +2504,13 @@ def _uses_value(spec, shape, tensors, batch):
     return terms[0] if len(terms) == 1 else math_ops.add_n(terms)
 
 
-def _per_example_of_uses(tape_state, losses, uses, shapes):
+def _per_example_of_uses(tape_state, losses, uses, shapes, grads=None):
     """{k: [B] + source shape} for the sources of ``uses`` (k -> _uses):
-    one backward pass to every use's output, each use's rule, summed
-    (MatMuls by one product over their stacked steps; a chain back through
-    its ops), in one traced function in a training loop; a source one of
-    whose rules declines is left out (rows)."""
+    one backward pass to every use's output (none where ``grads``, by
+    output id, has them all), each use's rule, summed (MatMuls by one
+    product over their stacked steps; a chain back through its ops), in one
+    traced function in a training loop; a source one of whose rules
+    declines is left out (rows)."""
     batch = int(losses.shape[0])
     loops = {k: node[0] for k, node in uses.items() if node[0][0] == "while"}
     got = _per_example_of_loops(tape_state, losses, loops, batch) if loops else {}
@@ -2505,7 +2520,8 @@ def _per_example_of_uses(tape_state, losses, uses, shapes):
     out_ids = list(dict.fromkeys(o for node in uses.values() for o in _leaves(node)))
     if not out_ids:
         return got
-    grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
+    if grads is None or any(o not in grads for o in out_ids):
+        grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
     feeds, index = [], {}
 
     def feed(t):

@@ -733,6 +733,9 @@ def applies(rule, payload, pos, out_shape, src_shape, batch):
 # Up to this batch size, a convolution with many input channels to few
 # outputs builds its per-example kernel gradients one example at a time.
 _MAX_LOOPED = 128
+# Up to this size in bytes of its patches (B T K values), such a
+# convolution at stride 1 builds them from slices (_Conv2DBlocks._sliced).
+_MAX_SLICED_BYTES = 1 << 26
 
 # An attribute the analysis adds to a convolution's payload (a copy) whose
 # batch axis holds nb blocks of the B examples, block-major (TF runs a
@@ -808,11 +811,14 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         return super().per_example(payload, pos, g, src_shape)
 
     def _looped(self, payload, g, src_shape):
-        """Each example's kernel gradient by TF's own kernel gradient of its
-        rows (of every block), where patches would cost more: many input
-        channels to few outputs (an identity-kernel convolution of K^2
-        per position against K N), many positions (no ghost norm), a
-        batch of at most _MAX_LOOPED examples, no dilation; else None."""
+        """Each example's kernel gradient where an identity-kernel
+        convolution's patches would cost more (K^2 products per position
+        against K N): many input channels to few outputs, many positions
+        (no ghost norm), no dilation. At stride 1, from patches built by
+        kh kw slices of x (copies, no products: _sliced) where they take
+        at most _MAX_SLICED_BYTES; else by TF's own
+        kernel gradient of each example's rows (of every block), for a
+        batch of at most _MAX_LOOPED examples; else None."""
         x = payload.inputs[0]
         nb = _blocks(payload)
         if len(src_shape) != 4 or x.shape.rank != 4:
@@ -824,18 +830,43 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
             return None
         b = x.shape[0] // nb
         t = g.shape[1] * g.shape[2] * nb
-        if b > _MAX_LOOPED or t * t < k * cout or k <= 2 * cout:
+        if t * t < k * cout or k <= 2 * cout:
+            return None
+        strides = list(attr(payload, "strides"))
+        padding = _decoded(payload, "padding")
+        if (strides == [1, 1, 1, 1] and None not in x.shape[1:3]
+                and b * t * k * x.dtype.size <= _MAX_SLICED_BYTES):
+            return self._sliced(x, g, src_shape, nb, padding)
+        if b > _MAX_LOOPED:
             return None
         xs = array_ops.reshape(x, [nb, b] + x.shape.as_list()[1:])
         gs = array_ops.reshape(g, [nb, b] + g.shape.as_list()[1:])
         sizes = _const(tuple(src_shape), dtypes.int32)
-        strides = list(attr(payload, "strides"))
-        padding = _decoded(payload, "padding")
         grads = [gen_nn_ops.conv2d_backprop_filter(
             xi, sizes, gi, strides=strides, padding=padding, data_format="NHWC")
                  for xi, gi in zip(array_ops_stack.unstack(xs, axis=1),
                                    array_ops_stack.unstack(gs, axis=1))]
         return array_ops_stack.stack(grads)
+
+    def _sliced(self, x, g, src_shape, nb, padding):
+        """[B] + src_shape: each example's kernel gradient at stride 1 and
+        no dilation, sum over its blocks of P^T G, P its patches
+        [T, kh kw cin] stacked from kh kw slices of x (padded as TF pads
+        SAME), one batched product of every block's rows."""
+        kh, kw, cin, cout = src_shape
+        ho, wo = g.shape[1], g.shape[2]
+        if padding == "SAME":
+            x = array_ops.pad(x, [[0, 0], [(kh - 1) // 2, kh // 2],
+                                  [(kw - 1) // 2, kw // 2], [0, 0]])
+        patches = array_ops_stack.stack(
+            [x[:, i:i + ho, j:j + wo, :] for i in range(kh) for j in range(kw)],
+            axis=3)     # [nb B, ho, wo, kh kw, cin]: the kernel's order
+        b = -1 if x.shape[0] is None else x.shape[0] // nb
+        patches = array_ops.reshape(patches, [nb, b, ho * wo, kh * kw * cin])
+        grads = math_ops.matmul(patches, array_ops.reshape(g, [nb, b, ho * wo, cout]),
+                                adjoint_a=True)
+        grads = math_ops.reduce_sum(grads, axis=0) if nb > 1 else grads[0]
+        return array_ops.reshape(grads, [-1] + list(src_shape))
 
 
 @norm_rule("DepthwiseConv2dNative")
