@@ -643,6 +643,21 @@ def _loop_case(body_kind):
     return x, loss, [w, v]
 
 
+def _traced_step_and_its_rules(loss, variables, **function_kwargs):
+    """A tf.function of per_example_gradients, and the list each trace
+    appends its summary's per_example_rules to."""
+    rules = []
+
+    @tf.function(**function_kwargs)
+    def step(x):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        out = tape.per_example_gradients(losses, variables)
+        rules.append(tape.summary().per_example_rules[1])
+        return out
+    return step, rules
+
+
 @pytest.mark.parametrize("body_kind", ["matmul", "mixes_rows", "squares_the_weight",
                                        "weight_elementwise", "read_twice"])
 def test_a_loop_the_rule_does_not_prove_takes_rows(body_kind):
@@ -654,16 +669,7 @@ def test_a_loop_the_rule_does_not_prove_takes_rows(body_kind):
         ref = _full_batch_reference(loss, [x], variables)
     else:
         ref = _reference(loss, [x], variables)
-    rules = []
-
-    @tf.function
-    def step(x):
-        with fasttape.GradientTape() as tape:
-            losses = loss(x)
-        out = tape.per_example_gradients(losses, variables)
-        rules.append(tape.summary().per_example_rules[1])
-        return out
-
+    step, rules = _traced_step_and_its_rules(loss, variables)
     for g, r in zip(step(x), ref):
         _close(g, r, tf.float32)
     expected = ("While: the rules of its body's MatMul, summed over its iterations"
@@ -682,16 +688,8 @@ def test_keras_rnn_with_its_length_unknown_while_tracing():
 
     def loss(x):
         return tf.reduce_sum(tf.square(model(x)), axis=-1)
-    rules = []
-
-    @tf.function(input_signature=[tf.TensorSpec([B, None, 2], tf.float32)])
-    def step(x):
-        with fasttape.GradientTape() as tape:
-            losses = loss(x)
-        out = tape.per_example_gradients(losses, variables)
-        rules.append(tape.summary().per_example_rules[1])
-        return out
-
+    step, rules = _traced_step_and_its_rules(
+        loss, variables, input_signature=[tf.TensorSpec([B, None, 2], tf.float32)])
     for t in (5, 7):
         x = tf.constant(np.random.default_rng(t).normal(size=(B, t, 2)), tf.float32)
         for g, r in zip(step(x), _reference(loss, [x], variables)):

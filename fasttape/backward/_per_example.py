@@ -2416,10 +2416,12 @@ class _Declined(Exception):
 
 
 def _leaves(node):
+    """The output ids whose gradients a use's rules read (a loop's are
+    taken by its own pass: none)."""
     for item in node:
         if item[0] == "rule":
             yield item[4]
-        else:
+        elif item[0] != "while":
             for _, children in item[5]:
                 yield from _leaves(children)
 
