@@ -888,6 +888,33 @@ def _permuted(dtype):
     return [tf.constant(x, dtype)], loss, [w]
 
 
+def _mixed_by_a_product(dtype):
+    """A dense layer whose rows a [B, B] constant mixes before the loss
+    (V @ h): every example's loss reads every example's row."""
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(B, 5))
+    w = _var(rng, (5, 3), dtype)
+    v = tf.constant(rng.normal(size=(B, B)), dtype)
+
+    def loss(x):
+        return tf.reduce_sum(tf.sin(v @ tf.tanh(x @ w)), -1)
+    return [tf.constant(x, dtype)], loss, [w]
+
+
+def _mixed_by_a_transposed_product(dtype):
+    """h [B, B] computed from the weight, then h^T @ V: each row of the
+    product is a column of h, which holds one value of every example."""
+    rng = np.random.default_rng(10)
+    x = rng.normal(size=(B, 5))
+    w = _var(rng, (5, B), dtype)
+    v = tf.constant(rng.normal(size=(B, 2)), dtype)
+
+    def loss(x):
+        h = tf.tanh(x @ w)
+        return tf.reduce_sum(tf.sin(tf.linalg.matmul(h, v, transpose_a=True)), -1)
+    return [tf.constant(x, dtype)], loss, [w]
+
+
 def _full_batch_reference(loss, xs, variables):
     rows = []
     for i in range(B):
@@ -898,8 +925,10 @@ def _full_batch_reference(loss, xs, variables):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
-@pytest.mark.parametrize("build", [_time_major, _permuted],
-                         ids=["time_major", "permuted"])
+@pytest.mark.parametrize("build", [_time_major, _permuted, _mixed_by_a_product,
+                                   _mixed_by_a_transposed_product],
+                         ids=["time_major", "permuted", "mixed_by_a_product",
+                              "mixed_by_a_transposed_product"])
 def test_rows_moved_across_the_batch_axis(build, dtype):
     xs, loss, variables = build(dtype)
     ref = _full_batch_reference(loss, xs, variables)
@@ -912,6 +941,27 @@ def test_rows_moved_across_the_batch_axis(build, dtype):
     analysis = _per_example._analyse("test", tape._tape, losses, flat,
                                      variables, B)
     assert not analysis.ruled and analysis.fallback
+
+
+@pytest.mark.parametrize("mode", [None, {}, {"jit_compile": True}],
+                         ids=["eager", "function", "jit"])
+def test_rows_mixed_by_a_product_take_rows(mode):
+    """V @ h with V [B, B] after a dense layer: traced (and jit) too, the
+    weight takes the exact rows, never its MatMul rule on mixed rows."""
+    xs, loss, variables = _mixed_by_a_product(tf.float32)
+    ref = _full_batch_reference(loss, xs, variables)
+    rules = []
+
+    def step(x):
+        with fasttape.GradientTape(persistent=True) as tape:
+            losses = loss(x)
+        out = tape.per_example_gradients(losses, variables)
+        rules.append(tape.summary().per_example_rules[1])
+        return out
+    got = step(*xs) if mode is None else tf.function(step, **mode)(*xs)
+    for g, r in zip(got, ref):
+        _close(g, r, tf.float32)
+    assert [how for _, how in rules[-1]] == ["per-example rows"]
 
 
 @pytest.mark.parametrize("mode", ["eager", "function"])

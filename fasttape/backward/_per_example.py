@@ -285,10 +285,45 @@ def _leading(shape):
     return shape[0] if shape else None
 
 
-def _keeps_axis0(entry, shapes, batch, alias):
+_MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
+
+
+def _matmul_keeps_axis0(entry, shapes, alias, produced):
+    """A product's rows are its first operand's, while that operand is not
+    transposed and the second holds no example's values: ``V @ h``, with V
+    [B, B] and h computed from the sources, sums other examples' rows into
+    each row (and a rule after it would silently read the wrong example's
+    gradient). An operand computed on the path (not a source or its read)
+    may hold examples; one that is not (a constant, a variable, the input
+    batch) holds none of the path's. Batch dimensions (rank above 2) keep
+    their rows."""
+    ins = entry.input_ids
+    inputs = getattr(entry.payload, "inputs", None) or ()
+    if len(ins) < 2:
+        return True
+    ranks = []
+    for i, tid in enumerate(ins[:2]):
+        shape = shapes.get(tid)
+        if shape is None and i < len(inputs) and inputs[i] is not None and (
+                inputs[i].shape.rank is not None):
+            shape = tuple(inputs[i].shape.as_list())
+        ranks.append(None if shape is None else len(shape))
+    if entry.op_type != "MatMul" and None not in ranks and max(ranks) > 2:
+        return True
+    carries = [tid in produced and tid not in alias for tid in ins[:2]]
+    if carries[1]:
+        return False          # contracted, or moved to the columns
+    flag = "transpose_a" if entry.op_type == "MatMul" else "adj_x"
+    return not (carries[0] and _norm_rules.attr(entry.payload, flag, False))
+
+
+def _keeps_axis0(entry, shapes, batch, alias, produced=frozenset()):
     """False where an op on the path may move rows across axis 0 (see
-    _AXIS0_MOVERS); True when it provably keeps them, or cannot move them."""
+    _AXIS0_MOVERS and _matmul_keeps_axis0); True when it provably keeps
+    them, or cannot move them."""
     op_type = entry.op_type
+    if op_type in _MATMULS:
+        return _matmul_keeps_axis0(entry, shapes, alias, produced)
     if op_type not in _AXIS0_MOVERS:
         return True
     ins = entry.input_ids
@@ -515,6 +550,7 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
     followed, axes, loops = _track_batch_axis(entries, shapes, batch, alias,
                                               consumers)
     movers = []
+    produced = frozenset(o for entry in entries for o in entry.output_ids)
     for entry in entries:
         ins = entry.input_ids
         if ins and ins[0] in alias and (
@@ -536,7 +572,8 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
                 uses[k].append((entry, pos))
         _check_mixing(what, entry, shapes, batch, groups.separable)
         if (use_rules and id(entry) not in groups.accepted
-                and id(entry) not in followed and not _keeps_axis0(entry, shapes, batch, alias)):
+                and id(entry) not in followed
+                and not _keeps_axis0(entry, shapes, batch, alias, produced)):
             movers.append(entry)
             logs.append(f"fasttape {what}: a {entry.op_type} op may move rows "
                         "across the batch axis: the sources read before it "
