@@ -943,12 +943,29 @@ def test_rows_moved_across_the_batch_axis(build, dtype):
     assert not analysis.ruled and analysis.fallback
 
 
+_ROW_MIXERS = {
+    "cumsum_over_the_batch": lambda h: tf.cumsum(h, axis=0),
+    "segments_of_rows": lambda h: tf.math.unsorted_segment_sum(
+        h, [0, 0, 1, 1, 2, 2], B),
+    "gather_nd_of_rows": lambda h: tf.gather_nd(h, [[1], [0], [3], [2], [5], [4]]),
+    "padded_along_the_batch": lambda h: tf.pad(h, [[1, 0], [0, 0]])[:B],
+}
+
+
+@pytest.mark.parametrize("mixer", [None] + list(_ROW_MIXERS))
 @pytest.mark.parametrize("mode", [None, {}, {"jit_compile": True}],
                          ids=["eager", "function", "jit"])
-def test_rows_mixed_by_a_product_take_rows(mode):
-    """V @ h with V [B, B] after a dense layer: traced (and jit) too, the
-    weight takes the exact rows, never its MatMul rule on mixed rows."""
+def test_rows_mixed_after_a_rule_take_rows(mode, mixer):
+    """V @ h with V [B, B] (mixer None), a cumsum or segment sum over the
+    batch, a gather_nd of rows or a pad along the batch, after a dense
+    layer: eager, traced and jit, the weight takes the exact rows, never its
+    MatMul rule on another example's rows."""
     xs, loss, variables = _mixed_by_a_product(tf.float32)
+    if mixer is not None:
+        w = variables[0]
+
+        def loss(x):
+            return tf.reduce_sum(tf.sin(_ROW_MIXERS[mixer](tf.tanh(x @ w))), -1)
     ref = _full_batch_reference(loss, xs, variables)
     rules = []
 

@@ -269,6 +269,15 @@ _AXIS0_MOVERS = frozenset({
     "Gather", "ConcatV2", "Concat", "Pack", "Unpack", "Split", "SplitV",
     "Tile", "ReverseV2", "Roll", "Slice", "StridedSlice", "BatchToSpaceND",
     "SpaceToBatchND", "MatrixTranspose", "ScatterNd", "TensorScatterUpdate",
+    # sums, scans and gathers across rows (Cumsum along axis 0; segments of
+    # rows; GatherNd and the stitching ops pick rows by index)
+    "Cumsum", "Cumprod", "CumulativeLogsumexp", "UnsortedSegmentSum",
+    "UnsortedSegmentMax", "UnsortedSegmentMin", "UnsortedSegmentProd",
+    "SegmentSum", "SegmentMean", "SegmentMax", "SegmentMin", "SegmentProd",
+    "SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN",
+    "GatherNd", "DynamicStitch", "ParallelDynamicStitch", "DynamicPartition",
+    "TensorScatterAdd", "TensorScatterSub", "TensorScatterMax",
+    "TensorScatterMin", "Pad", "PadV2", "MirrorPad", "ReverseSequence",
     # functional control flow and the TensorLists a traced loop reads and
     # writes (a Keras 3 RNN: its steps inside one While, time-major): what
     # they do to the rows is not seen here
@@ -382,6 +391,15 @@ def _keeps_axis0(entry, shapes, batch, alias, produced=frozenset()):
             return False
         return ((mask("begin_mask") or begin[0] == 0)
                 and (mask("end_mask") or end[0] >= batch))
+    if op_type in ("Cumsum", "Cumprod", "CumulativeLogsumexp"):
+        axis = const(1)
+        return axis is not None and in_shape is not None and len(in_shape) > 0 and (
+            int(axis) % len(in_shape) != 0)
+    if op_type in ("Pad", "PadV2", "MirrorPad"):
+        paddings = const(1)
+        return paddings is not None and list(paddings[0]) == [0, 0]
+    if op_type == "ReverseSequence":
+        return int(_norm_rules.attr(payload, "batch_dim", 0) or 0) == 0
     if op_type == "Slice":
         begin, size = const(1), const(2)
         return (begin is not None and size is not None and begin[0] == 0
