@@ -278,6 +278,16 @@ _AXIS0_MOVERS = frozenset({
     "GatherNd", "DynamicStitch", "ParallelDynamicStitch", "DynamicPartition",
     "TensorScatterAdd", "TensorScatterSub", "TensorScatterMax",
     "TensorScatterMin", "Pad", "PadV2", "MirrorPad", "ReverseSequence",
+    # linear algebra over a tensor's two inner axes: on a [B, d] operand the
+    # rows are one of those axes (a solve against h [B, d] mixes them); on
+    # batched matrices it keeps them, but rows are exact either way
+    "MatrixSolve", "MatrixTriangularSolve", "BandedTriangularSolve",
+    "TridiagonalSolve", "TridiagonalMatMul", "MatrixSolveLs", "MatrixInverse",
+    "Cholesky", "Qr", "Svd", "SelfAdjointEigV2", "Eig", "Lu",
+    "MatrixDeterminant", "LogMatrixDeterminant", "MatrixExponential",
+    "MatrixLogarithm", "MatrixSquareRoot", "SparseTensorDenseMatMul",
+    "SparseMatMul", "SparseSegmentSumWithNumSegments",
+    "SparseSegmentMeanWithNumSegments", "SparseSegmentSqrtNWithNumSegments",
     # functional control flow and the TensorLists a traced loop reads and
     # writes (a Keras 3 RNN: its steps inside one While, time-major): what
     # they do to the rows is not seen here
