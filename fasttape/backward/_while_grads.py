@@ -31,6 +31,8 @@ from tensorflow.python.ops import math_ops
 from tensorflow.python.ops import special_math_ops
 from tensorflow.python.ops import while_v2
 
+from fasttape.recording import _recording
+
 # ops on a weight's values alone (no batch), by how a per-example gradient
 # goes back through them: their batch axis in front
 WEIGHT_OPS = frozenset({"ReadVariableOp", "Identity", "Squeeze", "Reshape",
@@ -130,14 +132,8 @@ def per_example(while_op, grads, plans, batch):
             overrides[op] = _hand_over(op, handed, batch, stacked)
         for op in reads:
             overrides[op] = _collect(slots.get(i), kinds, by_id, handed, batch)
-    saved = {op: op._gradient_function for op in overrides}  # pylint: disable=protected-access
-    try:
-        for op, fn in overrides.items():
-            op._gradient_function = fn  # pylint: disable=protected-access
+    with _recording.gradient_functions_of(overrides):
         out = while_v2._WhileGrad(while_op, *grads)  # pylint: disable=protected-access
-    finally:
-        for op, fn in saved.items():
-            op._gradient_function = fn  # pylint: disable=protected-access
     if not stacked:
         return {i: out[i] for i in plans}
     result = {}

@@ -37,6 +37,7 @@ The active tapes are a thread-local stack: MirroredStrategy replica threads
 run their own tapes, and the wrappers are shared by all threads.
 """
 
+import contextlib
 import functools
 import weakref
 import threading as _threading
@@ -129,6 +130,22 @@ _current = _callback.current     # this thread's ThreadState
 is_trainable = _callback.is_trainable
 _live_lock = _threading.Lock()
 _live_tapes = 0                    # recording tapes over all threads
+
+
+@contextlib.contextmanager
+def gradient_functions_of(overrides):
+    """TF's gradient functions of single graph ops replaced while the block
+    runs ({tf.Operation: fn}, as TF's custom_gradient sets
+    ``op._gradient_function`` inside a function), restored after it; TF's
+    gradients_util reads them when it differentiates those ops."""
+    saved = {op: op._gradient_function for op in overrides}  # pylint: disable=protected-access
+    try:
+        for op, fn in overrides.items():
+            op._gradient_function = fn  # pylint: disable=protected-access
+        yield
+    finally:
+        for op, fn in saved.items():
+            op._gradient_function = fn  # pylint: disable=protected-access
 
 
 def recording_tapes():
