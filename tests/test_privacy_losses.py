@@ -365,3 +365,36 @@ def test_evaluate_after_private_fit_is_keras_own():
     got = model.evaluate(x, [y_cls, y_reg], verbose=0, return_dict=True)
     want = plain.evaluate(x, [y_cls, y_reg], verbose=0, return_dict=True)
     assert got == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("framework, fmt", [
+    ("keras", "m.keras"), ("tf_keras", "m.h5"), ("tf_keras", "saved_model")])
+def test_a_saved_private_model_loads_as_keras_own(tmp_path, framework, fmt):
+    """make_private is not saved with the model: the loaded one has Keras'
+    own loss class (no per-example wrapper), Keras' own train step, the
+    same evaluate, and make_private on it trains with DP again."""
+    import tf_keras
+    k = keras if framework == "keras" else tf_keras
+    x, y_cls, y_reg = _two_output_data()
+    losses = [k.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"]
+    model = _two_outputs(k, False)
+    model.compile(k.optimizers.SGD(0.1), losses, loss_weights=[0.3, 2.0])
+    _fit(model, x, [y_cls, y_reg])
+    path = str(tmp_path / fmt)
+    model.save(path)
+    loaded = k.models.load_model(path)
+    assert not getattr(loaded.train_step, "_fasttape_dp_step", False)
+    assert type(loaded).train_step is loaded.train_step.__func__
+    for loss in tf.nest.flatten(loaded.loss):
+        assert not isinstance(loss, privacy._PerExampleLoss), loss
+        assert "fasttape" not in type(loss).__module__, type(loss)
+    want = model.evaluate(x, [y_cls, y_reg], verbose=0)
+    got = loaded.evaluate(x, [y_cls, y_reg], verbose=0)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # the loaded model trains privately again: its step is the DP reference's
+    clipped = _two_outputs(k, False)
+    clipped.set_weights(loaded.get_weights())
+    want = _reference(clipped, k.optimizers.SGD(0.1), x, [y_cls, y_reg],
+                      _two_output_loss(k, ("cls", "reg")), CLIP)
+    _fit(loaded, x, [y_cls, y_reg])
+    _assert_same(loaded, want)
