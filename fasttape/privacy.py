@@ -536,8 +536,10 @@ def _dp_train_step(model, data, dp, keras3):
         raise NotImplementedError(
             "make_private does not support LossScaleOptimizer (mixed_float16's "
             "loss scaling): its dynamic scale would have to enter the clipping "
-            "norm. Train with the 'mixed_bfloat16' or 'float32' policy, which "
-            "scale no loss.")
+            "norm, and its choice to skip a step when a gradient overflows "
+            "depends on single examples' gradients, which DP-SGD's noise does "
+            "not cover. Train with the 'mixed_bfloat16' or 'float32' policy, "
+            "which scale no loss.")
     container = _loss_container(model, keras3)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     weights = model.trainable_weights
