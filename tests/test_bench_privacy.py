@@ -84,3 +84,9 @@ def test_a_compiled_dp_row_times_every_arm_and_checks_the_gradients():
         assert row[arm] > 0, arm
     lines = privacy.format_dp_compiled_table([row, dict(row, workload="dpc_gen9")])
     assert "dpc_mlp" in lines and "generated models, dp fn / plain fn: median" in lines
+    # the noise's own cost beside the DP step's: TF's noised step over its plain one
+    cells = lines.splitlines()[1].split()
+    assert cells[1 + 2 * 4:][:3] == [f"{row['dp fn'] / row['plain fn']:.2f}",
+                                     f"{row['dp fn'] / row['+noise fn']:.2f}",
+                                     f"{row['+noise fn'] / row['plain fn']:.2f}"]
+    assert "generated models, +noise fn / plain fn: median" in lines
