@@ -273,15 +273,7 @@ def test_two_accumulators_and_a_tape_in_any_mix(outer, inner, tape):
                 g = t.gradient(y, x)
             j2 = a2.jvp(y)
         return g, a2.jvp(g), a1.jvp(g), a1.jvp(a2.jvp(g)), j2, a1.jvp(j2)
-
-    def run(FA1, FA2, GT):
-        try:
-            return case(FA1, FA2, GT)
-        except Exception as exc:  # noqa: BLE001 - compared, never swallowed
-            return Raised(exc)
-    harness.compare(run(_ACCS["tf"], _ACCS["tf"], _TAPES["tf"]),
-                    run(_ACCS[outer], _ACCS[inner], _TAPES[tape]),
-                    allow_tf_error=False)
+    _mixed_pair(case, (outer, inner), tape)
 
 
 # -- a tf.function called under a TF and a fasttape accumulator ---------------------
@@ -305,18 +297,20 @@ def no_hang():
     faulthandler.cancel_dump_traceback_later()
 
 
+def _outcome(case, *args):
+    try:
+        return case(*args)
+    except Exception as exc:  # noqa: BLE001 - compared, never swallowed
+        return Raised(exc)
+
+
 def _mixed_pair(case, accs, tape=None):
     """``case(FA1, FA2, GT)`` with TF's two accumulators (and TF's tape if
     ``tape``) and with ``accs`` (outer, inner) and ``tape``: the same."""
-    def run(FA1, FA2, GT):
-        try:
-            return case(FA1, FA2, GT)
-        except Exception as exc:  # noqa: BLE001 - compared, never swallowed
-            return Raised(exc)
     outer, inner = accs
     return harness.compare(
-        run(_ACCS["tf"], _ACCS["tf"], _TAPES.get(tape and "tf")),
-        run(_ACCS[outer], _ACCS[inner], _TAPES.get(tape)),
+        _outcome(case, _ACCS["tf"], _ACCS["tf"], _TAPES.get(tape and "tf")),
+        _outcome(case, _ACCS[outer], _ACCS[inner], _TAPES.get(tape)),
         allow_tf_error=False)
 
 
@@ -385,16 +379,13 @@ def test_tf_function_under_mixed_accumulators_in_a_tape(accs, tape, persistent):
     """Back over forward: the tape records the call and each accumulator's
     JVP computation; with two accumulators TF builds the call's functions
     for higher orders. TF's gradient of its accumulators' JVPs through a
-    tf.function is None (TF wrong: docs/differences.md); the gradient of the
-    fasttape accumulator's JVPs is the one TF gives with the body run
-    eagerly."""
+    tf.function is None here (TF wrong: reverse over forward through a
+    tf.function, docs/differences.md); the gradient of the fasttape
+    accumulator's JVPs is the one TF gives with the body run eagerly."""
     outer, inner = accs
 
     def run(FA1, FA2, GT, traced=True):
-        try:
-            return _call_in_a_tape(FA1, FA2, GT, persistent, traced)
-        except Exception as exc:  # noqa: BLE001 - compared, never swallowed
-            return Raised(exc)
+        return _outcome(_call_in_a_tape, FA1, FA2, GT, persistent, traced)
     expected = run(_ACCS["tf"], _ACCS["tf"], _TAPES["tf"])
     assert not isinstance(expected, Raised), expected
     if persistent:

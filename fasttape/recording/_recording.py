@@ -23,6 +23,10 @@ All of fasttape's changes to TensorFlow live in this module:
     accumulator was pushed: while one computes a JVP, only fasttape tapes
     and accumulators older than it see the ops it runs, as TF's tapes do
     (see _tf_jvp_dispatch);
+  - a wrapper of ConcreteFunction's ``_build_functions_for_outputs`` that
+    keeps fasttape's accumulators out of the forward function TF builds
+    with JVPs for its own accumulators (a fasttape accumulator takes a
+    function call's JVPs from record_operation_backprop_only's record);
   - wrappers of ``op_callbacks.add_op_callback``/``remove_op_callback``,
     which switch ``execute.execute`` for all threads: fasttape's wrapper is
     put back while anything records;
