@@ -284,6 +284,9 @@ def _wrapped_record_operation_backprop_only(op_type, output_tensors,
 def _wrapped_record_operation_forwardprop_only(
         op_type, output_tensors, input_tensors, backward_function,
         forwardprop_output_indices):
+    # (taken first: held, it would keep the call's outputs alive)
+    backward, n_args = getattr(_tf_accumulators, "call_record", (None, 0))
+    _tf_accumulators.call_record = None, 0
     _originals["record_operation_forwardprop_only"](
         op_type, output_tensors, input_tensors, backward_function,
         forwardprop_output_indices)
@@ -292,8 +295,6 @@ def _wrapped_record_operation_forwardprop_only(
         _record_python_backward(op_type, output_tensors, input_tensors,
                                 backward_function, to_tapes=False)
         return
-    backward, n_args = getattr(_tf_accumulators, "call_record", (None, 0))
-    _tf_accumulators.call_record = None, 0
     if backward is backward_function and _watching(input_tensors[n_args:],
                                                    accumulators=True):
         raise TypeError(
