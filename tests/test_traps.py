@@ -468,6 +468,31 @@ def test_could_possibly_record_needs_hook(disable):
         assert not record.could_possibly_record()
 
 
+def _function_under_a_tf_and_a_fasttape_accumulator():
+    f = tf.function(lambda a: tf.sin(a) * a)
+    x = tf.constant([0.5, 1.0])
+    with fasttape.ForwardAccumulator(x, tf.constant([1.0, 2.0])) as outer:
+        with tf.autodiff.ForwardAccumulator(x, tf.constant([3.0, 4.0])) as inner:
+            y = f(x)
+    return outer.jvp(y), inner.jvp(y)
+
+
+def test_function_call_under_a_tf_accumulator_builds_without_fasttape():
+    jvps = _function_under_a_tf_and_a_fasttape_accumulator()
+    x = np.array([0.5, 1.0], np.float32)
+    dydx = np.sin(x) + x * np.cos(x)
+    close(jvps[0], dydx * [1.0, 2.0])
+    close(jvps[1], dydx * [3.0, 4.0])
+
+
+def test_function_call_under_a_tf_accumulator_needs_build_hook(disable):
+    # TF's forward function with JVPs for its own accumulators captured the
+    # fasttape accumulator's tangents as extra inputs.
+    disable("_build_functions_for_outputs")
+    with pytest.raises(TypeError):
+        _function_under_a_tf_and_a_fasttape_accumulator()
+
+
 # -- 5. stop_recording ---------------------------------------------------------------
 
 def _tf_stop_recording_body(Tape, restart_inside=False):

@@ -23,6 +23,10 @@ All of fasttape's changes to TensorFlow live in this module:
     accumulator was pushed: while one computes a JVP, only fasttape tapes
     and accumulators older than it see the ops it runs, as TF's tapes do
     (see _tf_jvp_dispatch);
+  - a wrapper of ConcreteFunction's ``_build_functions_for_outputs`` that
+    keeps fasttape's accumulators out of the forward function TF builds
+    with JVPs for its own accumulators (a fasttape accumulator takes a
+    function call's JVPs from record_operation_backprop_only's record);
   - wrappers of ``op_callbacks.add_op_callback``/``remove_op_callback``,
     which switch ``execute.execute`` for all threads: fasttape's wrapper is
     put back while anything records;
@@ -54,6 +58,7 @@ from tensorflow.python.eager import execute
 from tensorflow.python.eager import forwardprop as tf_forwardprop
 from tensorflow.python.eager import record
 from tensorflow.python.eager import tape as tf_tape
+from tensorflow.python.eager.polymorphic_function import concrete_function
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.framework import op_def_library
 from tensorflow.python.framework import ops
@@ -252,22 +257,54 @@ def _wrapped_record_operation(op_type, output_tensors, input_tensors,
                             backward_function, forward_function)
 
 
+# A tf.function call that TF's own accumulators watch is recorded twice
+# (ConcreteFunction's record, the only caller of the two functions below):
+# record_operation_backprop_only(outputs, arguments, backward) for tapes, and
+# record_operation_forwardprop_only(outputs + JVP outputs + side outputs,
+# arguments + TF's input tangents, the same backward, where TF's JVPs are) for
+# TF's accumulators, which read the JVPs its forward function computed for
+# them and transpose nothing. The backward takes gradients for the first
+# record's outputs and gives them for its inputs; it takes none for the JVP
+# outputs and gives none for the tangents unless a tape watches those
+# tangents (need_gradients_for_jvps). So a fasttape accumulator, which is in
+# no such plan, transposes the backward over the first record, the pair that
+# always matches, exactly as it transposes record_operation's when no TF
+# accumulator is around; over the second it read the aids of TF's JVP outputs
+# as the gradients of side outputs or got too few gradients.
+
 def _wrapped_record_operation_backprop_only(op_type, output_tensors,
                                             input_tensors, backward_function):
     _originals["record_operation_backprop_only"](
         op_type, output_tensors, input_tensors, backward_function)
     _record_python_backward(op_type, output_tensors, input_tensors,
-                            backward_function, to_accumulators=False)
+                            backward_function)
+    _tf_accumulators.call_record = (backward_function, len(input_tensors))
 
 
 def _wrapped_record_operation_forwardprop_only(
         op_type, output_tensors, input_tensors, backward_function,
         forwardprop_output_indices):
+    # (taken first: held, it would keep the call's outputs alive)
+    backward, n_args = getattr(_tf_accumulators, "call_record", (None, 0))
+    _tf_accumulators.call_record = None, 0
     _originals["record_operation_forwardprop_only"](
         op_type, output_tensors, input_tensors, backward_function,
         forwardprop_output_indices)
-    _record_python_backward(op_type, output_tensors, input_tensors,
-                            backward_function, to_tapes=False)
+    if forwardprop_output_indices is None:
+        # a call inside the forward function TF builds for its accumulators
+        _record_python_backward(op_type, output_tensors, input_tensors,
+                                backward_function, to_tapes=False)
+        return
+    if backward is backward_function and _watching(input_tensors[n_args:],
+                                                   accumulators=True):
+        raise TypeError(
+            f"fasttape.ForwardAccumulator cannot take the JVP of {op_type!r} "
+            "(a tf.function call) with respect to the tangents a "
+            "tf.autodiff.ForwardAccumulator gives its arguments: TF computes "
+            "those JVPs inside the function for its own accumulators only. "
+            "Use one implementation for both accumulators (both "
+            "fasttape.ForwardAccumulator, or both tf.autodiff."
+            "ForwardAccumulator).")
 
 
 def _wrapped_could_possibly_record():
@@ -447,6 +484,8 @@ def _wrapped_context_clear_caches(context_handle):
 
 _tf_accumulators = _threading.local()  # .pushed: [(TF accumulator, nesting id)]
                                        # .served: (output ids, nesting ids) of this level
+                                       # .call_record: (backward, number of arguments)
+                                       #   of the last function call recorded
 
 
 def _tf_pushed():
@@ -527,6 +566,36 @@ def _tf_jvp_dispatch(op_name, attr_tuple, inputs, outputs, tangents,
         _tf_accumulators.served = (out_key, served)
 
 
+def _wrapped_build_functions_for_outputs(self, outputs, inference_args,
+                                         input_tangents):
+    """ConcreteFunction's builder of a call's forward and backward functions,
+    with this thread's fasttape accumulators out of sight while it builds
+    the forward function that computes JVPs for TF's accumulators.
+
+    That function takes exactly the inputs TF planned: the call's arguments
+    and the tangents TF's own accumulators give them (pack_tangents), and TF
+    raises when its graph ends up with more ("The forward graph had N
+    inputs", itself a TypeError from a misbuilt InternalError). A fasttape
+    accumulator is in no such plan: it recorded the "captured_value" ops
+    there, giving the graph's placeholders its eager tangents, and the JVPs
+    it then built captured those as extra inputs. Nothing it could compute
+    in that graph is read: it takes the call's JVPs from the call's record
+    (record_operation_backprop_only), as with no TF accumulator around.
+    Accumulators pushed meanwhile stay seen and pushed."""
+    if not input_tangents:
+        return _originals["_build_functions_for_outputs"](
+            self, outputs, inference_args, input_tangents)
+    st = _current()
+    hidden = st.accumulators
+    st.accumulators = []
+    try:
+        return _originals["_build_functions_for_outputs"](
+            self, outputs, inference_args, input_tangents)
+    finally:
+        hidden.extend(st.accumulators)
+        st.accumulators = hidden
+
+
 _jvp_function_registered = False
 
 
@@ -560,6 +629,8 @@ _HOOKS = (
      _wrapped_accumulator_set_add),
     (pywrap_tfe, "TFE_Py_ForwardAccumulatorSetRemove",
      _wrapped_accumulator_set_remove),
+    (concrete_function._TapeGradientFunctions,  # pylint: disable=protected-access
+     "_build_functions_for_outputs", _wrapped_build_functions_for_outputs),
 )
 
 # AutoGraph must not try to convert fasttape's own (partly compiled) code
