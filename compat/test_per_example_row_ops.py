@@ -180,3 +180,23 @@ def test_an_op_on_no_list_sends_the_parameters_before_it_to_rows(traced):
         np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-9)
     assert rules[:2] == ["per-example rows"] * 2
     assert rules[2] != "per-example rows"
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "function"])
+def test_a_product_of_parameters_has_no_examples_rows(traced):
+    """A learned position table times a weight ([T, d] @ [d, n], T == B)
+    added to every example: the product's rows are positions, not
+    examples, so the weight's MatMul rule does not apply (it read them as
+    examples' rows: errors near 3); both take rows."""
+    rng = np.random.default_rng(8)
+    x = tf.constant(rng.normal(size=(B, B, 2)), DTYPE)
+    pos = tf.Variable(rng.normal(size=(B, 3)), dtype=DTYPE)
+    w = tf.Variable(rng.normal(size=(3, 2)), dtype=DTYPE)
+
+    def loss(x):
+        return tf.reduce_sum(tf.tanh(x + (pos @ w)[None]) ** 2, axis=[1, 2])
+    ref = _reference(loss, x, [pos, w])
+    got, rules = _per_example(loss, x, [pos, w], traced)
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-9, atol=1e-12)
+    assert rules == ["per-example rows"] * 2

@@ -470,6 +470,8 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
         if ruled and len(used) == 1 and None not in src_shape:
             entry, pos = used[0]
             rule = _norm_rules.candidate(entry.op_type, entry.payload)
+            if entry.output_ids[0] not in carrying:
+                rule = None     # its rows are no examples' (pos @ W, T == B)
             if rule is not None and (axes is not None and any(
                     axes.get(t, 0) > 0 for t in entry.input_ids + entry.output_ids[:1])
                     or _chains(entry, pos, shapes)):
@@ -495,7 +497,8 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
         else:
             result.fallback[k] = sorted({e.op_type for e, _ in used})
             if ruled and None not in src_shape:
-                uses = _uses(used, axes, batch, shapes, consumers, loops=loops)
+                uses = _uses(used, axes, batch, shapes, consumers, loops=loops,
+                             rows=carrying)
                 if uses and (len(used) > 1 or uses[0][0] != "rule"):
                     result.uses[k] = uses
     return result
@@ -2141,7 +2144,7 @@ _MAX_USES = 1 << 14
 
 
 def _uses(used, axes, batch, shapes, consumers, depth=0, budget=None,
-          loops=None):
+          loops=None, rows=None):
     """For a source read by several ops that each have a rule (a recurrent
     layer's kernel, recurrent kernel and bias, read once a time step), or
     through a chain of elementwise ops on tensors of its own shape that
@@ -2152,7 +2155,8 @@ def _uses(used, axes, batch, shapes, consumers, depth=0, budget=None,
     variable a traced loop reads (a Keras 3 RNN's While: ``loops``, see
     _loop_proof), ("while", payload, pos, its plan, the loop's output
     ids); None where a use is none of these, or its batch is not on axis
-    0, or its rows fold time."""
+    0, or its rows fold time, or are no examples' (not in ``rows``: see
+    _row_ops.carries_rows)."""
     budget = budget if budget is not None else [_MAX_USES]
     out = []
     for entry, pos in used:
@@ -2175,13 +2179,13 @@ def _uses(used, axes, batch, shapes, consumers, depth=0, budget=None,
             # VJP of its output's (the sum of the rules of its uses),
             # whatever the other operand (the op is linear in this one)
             chain = _chain_item(entry, pos, axes, batch, shapes, consumers,
-                                depth, budget)
+                                depth, budget, rows)
             if chain is None:
                 return None
             out.append(chain)
             continue
         rule = _norm_rules.candidate(entry.op_type, entry.payload)
-        if rule is None:
+        if rule is None or (rows is not None and o not in rows):
             return None
         if entry.op_type == "MatMul":
             a = entry.payload.inputs[0]
@@ -2250,7 +2254,8 @@ def _chains(entry, pos, shapes):
         entry, pos, shapes, in_shape) is not None
 
 
-def _chain_item(entry, pos, axes, batch, shapes, consumers, depth, budget):
+def _chain_item(entry, pos, axes, batch, shapes, consumers, depth, budget,
+                rows=None):
     payload = entry.payload
     inputs = getattr(payload, "inputs", None) or ()
     if entry.op_type == "Mul" and (
@@ -2263,7 +2268,7 @@ def _chain_item(entry, pos, axes, batch, shapes, consumers, depth, budget):
         used = [(u, p) for u in consumers.get(o, ())
                 for p, i in enumerate(u.input_ids) if i == o]
         children = _uses(used, axes, batch, shapes, consumers, depth + 1,
-                         budget) if used else ()
+                         budget, rows=rows) if used else ()
         if children is None:
             return None
         outs.append((shape, tuple(children)))

@@ -460,13 +460,16 @@ def carries_rows(entry, carrying, weak, produced, alias, shapes, batch,
     """(whether ``entry``'s outputs may hold examples' rows, whether they
     hold only ``weak`` ones). They may where it reads a carrying tensor,
     or a tensor off the path (neither computed on it nor a source) that
-    leads with the batch and has more axes, or an unknown shape. A vector
+    leads with the batch (or a multiple of it) and has more axes, or an
+    unknown shape. A vector
     off the path as long as the batch (labels, ids, or a batch norm's
     moving variance with as many channels as examples) is weak: what is
     computed from it and parameters carries rows only from an op a rule
     may read (``may_rule(entry, pos)`` for a source at input pos: an
     embedding of the labels, a scale of a feature), as no rule's rows
     reach it before."""
+    if batch is None:
+        return True, False      # (unknown while tracing: no rule anyway)
     inputs = getattr(entry.payload, "inputs", None) or ()
     vector = False
     for i, tid in enumerate(entry.input_ids):
@@ -485,7 +488,9 @@ def carries_rows(entry, carrying, weak, produced, alias, shapes, batch,
                 shape = tuple(t.shape.as_list())
         if shape is None:
             return True, False
-        if shape and shape[0] in (batch, None):
+        # (a leading axis of B*T: the batch folded with time, Keras' Dense
+        # on [B, T, d]; nb*B: a dilated convolution's blocks)
+        if shape and (shape[0] is None or (shape[0] > 0 and shape[0] % batch == 0)):
             if len(shape) > 1:
                 return True, False
             vector = True
