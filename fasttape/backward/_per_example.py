@@ -59,6 +59,7 @@ from tensorflow.python.util import nest
 
 from fasttape.backward import _gradient
 from fasttape.backward import _jacobians
+from fasttape.backward import _row_ops
 from fasttape.backward import _while_grads
 from fasttape.diagnostics import _frames
 from fasttape.diagnostics import anomaly as _anomaly
@@ -70,6 +71,9 @@ from fasttape.gradients._payloads import GraphOp
 from fasttape.gradients._payloads import backward_signature
 from fasttape.recording import _recording
 from fasttape.recording._callback import output_meta
+from fasttape.backward._row_ops import leading as _leading
+from fasttape.backward._row_ops import meta_shape as _meta_shape
+from fasttape.backward._row_ops import value as _value
 
 _DT_RESOURCE = dtypes.resource.as_datatype_enum
 # Ops that pass a source on unchanged (a variable's read; while tracing,
@@ -80,13 +84,7 @@ _RESHAPES = frozenset({"Reshape", "ExpandDims", "Squeeze"})
 _REDUCERS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm"})
 _BATCH_NORMS = frozenset({"FusedBatchNorm", "FusedBatchNormV2",
                           "FusedBatchNormV3"})
-# Ops whose output has the shape of their first input (the analysis carries
-# a known shape across them, either way).
-_SAME_SHAPE = frozenset({
-    "BiasAdd", "BiasAddV1", "Identity", "Relu", "Relu6", "Elu", "Selu",
-    "LeakyRelu", "Gelu", "Tanh", "Sigmoid", "Softplus", "Softsign", "Neg",
-    "Sin", "Cos", "Exp", "Log", "Log1p", "Square", "Sqrt", "Rsqrt", "Abs",
-    "Erf", "Softmax", "LogSoftmax", "Cast", "StopGradient"})
+_SAME_SHAPE = _row_ops.SAME_SHAPE
 
 
 class _Analysis:
@@ -103,12 +101,6 @@ class _Analysis:
         self.folded = {}        # k -> the payload a _fold_rows copy was made of
         self.entries = None     # the path's entries (core.plan), if kept
         self.uses = {}          # k -> the tree of its uses (_uses)
-
-
-def _meta_shape(meta):
-    if isinstance(meta, tuple) and len(meta) == 2 and isinstance(meta[0], tuple):
-        return meta[0]
-    return None
 
 
 def _start(tape, losses, sources, what):
@@ -175,16 +167,6 @@ class _GraphEntry:
 
 def _graph_entries(entries):
     return [_GraphEntry(e) for e in entries]
-
-
-def _value(t):
-    """A small config input's value (axes, a permutation) as a list or a
-    number: an eager tensor's, or a traced one's where it is a constant
-    while tracing; else None."""
-    if type(t) is ops.EagerTensor:
-        return t.numpy().tolist()
-    value = _norm_rules.value_of(t)
-    return None if value is None else value.tolist()
 
 
 def _pack(sources, flat_raw, out):
@@ -256,166 +238,6 @@ def _check_mixing(what, entry, shapes, batch, separable=()):
     axes = [int(a) % len(shape) for a in nest.flatten(value)]
     if 0 in axes:
         raise _mixing_error(what, entry, batch)
-
-
-# Ops that may move rows across the leading axis. An op rule reads row j of
-# its operands as example j; that holds only while every op on the path
-# keeps axis 0 as the example axis (a time-major transpose with T == B, or a
-# gather that permutes examples, would hand a rule the wrong rows with no
-# error). Where one of these may move axis 0, every source takes the rows
-# fallback, which is exact whatever the layout.
-_AXIS0_MOVERS = frozenset({
-    "Transpose", "ConjugateTranspose", "Einsum", "Reshape", "GatherV2",
-    "Gather", "ConcatV2", "Concat", "Pack", "Unpack", "Split", "SplitV",
-    "Tile", "ReverseV2", "Roll", "Slice", "StridedSlice", "BatchToSpaceND",
-    "SpaceToBatchND", "MatrixTranspose", "ScatterNd", "TensorScatterUpdate",
-    # sums, scans and gathers across rows (Cumsum along axis 0; segments of
-    # rows; GatherNd and the stitching ops pick rows by index)
-    "Cumsum", "Cumprod", "CumulativeLogsumexp", "UnsortedSegmentSum",
-    "UnsortedSegmentMax", "UnsortedSegmentMin", "UnsortedSegmentProd",
-    "SegmentSum", "SegmentMean", "SegmentMax", "SegmentMin", "SegmentProd",
-    "SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN",
-    "GatherNd", "DynamicStitch", "ParallelDynamicStitch", "DynamicPartition",
-    "TensorScatterAdd", "TensorScatterSub", "TensorScatterMax",
-    "TensorScatterMin", "Pad", "PadV2", "MirrorPad", "ReverseSequence",
-    # linear algebra over a tensor's two inner axes: on a [B, d] operand the
-    # rows are one of those axes (a solve against h [B, d] mixes them); on
-    # batched matrices it keeps them, but rows are exact either way
-    "MatrixSolve", "MatrixTriangularSolve", "BandedTriangularSolve",
-    "TridiagonalSolve", "TridiagonalMatMul", "MatrixSolveLs", "MatrixInverse",
-    "Cholesky", "Qr", "Svd", "SelfAdjointEigV2", "Eig", "Lu",
-    "MatrixDeterminant", "LogMatrixDeterminant", "MatrixExponential",
-    "MatrixLogarithm", "MatrixSquareRoot", "SparseTensorDenseMatMul",
-    "SparseMatMul", "SparseSegmentSumWithNumSegments",
-    "SparseSegmentMeanWithNumSegments", "SparseSegmentSqrtNWithNumSegments",
-    # functional control flow and the TensorLists a traced loop reads and
-    # writes (a Keras 3 RNN: its steps inside one While, time-major): what
-    # they do to the rows is not seen here
-    "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
-    "TensorListFromTensor", "TensorListStack", "TensorListGetItem",
-    "TensorListSetItem", "TensorListGather", "TensorListScatter",
-    "TensorListScatterV2", "TensorListScatterIntoExistingList",
-    "TensorListConcat", "TensorListConcatV2", "TensorListSplit",
-    "TensorListPopBack", "TensorListPushBack", "TensorListPushBackBatch",
-    "TensorListConcatLists"})
-
-
-def _leading(shape):
-    return shape[0] if shape else None
-
-
-_MATMULS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"})
-
-
-def _matmul_keeps_axis0(entry, shapes, alias, produced):
-    """A product's rows are its first operand's, while that operand is not
-    transposed and the second holds no example's values: ``V @ h``, with V
-    [B, B] and h computed from the sources, sums other examples' rows into
-    each row (and a rule after it would silently read the wrong example's
-    gradient). An operand computed on the path (not a source or its read)
-    may hold examples; one that is not (a constant, a variable, the input
-    batch) holds none of the path's. Batch dimensions (rank above 2) keep
-    their rows."""
-    ins = entry.input_ids
-    inputs = getattr(entry.payload, "inputs", None) or ()
-    if len(ins) < 2:
-        return True
-    ranks = []
-    for i, tid in enumerate(ins[:2]):
-        shape = shapes.get(tid)
-        if shape is None and i < len(inputs) and inputs[i] is not None and (
-                inputs[i].shape.rank is not None):
-            shape = tuple(inputs[i].shape.as_list())
-        ranks.append(None if shape is None else len(shape))
-    if entry.op_type != "MatMul" and None not in ranks and max(ranks) > 2:
-        return True
-    carries = [tid in produced and tid not in alias for tid in ins[:2]]
-    if carries[1]:
-        return False          # contracted, or moved to the columns
-    flag = "transpose_a" if entry.op_type == "MatMul" else "adj_x"
-    return not (carries[0] and _norm_rules.attr(entry.payload, flag, False))
-
-
-def _keeps_axis0(entry, shapes, batch, alias, produced=frozenset()):
-    """False where an op on the path may move rows across axis 0 (see
-    _AXIS0_MOVERS and _matmul_keeps_axis0); True when it provably keeps
-    them, or cannot move them."""
-    op_type = entry.op_type
-    if op_type in _MATMULS:
-        return _matmul_keeps_axis0(entry, shapes, alias, produced)
-    if op_type not in _AXIS0_MOVERS:
-        return True
-    ins = entry.input_ids
-    if ins and ins[0] in alias and op_type not in ("ConcatV2", "Concat", "Pack"):
-        return True          # reshaping or slicing a source: a use of it
-    payload = entry.payload
-    inputs = getattr(payload, "inputs", None) or ()
-
-    def const(i):
-        t = inputs[i] if i < len(inputs) else None
-        return None if t is None else _value(t)
-    in_shape = shapes.get(ins[0]) if ins else None
-    if in_shape is None and inputs and inputs[0] is not None and (
-            inputs[0].shape.rank is not None):
-        in_shape = tuple(inputs[0].shape.as_list())
-    out_shape = shapes.get(entry.output_ids[0]) if entry.output_ids else None
-    if out_shape is None and entry.output_meta:
-        out_shape = _meta_shape(entry.output_meta[0])
-    if op_type in ("Transpose", "ConjugateTranspose"):
-        perm = const(1)
-        return perm is not None and perm[0] == 0
-    if op_type == "Reshape":
-        # Row-major: while each example's values are one contiguous block, a
-        # leading axis that is a multiple of B keeps every row inside one
-        # example's block (Keras folds [B, T, d] into [B*T, d] and back).
-        lead_in, lead_out = _leading(in_shape or ()), _leading(out_shape or ())
-        return (lead_in is not None and lead_out is not None and lead_in > 0
-                and lead_out > 0 and lead_in % batch == 0
-                and lead_out % batch == 0)
-    if op_type == "Einsum":
-        eq = _norm_rules.attr(payload, "equation")
-        if isinstance(eq, bytes):
-            eq = eq.decode()
-        if not eq or "->" not in eq:
-            return False
-        lhs, out = eq.replace(" ", "").split("->")
-        terms = lhs.split(",")
-        # operands that are activations (not a source) lead with the output's
-        # first index, which is not summed over
-        return bool(out) and all(
-            term[:1] == out[:1] for term, tid in zip(terms, ins)
-            if tid not in alias) and out[:1] != "."
-    if op_type in ("GatherV2", "Gather"):
-        axis = const(2) if op_type == "GatherV2" else 0
-        return axis is not None and axis != 0 and (
-            in_shape is None or int(axis) % len(in_shape) != 0)
-    if op_type == "StridedSlice":
-        begin, end, strides = const(1), const(2), const(3)
-        if None in (begin, end, strides) or not begin:
-            return False
-        def mask(name):
-            return int(_norm_rules.attr(payload, name, 0) or 0) & 1
-        if mask("ellipsis_mask"):
-            return True
-        if mask("shrink_axis_mask") or mask("new_axis_mask") or strides[0] != 1:
-            return False
-        return ((mask("begin_mask") or begin[0] == 0)
-                and (mask("end_mask") or end[0] >= batch))
-    if op_type in ("Cumsum", "Cumprod", "CumulativeLogsumexp"):
-        axis = const(1)
-        return axis is not None and in_shape is not None and len(in_shape) > 0 and (
-            int(axis) % len(in_shape) != 0)
-    if op_type in ("Pad", "PadV2", "MirrorPad"):
-        paddings = const(1)
-        return paddings is not None and list(paddings[0]) == [0, 0]
-    if op_type == "ReverseSequence":
-        return int(_norm_rules.attr(payload, "batch_dim", 0) or 0) == 0
-    if op_type == "Slice":
-        begin, size = const(1), const(2)
-        return (begin is not None and size is not None and begin[0] == 0
-                and size[0] in (-1, batch))
-    return (in_shape is not None and out_shape is not None and len(in_shape) > 0
-            and op_type in ("Tile",) and const(1) is not None and const(1)[0] == 1)
 
 
 # Analyses by the structure of the path they walked (see _analyse): a
@@ -579,6 +401,26 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
                                               consumers)
     movers = []
     produced = frozenset(o for entry in entries for o in entry.output_ids)
+    # tensors that may hold examples' rows (_row_ops): a tensor source that
+    # leads with the batch (a variable is a parameter, whatever its shape),
+    # and what is computed from such tensors
+    batched = {k for k, (s, t) in enumerate(zip(flat_raw, flat))
+               if t.dtype != dtypes.resource and s.shape.rank
+               and s.shape[0] == batch}
+    carrying = {sid for sid, k in alias.items() if k in batched}
+    weak = set()
+
+    def may_rule(entry, pos):
+        rule = _norm_rules.candidate(entry.op_type, entry.payload)
+        if rule is None:
+            return False
+        out = shapes.get(entry.output_ids[0]) if entry.output_ids else None
+        if out is None and entry.output_meta:
+            out = _meta_shape(entry.output_meta[0])
+        src = shapes.get(entry.input_ids[pos])
+        if out is None or src is None:
+            return True
+        return _norm_rules.applies(rule, entry.payload, pos, out, src, batch)
     for entry in entries:
         ins = entry.input_ids
         if ins and ins[0] in alias and (
@@ -590,6 +432,8 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
             # reshaped value; its results are reshaped back to the source.
             for o in entry.output_ids:
                 alias[o] = alias[ins[0]]
+                if alias[o] in batched:
+                    carrying.add(o)
                 if entry.op_type in _TRANSPARENT and o not in shapes:
                     # (a read: the source's shape, for a chain of its uses)
                     shapes[o] = tuple(flat_raw[alias[o]].shape.as_list())
@@ -601,12 +445,16 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
         _check_mixing(what, entry, shapes, batch, groups.separable)
         if (use_rules and id(entry) not in groups.accepted
                 and id(entry) not in followed
-                and not _keeps_axis0(entry, shapes, batch, alias, produced)):
+                and not _row_ops.keeps_axis0(entry, shapes, batch, carrying)):
             movers.append(entry)
-            logs.append(f"fasttape {what}: a {entry.op_type} op may move rows "
-                        "across the batch axis: the sources read before it "
-                        "take per-example rows")
+            logs.append(f"fasttape {what}: a {entry.op_type} op is not known "
+                        "to keep each example's row on the batch axis: the "
+                        "sources read before it take per-example rows")
             logging.debug(logs[-1])
+        rows, vector = _row_ops.carries_rows(entry, carrying, weak, produced,
+                                             alias, shapes, batch, may_rule)
+        if rows or vector:
+            (carrying if rows else weak).update(entry.output_ids)
         for o, meta in zip(entry.output_ids, entry.output_meta):
             shape = _meta_shape(meta)
             if shape is not None:
@@ -622,6 +470,8 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
         if ruled and len(used) == 1 and None not in src_shape:
             entry, pos = used[0]
             rule = _norm_rules.candidate(entry.op_type, entry.payload)
+            if entry.output_ids[0] not in carrying:
+                rule = None     # its rows are no examples' (pos @ W, T == B)
             if rule is not None and (axes is not None and any(
                     axes.get(t, 0) > 0 for t in entry.input_ids + entry.output_ids[:1])
                     or _chains(entry, pos, shapes)):
@@ -647,7 +497,8 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
         else:
             result.fallback[k] = sorted({e.op_type for e, _ in used})
             if ruled and None not in src_shape:
-                uses = _uses(used, axes, batch, shapes, consumers, loops=loops)
+                uses = _uses(used, axes, batch, shapes, consumers, loops=loops,
+                             rows=carrying)
                 if uses and (len(used) > 1 or uses[0][0] != "rule"):
                     result.uses[k] = uses
     return result
@@ -1782,7 +1633,7 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
 class _Groups:
     """Ops whose rows are not the examples one to one, but whose layout
     the analysis proves (see _row_groups): ``accepted`` (ids of entries
-    _keeps_axis0 would refuse), ``blocks`` (id of a convolution's entry ->
+    _row_ops.keeps_axis0 would refuse), ``blocks`` (id of a convolution's entry ->
     its number of space-to-batch blocks), ``separable`` (ids of training
     batch norms whose statistics never mix two examples)."""
 
@@ -1804,7 +1655,7 @@ def _config(payload, i):
 
 
 def _row_groups(entries, shapes, consumers, batch):
-    """The layouts the analysis accepts beyond _keeps_axis0's:
+    """The layouts the analysis accepts beyond _row_ops.keeps_axis0's:
 
     - a dilated convolution as TF runs it: SpaceToBatchND (or an input off
       the path), ExpandDims/Squeeze, Conv2D or DepthwiseConv2dNative,
@@ -1897,17 +1748,13 @@ def _row_groups(entries, shapes, consumers, batch):
             if (any(users[1:]) or out is None or out.op_type != "Reshape"
                     or batch is None
                     or _leading(shapes.get(out.output_ids[0]) or ()) != batch):
-                continue    # (the reshapes unproved: rows, by _keeps_axis0)
+                continue    # (the reshapes unproved: rows, by _row_ops)
             groups.accepted.update((id(into), id(out)))
     return groups
 
 
 _TRACKED = frozenset({"Transpose", "Unpack", "Pack", "StridedSlice", "Split",
                       "SplitV", "Tile", "ReverseV2"})
-_ELEMENTWISE = (_SAME_SHAPE - {"Softmax", "LogSoftmax"}) | frozenset({
-    "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "Maximum", "Minimum",
-    "SquaredDifference", "Pow", "Select", "SelectV2", "ZerosLike",
-    "OnesLike", "TanhGrad", "SigmoidGrad"})
 
 
 def _track_batch_axis(entries, shapes, batch, alias, consumers):
@@ -1919,7 +1766,7 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers):
     it is lost (a reduction, unpack or slice along it, an op other than
     these and elementwise ones on a tensor whose batch is not on axis 0,
     a result whose batch is not on axis 0). Inputs off the path are taken
-    to lead with the batch, as _keeps_axis0 takes them."""
+    to lead with the batch, as _row_ops takes them."""
     axes = {}
     followed = set()
     loops = {}      # id of a While's entry -> its plans (_loop_proof)
@@ -1988,7 +1835,7 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers):
             out = batched.pop() if batched else (
                 0 if _leading(shapes.get(entry.output_ids[0]) or ()) == batch
                 else -1) if entry.output_ids else -1
-            if out > 0 and op not in _ELEMENTWISE:
+            if out > 0 and op not in _row_ops.ELEMENTWISE:
                 return none
         for o in entry.output_ids:
             axes[o] = out
@@ -2118,9 +1965,6 @@ def _known(axis):
     return -1 if axis is _OFF else axis
 
 
-_BODY_ELEMENTWISE = _ELEMENTWISE | frozenset({"Identity", "Cast"})
-
-
 def _body_axes(entries, body, start, batch):
     """({tensor id: batch axis}, plans) over a loop body's ops from its
     inputs' axes ``start``; None where an op may move rows (see
@@ -2177,7 +2021,7 @@ def _body_axes(entries, body, start, batch):
             out = 0 if (ins == [0, -1] and not op.get_attr("transpose_a")) else None
         elif kind == "BiasAdd":
             out = 0 if ins == [0, -1] and _nhwc(op) else None
-        elif kind in _BODY_ELEMENTWISE:
+        elif kind in _row_ops.ELEMENTWISE:
             rank = op.outputs[0].shape.rank
             out = batched.pop() if len(batched) == 1 and all(
                 t.shape.rank == rank for t, a in zip(op.inputs, ins) if a >= 0) else None
@@ -2300,7 +2144,7 @@ _MAX_USES = 1 << 14
 
 
 def _uses(used, axes, batch, shapes, consumers, depth=0, budget=None,
-          loops=None):
+          loops=None, rows=None):
     """For a source read by several ops that each have a rule (a recurrent
     layer's kernel, recurrent kernel and bias, read once a time step), or
     through a chain of elementwise ops on tensors of its own shape that
@@ -2311,7 +2155,8 @@ def _uses(used, axes, batch, shapes, consumers, depth=0, budget=None,
     variable a traced loop reads (a Keras 3 RNN's While: ``loops``, see
     _loop_proof), ("while", payload, pos, its plan, the loop's output
     ids); None where a use is none of these, or its batch is not on axis
-    0, or its rows fold time."""
+    0, or its rows fold time, or are no examples' (not in ``rows``: see
+    _row_ops.carries_rows)."""
     budget = budget if budget is not None else [_MAX_USES]
     out = []
     for entry, pos in used:
@@ -2334,13 +2179,13 @@ def _uses(used, axes, batch, shapes, consumers, depth=0, budget=None,
             # VJP of its output's (the sum of the rules of its uses),
             # whatever the other operand (the op is linear in this one)
             chain = _chain_item(entry, pos, axes, batch, shapes, consumers,
-                                depth, budget)
+                                depth, budget, rows)
             if chain is None:
                 return None
             out.append(chain)
             continue
         rule = _norm_rules.candidate(entry.op_type, entry.payload)
-        if rule is None:
+        if rule is None or (rows is not None and o not in rows):
             return None
         if entry.op_type == "MatMul":
             a = entry.payload.inputs[0]
@@ -2409,7 +2254,8 @@ def _chains(entry, pos, shapes):
         entry, pos, shapes, in_shape) is not None
 
 
-def _chain_item(entry, pos, axes, batch, shapes, consumers, depth, budget):
+def _chain_item(entry, pos, axes, batch, shapes, consumers, depth, budget,
+                rows=None):
     payload = entry.payload
     inputs = getattr(payload, "inputs", None) or ()
     if entry.op_type == "Mul" and (
@@ -2422,7 +2268,7 @@ def _chain_item(entry, pos, axes, batch, shapes, consumers, depth, budget):
         used = [(u, p) for u in consumers.get(o, ())
                 for p, i in enumerate(u.input_ids) if i == o]
         children = _uses(used, axes, batch, shapes, consumers, depth + 1,
-                         budget) if used else ()
+                         budget, rows=rows) if used else ()
         if children is None:
             return None
         outs.append((shape, tuple(children)))

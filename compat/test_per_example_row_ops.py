@@ -1,0 +1,202 @@
+"""Per-example gradients whatever op follows a dense layer: a probe over
+many TF ops (row-wise ones, ones that move or mix rows across the batch
+axis, ones on no list), eager and traced, against the gradient of each
+loss of the full batch by tf.GradientTape, in float64. An op rule reads row
+j of its op's output gradient as example j's; the analysis trusts only the
+ops it knows keep the rows (backward._row_ops), and sends the parameters
+read before any other op to the exact per-example rows."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow.experimental.numpy as tnp
+
+import fasttape
+from fasttape.backward import _row_ops
+from compat.harness import TOLERANCES
+
+B, K = 4, 6
+DTYPE = tf.float64
+_V = tf.constant(np.random.default_rng(5).normal(size=(B, B)), DTYPE)
+_KERNEL = tf.constant(np.random.default_rng(6).normal(size=(3, 1, 1, 1)), DTYPE)
+
+
+def _image(h):
+    return tf.reshape(h, [B, 2, 3, 1])
+
+
+def _over_the_batch(h):
+    """h as one [1, B, K, 1] image: the batch is its height."""
+    return tf.expand_dims(tf.expand_dims(h, 0), -1)
+
+
+def _back(img):
+    return tf.squeeze(img, [0, 3])
+
+
+# name -> (h [B, K] -> a tensor leading with B, what the dense layer before
+# it takes: "rule" where the op provably keeps the rows, "rows" where it
+# may not (a row-wise op on no list takes them too: exact, slower), "any")
+PROBES = {
+    # row-wise
+    "softmax": (tf.nn.softmax, "rule"),
+    "logsumexp_rows": (lambda h: tf.reduce_logsumexp(h, axis=1), "rule"),
+    "l2_normalize_rows": (lambda h: tf.math.l2_normalize(h, axis=1), "rule"),
+    "concat_features": (lambda h: tf.concat([h, h ** 2], 1), "rule"),
+    "pad_features": (lambda h: tf.pad(h, [[0, 0], [1, 2]]), "rule"),
+    "gather_features": (lambda h: tf.gather(h, [2, 0, 5], axis=1), "rule"),
+    "tile_features": (lambda h: tf.tile(h, [1, 2]), "rule"),
+    "split_features": (lambda h: tf.concat(tf.split(h, 2, axis=1)[::-1], 1), "rule"),
+    "cumsum_features": (lambda h: tf.cumsum(h, axis=1), "rule"),
+    "where": (lambda h: tf.where(h > 0, h, 0.1 * h), "rule"),
+    "expand_squeeze": (lambda h: tf.squeeze(tf.expand_dims(h, 1) * 2.0, 1), "rule"),
+    "folded_rows": (lambda h: tf.reshape(
+        tf.reshape(h, [B * 3, 2]) * tf.constant([1.0, 2.0], DTYPE), [B, K]), "rule"),
+    "outer_per_row": (lambda h: h[:, :, None] * h[:, None, :], "rule"),
+    "einsum_rows": (lambda h: tf.einsum("bi,ij->bj", h, tf.ones([K, 3], DTYPE)),
+                    "rule"),
+    "image_flip_left_right": (lambda h: tf.image.flip_left_right(_image(h)), "rule"),
+    "image_brightness_crop": (lambda h: tf.image.central_crop(
+        tf.image.adjust_brightness(_image(h), 0.1), 0.5), "rule"),
+    "tnp_fliplr": (tnp.fliplr, "rule"),
+    "band_part_per_example": (
+        lambda h: tf.linalg.band_part(tf.reshape(h, [B, 2, 3]), 0, -1), "any"),
+    "top_k_per_row": (lambda h: tf.math.top_k(h, 3).values, "any"),
+    "sort_per_row": (lambda h: tf.sort(h, axis=1), "any"),
+    "cross_per_row": (lambda h: tf.linalg.cross(h[:, :3], h[:, 3:]), "any"),
+    # across the batch axis
+    "sort_batch_vector": (lambda h: tf.sort(h[:, 0]), "rows"),
+    "sort_axis0": (lambda h: tf.sort(h, axis=0), "rows"),
+    "top_k_batch_vector": (lambda h: tf.math.top_k(h[:, 1], B).values, "rows"),
+    "top_k_transposed": (
+        lambda h: tf.transpose(tf.math.top_k(tf.transpose(h), B).values), "rows"),
+    "roll_batch": (lambda h: tf.roll(h, 1, axis=0), "rows"),
+    "reverse_v1_batch": (
+        lambda h: tf.raw_ops.Reverse(tensor=h, dims=[True, False]), "rows"),
+    "softmax_batch_vector": (lambda h: tf.nn.softmax(h[:, 0]), "rows"),
+    "softmax_axis0": (lambda h: tf.nn.softmax(h, axis=0), "rows"),
+    "band_part_of_product": (
+        lambda h: tf.linalg.band_part(h @ tf.transpose(h), -1, 0), "rows"),
+    "fft_batch_vector": (lambda h: tf.math.real(
+        tf.signal.fft(tf.cast(h[:, 0], tf.complex128))), "rows"),
+    "fft_axis0_via_transpose": (lambda h: tf.transpose(tf.math.real(
+        tf.signal.fft(tf.cast(tf.transpose(h), tf.complex128)))), "rows"),
+    "scan_batch": (lambda h: tf.scan(lambda a, r: a * 0.5 + r, h), "rows"),
+    "einsum_ij_jk": (lambda h: tf.einsum("ij,jk->ik", _V, h), "rows"),
+    "pool_over_batch": (lambda h: tf.squeeze(tf.nn.avg_pool1d(
+        tf.expand_dims(h, 0), 2, 1, "SAME"), 0), "rows"),
+    "conv_over_batch": (lambda h: _back(tf.nn.conv2d(
+        _over_the_batch(h), _KERNEL, 1, "SAME")), "rows"),
+    "resize_over_batch": (lambda h: _back(tf.image.resize(tf.image.resize(
+        _over_the_batch(h), [2, K], "nearest"), [B, K], "nearest")), "rows"),
+    "image_rot90_batch": (
+        lambda h: tf.squeeze(tf.image.rot90(h[:, :B, None]), -1), "rows"),
+    "tnp_flipud": (tnp.flipud, "rows"),
+    "tnp_cumsum_axis0": (lambda h: tnp.cumsum(h, axis=0), "rows"),
+    "tnp_diff_axis0": (lambda h: tf.concat([tnp.diff(h, axis=0), h[:1]], 0), "rows"),
+    "tnp_outer": (lambda h: tnp.outer(h[:, 0], h[:, 1]), "rows"),
+    "scatter_row": (lambda h: tf.tensor_scatter_nd_update(h, [[0]], h[1:2]), "rows"),
+}
+
+
+def _model(probe):
+    rng = np.random.default_rng(7)
+    x = tf.constant(rng.normal(size=(B, 5)), DTYPE)
+    w = tf.Variable(rng.normal(size=(5, K)), dtype=DTYPE, name="w")
+    b = tf.Variable(rng.normal(size=(K,)), dtype=DTYPE, name="b")
+    head = tf.Variable(rng.normal(size=(1,)), dtype=DTYPE, name="head")
+
+    def loss(x):
+        h = tf.tanh(x @ w + b)
+        out = tf.reshape(tf.sin(probe(h)), [B, -1])
+        # a scale after the probe: its rule reads only the head's rows
+        return tf.reduce_sum(out[:, :1] * head + out, axis=1)
+    return x, loss, [w, b, head]
+
+
+def _reference(loss, x, variables):
+    rows = []
+    for i in range(B):
+        with tf.GradientTape() as tape:
+            li = loss(x)[i]
+        rows.append(tape.gradient(li, variables))
+    return [tf.stack([r[k] for r in rows]) for k in range(len(variables))]
+
+
+def _per_example(loss, x, variables, traced):
+    rules = []
+
+    def step(x):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        out = tape.per_example_gradients(losses, variables)
+        rules.append(dict(tape.summary().per_example_rules[1]))
+        return out
+    got = tf.function(step)(x) if traced else step(x)
+    return got, list(rules[-1].values())
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "function"])
+@pytest.mark.parametrize("name", list(PROBES))
+def test_any_op_after_a_rule_is_exact(name, traced):
+    probe, expected = PROBES[name]
+    x, loss, variables = _model(probe)
+    ref = _reference(loss, x, variables)
+    got, rules = _per_example(loss, x, variables, traced)
+    rtol, atol = TOLERANCES[DTYPE]
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=rtol * 20,
+                                   atol=atol * 20)
+    dense = rules[:2]
+    if expected == "rule":
+        assert "per-example rows" not in dense, rules
+    elif expected == "rows":
+        assert dense == ["per-example rows"] * 2, rules
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "function"])
+def test_moments_over_the_batch_mix_examples(traced):
+    def probe(h):
+        mean, variance = tf.nn.moments(h, [0])
+        return (h - mean) * tf.math.rsqrt(variance + 1e-3)
+    x, loss, variables = _model(probe)
+    with pytest.raises(ValueError, match="mixes examples"):
+        _per_example(loss, x, variables, traced)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "function"])
+def test_an_op_on_no_list_sends_the_parameters_before_it_to_rows(traced):
+    """Reverse (TF's first reverse, by a mask of axes) over the features
+    keeps each example's row, but no table says so: the dense layer before
+    it takes rows (exact), the scale after it its rule."""
+    assert "Reverse" not in _row_ops.ROW_OPS
+
+    def probe(h):
+        return tf.raw_ops.Reverse(tensor=h, dims=[False, True])
+    x, loss, variables = _model(probe)
+    ref = _reference(loss, x, variables)
+    got, rules = _per_example(loss, x, variables, traced)
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-9)
+    assert rules[:2] == ["per-example rows"] * 2
+    assert rules[2] != "per-example rows"
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "function"])
+def test_a_product_of_parameters_has_no_examples_rows(traced):
+    """A learned position table times a weight ([T, d] @ [d, n], T == B)
+    added to every example: the product's rows are positions, not
+    examples, so the weight's MatMul rule does not apply (it read them as
+    examples' rows: errors near 3); both take rows."""
+    rng = np.random.default_rng(8)
+    x = tf.constant(rng.normal(size=(B, B, 2)), DTYPE)
+    pos = tf.Variable(rng.normal(size=(B, 3)), dtype=DTYPE)
+    w = tf.Variable(rng.normal(size=(3, 2)), dtype=DTYPE)
+
+    def loss(x):
+        return tf.reduce_sum(tf.tanh(x + (pos @ w)[None]) ** 2, axis=[1, 2])
+    ref = _reference(loss, x, [pos, w])
+    got, rules = _per_example(loss, x, [pos, w], traced)
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-9, atol=1e-12)
+    assert rules == ["per-example rows"] * 2

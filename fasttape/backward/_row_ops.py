@@ -1,0 +1,502 @@
+"""Which ops keep each example's row: the allowlist the per-example analysis
+(_per_example) trusts.
+
+An op rule reads row j of its op's output gradient as example j's. That
+holds only while every op after it, on the path to ``losses``, keeps what
+it reads in row j in row j of what it makes: elementwise work, a reshape
+that keeps the batch axis leading, a reduction, slice, concat or
+transpose over the other axes, a product whose rows are its first
+operand's. ``keeps_axis0`` says whether an op provably does so. An op type
+that is not in ROW_OPS, or whose condition fails or cannot be proved (a
+shape or a config value unknown), may move rows: the analysis then sends
+the sources read before it to per-example rows, which are exact whatever
+the op does and cost a backward pass per example. So an op nobody listed
+costs speed, never a wrong gradient.
+
+Only tensors that may hold rows matter (``carrying``): those computed on
+the path from one whose leading axis may be the batch's (the input batch,
+a batched source, a constant of unknown shape). A parameter, and what is
+computed from parameters alone (a batch norm's ``gamma * rsqrt(variance +
+eps)``), hold no example's values, and broadcasting them over the rows
+moves none. An op none of whose inputs on the path carries rows keeps
+them.
+
+The same tables serve a recurrent layer's time-major ops and a traced
+loop's body (_per_example._track_batch_axis, _body_axes): ELEMENTWISE
+keeps a batch axis wherever it lies.
+"""
+
+from tensorflow.python.framework import dtypes
+from tensorflow.python.framework import ops
+from tensorflow.python.util import nest
+
+from fasttape.gradients import _norm_rules
+
+
+def value(t):
+    """A small config input's value (axes, a permutation) as a list or a
+    number: an eager tensor's, or a traced one's where it is a constant
+    while tracing; else None."""
+    if type(t) is ops.EagerTensor:
+        return t.numpy().tolist()
+    found = _norm_rules.value_of(t)
+    return None if found is None else found.tolist()
+
+
+def meta_shape(meta):
+    if isinstance(meta, tuple) and len(meta) == 2 and isinstance(meta[0], tuple):
+        return meta[0]
+    return None
+
+
+def leading(shape):
+    return shape[0] if shape else None
+
+
+# Elementwise, one input: the output's row j is f(row j).
+UNARY = frozenset({
+    "Identity", "Snapshot", "StopGradient", "PreventGradient", "CheckNumerics",
+    "EnsureShape", "Cast", "captured_value", "ZerosLike", "OnesLike",
+    "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Gelu", "Tanh", "Sigmoid",
+    "Softplus", "Softsign", "Neg", "Abs", "Sign", "Square", "Sqrt", "Rsqrt",
+    "Reciprocal", "Inv", "Exp", "Expm1", "Log", "Log1p", "Sin", "Cos", "Tan",
+    "Asin", "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Erf",
+    "Erfc", "Erfinv", "Ndtri", "Lgamma", "Digamma", "Floor", "Ceil", "Round",
+    "Rint", "IsNan", "IsInf", "IsFinite", "LogicalNot", "Real", "Imag", "Conj",
+    "ComplexAbs", "Angle", "BesselI0e", "BesselI1e",
+    "FakeQuantWithMinMaxArgs"})
+# Elementwise with NumPy broadcasting: row j meets row j while every
+# carrying input has the output's rank (a lower rank would broadcast its
+# rows along another axis: [B, d] * [B, 1, d] is [B, B, d]).
+BROADCASTING = frozenset({
+    "Add", "AddV2", "Sub", "Mul", "MulNoNan", "Div", "RealDiv", "DivNoNan",
+    "FloorDiv", "FloorMod", "Mod", "TruncateDiv", "TruncateMod", "Maximum",
+    "Minimum", "SquaredDifference", "Pow", "Atan2", "Xdivy", "Xlogy",
+    "Xlog1py", "Igamma", "Igammac", "Zeta", "Polygamma", "Betainc", "Complex",
+    "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual",
+    "LogicalAnd", "LogicalOr", "ApproximateEqual", "Select", "SelectV2",
+    "ClipByValue",
+    "AddN", "TanhGrad", "SigmoidGrad", "ReluGrad", "Relu6Grad", "EluGrad",
+    "SeluGrad", "SoftplusGrad", "SoftsignGrad", "LeakyReluGrad", "RsqrtGrad",
+    "SqrtGrad", "ReciprocalGrad", "InvGrad", "GeluGrad"})
+ELEMENTWISE = UNARY | BROADCASTING
+# Ops whose output has the shape of their first input (the analysis carries
+# a known shape across them, either way).
+SAME_SHAPE = frozenset({
+    "BiasAdd", "BiasAddV1", "Identity", "Relu", "Relu6", "Elu", "Selu",
+    "LeakyRelu", "Gelu", "Tanh", "Sigmoid", "Softplus", "Softsign", "Neg",
+    "Sin", "Cos", "Exp", "Log", "Log1p", "Square", "Sqrt", "Rsqrt", "Abs",
+    "Erf", "Softmax", "LogSoftmax", "Cast", "StopGradient", "ReverseV2",
+    "Reverse", "Roll", "Cumsum", "Cumprod", "CumulativeLogsumexp",
+    "ReverseSequence", "MatrixBandPart"})
+
+
+class _Op:
+    """One recorded op as the conditions read it."""
+
+    __slots__ = ("entry", "shapes", "batch", "carrying", "inputs")
+
+    def __init__(self, entry, shapes, batch, carrying):
+        self.entry = entry
+        self.shapes = shapes
+        self.batch = batch
+        self.carrying = carrying
+        self.inputs = getattr(entry.payload, "inputs", None) or ()
+
+    def carries(self, i):
+        ins = self.entry.input_ids
+        return i < len(ins) and ins[i] in self.carrying
+
+    def carried(self):
+        return [i for i, tid in enumerate(self.entry.input_ids)
+                if tid in self.carrying]
+
+    def shape(self, i):
+        ins = self.entry.input_ids
+        shape = self.shapes.get(ins[i]) if i < len(ins) else None
+        t = self.inputs[i] if i < len(self.inputs) else None
+        if shape is None and t is not None and t.dtype != dtypes.resource and (
+                t.shape.rank is not None):
+            shape = tuple(t.shape.as_list())
+        return shape
+
+    def rank(self, i):
+        shape = self.shape(i)
+        return None if shape is None else len(shape)
+
+    def out_shape(self):
+        entry = self.entry
+        shape = self.shapes.get(entry.output_ids[0]) if entry.output_ids else None
+        if shape is None and entry.output_meta:
+            shape = meta_shape(entry.output_meta[0])
+        if shape is None:
+            outputs = getattr(entry.payload, "outputs", None) or ()
+            t = outputs[0] if outputs else None
+            if t is not None and t.shape.rank is not None:
+                shape = tuple(t.shape.as_list())
+        return shape
+
+    def const(self, i):
+        t = self.inputs[i] if i < len(self.inputs) else None
+        return None if t is None else value(t)
+
+    def attr(self, name, default=None):
+        return _norm_rules.attr(self.entry.payload, name, default)
+
+    def not_batch_axes(self, axes, rank):
+        """Whether none of ``axes`` (a number or a list, negative from the
+        end of ``rank`` axes) is axis 0."""
+        if axes is None:
+            return False
+        for a in nest.flatten(axes):
+            a = int(a)
+            if a == 0 or (a < 0 and (rank is None or a + rank == 0)):
+                return False
+        return True
+
+
+def _always(op):
+    del op
+    return True
+
+
+def _aligned(carried, shapes, out):
+    """Whether the inputs ``carried`` (of ``shapes``) meet the output
+    ``out`` axis for axis from the first, their rows not broadcast over
+    others' (a leading axis of 1 against more)."""
+    if out is None:
+        return False
+    for i in carried:
+        shape = shapes[i]
+        if shape is None or len(shape) != len(out):
+            return False
+        if shape and shape[0] == 1 and out[0] != 1:
+            return False
+    return True
+
+
+def _broadcast_shape(shapes):
+    """The broadcast of ``shapes`` (None if one is unknown), right-aligned;
+    a dimension unknown in one stays unknown."""
+    if None in shapes:
+        return None
+    rank = max((len(s) for s in shapes), default=0)
+    out = []
+    for axis in range(rank):
+        dims = {s[axis - rank + len(s)] for s in shapes if axis - rank + len(s) >= 0}
+        known = dims - {1}
+        out.append(None if None in dims else (known.pop() if len(known) == 1
+                                              else 1 if not known else None))
+    return tuple(out)
+
+
+def _broadcast(op):
+    shapes = [op.shape(i) for i in range(len(op.entry.input_ids))]
+    return _aligned(op.carried(), shapes, op.out_shape() or _broadcast_shape(shapes))
+
+
+def _select(op):
+    # Select's condition may be a vector over the rows
+    if op.rank(0) == 1 and op.rank(1) is not None and op.rank(1) > 1:
+        shapes = [op.shape(i) for i in range(3)]
+        return _aligned([i for i in op.carried() if i > 0], shapes, shapes[1])
+    return _broadcast(op)
+
+
+def _bias_add(op):
+    return not op.carries(1)        # a bias over the channels, any layout
+
+
+def _per_row(*weights):
+    """An op on each row of its data alone (a convolution), with the
+    inputs ``weights`` the same for every row."""
+    def check(op):
+        return not any(op.carries(i) for i in weights)
+    return check
+
+
+def _softmax(op):
+    rank = op.rank(0)
+    if rank is None:
+        rank = len(op.out_shape() or ()) or None
+    return rank is not None and rank >= 2       # over the last axis
+
+
+def _reshape_keeps(op, lead_out):
+    # Row-major: while each example's values are one contiguous block, a
+    # leading axis that is a multiple of B keeps every row inside one
+    # example's block (Keras folds [B, T, d] into [B*T, d] and back).
+    lead_in = leading(op.shape(0) or ())
+    batch = op.batch
+    return (lead_in is not None and lead_out is not None and lead_in > 0
+            and lead_out > 0 and lead_in % batch == 0 and lead_out % batch == 0)
+
+
+def _reshape(op):
+    lead_out = leading(op.out_shape() or ())
+    if lead_out is None:
+        target, shape = op.const(1), op.shape(0)
+        if target:
+            lead_out = target[0]
+            if lead_out == -1 and shape is not None and None not in shape:
+                rest = 1
+                for d in target[1:]:
+                    rest *= d
+                size = 1
+                for d in shape:
+                    size *= d
+                lead_out = size // rest if rest > 0 else None
+    return _reshape_keeps(op, lead_out)
+
+
+def _expand_dims(op):
+    rank = op.rank(0)
+    axis = op.const(1)
+    if isinstance(axis, list):
+        axis = axis[0] if len(axis) == 1 else None
+    if axis is not None and rank is not None:
+        return int(axis) % (rank + 1) != 0
+    return _reshape_keeps(op, leading(op.out_shape() or ()))
+
+
+def _squeeze(op):
+    dims = op.attr("squeeze_dims") or ()
+    if dims:
+        return op.not_batch_axes(list(dims), op.rank(0))
+    lead = leading(op.shape(0) or ())
+    return lead is not None and lead != 1
+
+
+def _transpose(op):
+    perm = op.const(1)
+    return perm is not None and len(perm) > 0 and perm[0] == 0
+
+
+def _reduce(op):
+    return op.not_batch_axes(op.const(1), op.rank(0))
+
+
+def _axis_input(axis_at, data_at=0, extra=0):
+    """An op along the axis given by input ``axis_at`` (a concat, split,
+    scan, reverse): it keeps the rows when that axis is not the batch's."""
+    def check(op):
+        rank = op.rank(data_at)
+        return op.not_batch_axes(op.const(axis_at),
+                                 None if rank is None else rank + extra)
+    return check
+
+
+def _concat(op):
+    at = len(op.entry.input_ids) - 1 if op.entry.op_type == "ConcatV2" else 0
+    data = 0 if at else 1
+    return _axis_input(at, data)(op)
+
+
+def _attr_axis(extra=0):
+    def check(op):
+        rank = op.rank(0)
+        return op.not_batch_axes(op.attr("axis", 0),
+                                 None if rank is None else rank + extra)
+    return check
+
+
+def _strided_slice(op):
+    begin, end, strides = op.const(1), op.const(2), op.const(3)
+    if None in (begin, end, strides) or not begin:
+        return False
+
+    def mask(name):
+        return int(op.attr(name, 0) or 0) & 1
+    if mask("ellipsis_mask"):
+        return True
+    if mask("shrink_axis_mask") or mask("new_axis_mask") or strides[0] != 1:
+        return False
+    return ((mask("begin_mask") or begin[0] == 0)
+            and (mask("end_mask") or end[0] >= op.batch))
+
+
+def _slice(op):
+    begin, size = op.const(1), op.const(2)
+    if not begin or begin[0] != 0:
+        return False
+    if size is not None:
+        return size[0] in (-1, op.batch)
+    # (eagerly the size is not kept: the leading axis taken whole)
+    lead = leading(op.shape(0) or ())
+    return lead is not None and lead == leading(op.out_shape() or ())
+
+
+def _gather(op):
+    # rows picked from a table that holds none keep the indices' rows
+    if not op.carries(0):
+        return True
+    if op.entry.op_type != "GatherV2":
+        return False
+    return op.not_batch_axes(op.const(2), op.rank(0))
+
+
+def _params_only(op):
+    return not op.carries(0)
+
+
+def _tile(op):
+    multiples = op.const(1)
+    return bool(multiples) and multiples[0] == 1
+
+
+def _roll(op):
+    return op.not_batch_axes(op.const(2), op.rank(0))
+
+
+def _pad(op):
+    paddings = op.const(1)
+    return bool(paddings) and list(paddings[0]) == [0, 0]
+
+
+def _reverse_sequence(op):
+    return int(op.attr("batch_dim", 0) or 0) == 0
+
+
+def _broadcast_to(op):
+    target = op.const(1)
+    return target is not None and _aligned(op.carried()[:1], [op.shape(0)],
+                                           tuple(target))
+
+
+def _matmul(op):
+    """A product's rows are its first operand's, while that operand is not
+    transposed and the second holds no example's values: ``V @ h``, with V
+    [B, B] and h computed from the batch, sums other examples' rows into
+    each row. Batch dimensions (rank above 2) keep their rows, where every
+    carrying operand has the output's rank."""
+    shapes = [op.shape(0), op.shape(1)]
+    if op.entry.op_type != "MatMul" and None not in shapes and max(
+            len(s) for s in shapes) > 2:
+        batch_dims = [s[:-2] for s in shapes]
+        return _aligned([i for i in op.carried() if i < 2], batch_dims,
+                        _broadcast_shape(batch_dims))
+    if op.carries(1):
+        return False          # contracted, or moved to the columns
+    flag = "transpose_a" if op.entry.op_type == "MatMul" else "adj_x"
+    return not (op.carries(0) and op.attr(flag, False))
+
+
+def _einsum(op):
+    eq = op.attr("equation")
+    if isinstance(eq, bytes):
+        eq = eq.decode()
+    if not eq or "->" not in eq:
+        return False
+    lhs, out = eq.replace(" ", "").split("->")
+    terms = lhs.split(",")
+    # operands that hold rows lead with the output's first index, which is
+    # not summed over
+    return bool(out) and out[:1] != "." and all(
+        terms[i][:1] == out[:1] for i in op.carried() if i < len(terms))
+
+
+def _batch_norm(op):
+    # per-channel statistics given as inputs (training: _check_mixing)
+    return not any(op.carries(i) for i in range(1, 5))
+
+
+# op type -> whether it keeps the rows of its carrying inputs on axis 0
+ROW_OPS = dict.fromkeys(UNARY, _always)
+ROW_OPS.update(dict.fromkeys(BROADCASTING, _broadcast))
+ROW_OPS.update({
+    "Select": _select,
+    "BiasAdd": _bias_add, "BiasAddV1": _bias_add,
+    "Softmax": _softmax, "LogSoftmax": _softmax,
+    # per row: the cross-entropies, shapes and integers of a row
+    "SparseSoftmaxCrossEntropyWithLogits": _always,
+    "SoftmaxCrossEntropyWithLogits": _always,
+    "Shape": _always, "ShapeN": _always, "Size": _always, "Rank": _always,
+    "Reshape": _reshape, "ExpandDims": _expand_dims, "Squeeze": _squeeze,
+    "Transpose": _transpose, "ConjugateTranspose": _transpose,
+    "Sum": _reduce, "Mean": _reduce, "Max": _reduce, "Min": _reduce,
+    "Prod": _reduce, "EuclideanNorm": _reduce, "All": _reduce, "Any": _reduce,
+    "ArgMax": _reduce, "ArgMin": _reduce,
+    "ConcatV2": _concat, "Concat": _concat,
+    "Pack": _attr_axis(extra=1), "Unpack": _attr_axis(),
+    "Split": _axis_input(0, 1), "SplitV": _axis_input(2),
+    "Cumsum": _axis_input(1), "Cumprod": _axis_input(1),
+    "CumulativeLogsumexp": _axis_input(1), "ReverseV2": _axis_input(1),
+    "Roll": _roll, "Tile": _tile, "BroadcastTo": _broadcast_to,
+    "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad,
+    "ReverseSequence": _reverse_sequence,
+    "Slice": _slice, "StridedSlice": _strided_slice,
+    "GatherV2": _gather, "Gather": _gather, "ResourceGather": _params_only,
+    "GatherNd": _params_only,
+    "MatMul": _matmul, "BatchMatMul": _matmul, "BatchMatMulV2": _matmul,
+    "BatchMatMulV3": _matmul, "Einsum": _einsum,
+    "Conv2D": _per_row(1), "Conv3D": _per_row(1),
+    "DepthwiseConv2dNative": _per_row(1),
+    "Conv2DBackpropInput": _per_row(1),
+    "Conv3DBackpropInputV2": _per_row(1),
+    "MaxPool": _always, "AvgPool": _always, "MaxPool3D": _always,
+    "AvgPool3D": _always, "MaxPoolV2": _always, "MaxPoolWithArgmax": _always,
+    "LRN": _always,
+    "FusedBatchNorm": _batch_norm, "FusedBatchNormV2": _batch_norm,
+    "FusedBatchNormV3": _batch_norm,
+})
+# (TF refuses pooling windows over the batch, and a convolution's batch is
+# its data's: each keeps the rows whatever its attrs.)
+
+
+def keeps_axis0(entry, shapes, batch, carrying):
+    """True where ``entry`` provably keeps every example's row on axis 0
+    (see ROW_OPS), or reads no tensor that carries rows; False where it may
+    move them."""
+    check = ROW_OPS.get(entry.op_type)
+    if not any(tid in carrying for tid in entry.input_ids):
+        return True
+    if check is None:
+        return False
+    return bool(check(_Op(entry, shapes, batch, carrying)))
+
+
+def carries_rows(entry, carrying, weak, produced, alias, shapes, batch,
+                 may_rule):
+    """(whether ``entry``'s outputs may hold examples' rows, whether they
+    hold only ``weak`` ones). They may where it reads a carrying tensor,
+    or a tensor off the path (neither computed on it nor a source) that
+    leads with the batch (or a multiple of it) and has more axes, or an
+    unknown shape. A vector
+    off the path as long as the batch (labels, ids, or a batch norm's
+    moving variance with as many channels as examples) is weak: what is
+    computed from it and parameters carries rows only from an op a rule
+    may read (``may_rule(entry, pos)`` for a source at input pos: an
+    embedding of the labels, a scale of a feature), as no rule's rows
+    reach it before."""
+    if batch is None:
+        return True, False      # (unknown while tracing: no rule anyway)
+    inputs = getattr(entry.payload, "inputs", None) or ()
+    vector = False
+    for i, tid in enumerate(entry.input_ids):
+        if tid in carrying:
+            return True, False
+        if tid in weak:
+            vector = True
+        if tid in produced or tid in alias:
+            continue
+        shape = shapes.get(tid)
+        t = inputs[i] if i < len(inputs) else None
+        if shape is None and t is not None:
+            if t.dtype == dtypes.resource:
+                continue
+            if t.shape.rank is not None:
+                shape = tuple(t.shape.as_list())
+        if shape is None:
+            return True, False
+        # (a leading axis of B*T: the batch folded with time, Keras' Dense
+        # on [B, T, d]; nb*B: a dilated convolution's blocks)
+        if shape and (shape[0] is None or (shape[0] > 0 and shape[0] % batch == 0)):
+            if len(shape) > 1:
+                return True, False
+            vector = True
+    if not vector:
+        return False, False
+    if any(tid in alias and may_rule(entry, i)
+           for i, tid in enumerate(entry.input_ids)):
+        return True, False
+    return False, True
