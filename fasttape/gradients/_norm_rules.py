@@ -1071,6 +1071,42 @@ class _Conv2DTranspose(_Conv2D):
             data_format="NHWC")
 
 
+@norm_rule("Conv3DBackpropInputV2")
+class _Conv3DTranspose(_Conv3D):
+    """y = conv3d_transpose(x, K) (Conv3DBackpropInputV2 as a forward op:
+    Keras' Conv3DTranspose), NDHWC, SAME or VALID: as Conv2DTranspose's,
+    example i's gradient of K [kd, kh, kw, cy, cx] is P(g_i)^T X_i, P(g_i)
+    the volume patches [T, kd kh kw cy] of its output gradient under the
+    convolution that y transposes, X_i its input [T, cx]; the clipped sum
+    by TF's kernel gradient."""
+
+    def applies(self, payload, pos, out_shape, src_shape, batch):
+        x = payload.inputs[2] if len(payload.inputs) > 2 else None
+        return (pos == 1 and (_decoded(payload, "data_format") or "NDHWC") == "NDHWC"
+                and _decoded(payload, "padding") in ("SAME", "VALID")
+                and _blocks(payload) == 1
+                and len(src_shape) == 5 and None not in src_shape
+                and len(out_shape) == 5 and out_shape[0] == batch
+                and x is not None and x.shape[0] == batch
+                and out_shape[-1] == src_shape[3])
+
+    def _flat(self, payload, g, src_shape, pos=1):
+        # the patches of g under the forward convolution, against x
+        forward = EagerOp(payload.attrs, (g, None), 2)
+        return super()._flat(forward, payload.inputs[2], src_shape, pos)
+
+    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
+        summed = self._from_memo(payload, pos, w, memo)
+        if summed is not None:
+            return _ex("Reshape", summed, _const(tuple(src_shape), dtypes.int32))
+        return gen_nn_ops.conv3d_backprop_filter_v2(
+            _scaled(g, w, memo), _const(tuple(src_shape), dtypes.int32),
+            payload.inputs[2], strides=list(attr(payload, "strides")),
+            padding=_decoded(payload, "padding"),
+            dilations=list(attr(payload, "dilations") or [1] * 5),
+            data_format="NDHWC")
+
+
 @norm_rule("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 class _FusedBatchNorm:
     """y = scale * (x - mean) / sqrt(variance + eps) + offset in inference
