@@ -785,6 +785,16 @@ def _tiled(w, nb):
     return _ex("Tile", w, _const((nb,), dtypes.int32))
 
 
+def _side_by_side(t, nb, b):
+    """[nb B, H, W, C] (nb blocks of the B examples, block-major) ->
+    [nb, H, W, B C]: example i's channels at i C ... i C + C - 1, for a
+    kernel gradient with the examples as groups of channels."""
+    h, w, c = t.shape[1], t.shape[2], t.shape[3]
+    return _ex("Reshape", _ex("Transpose", _ex(
+        "Reshape", t, _const((nb, b, h, w, c), dtypes.int32)),
+        _const((0, 2, 3, 1, 4), dtypes.int32)), _const((nb, h, w, b * c), dtypes.int32))
+
+
 class _Blocked:
     """The clipped sum of a rule on space-to-batch blocks: the per-example
     weights tiled over the blocks (rows block-major)."""
@@ -883,24 +893,17 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         time of the slices', the per-example loop's or the ghost norm."""
         x = payload.inputs[0]
         shape = self._many_inputs(payload, g, src_shape)
-        if shape is None or x.dtype not in _GROUPED_DTYPES or None in x.shape[1:]:
+        if (shape is None or x.dtype not in _GROUPED_DTYPES or None in x.shape[1:]
+                or None in g.shape[1:]):
             return None
         b, t, k = shape
         kh, kw, cin, cout = src_shape
         if t * t < k * cout and t * (k + cout) <= k * cout:
             return None         # (the ghost norm)
         nb = _blocks(payload)
-        h, w = x.shape[1], x.shape[2]
-        ho, wo = g.shape[1], g.shape[2]
-        perm = _const((0, 2, 3, 1, 4), dtypes.int32)
-        xs = _ex("Reshape", _ex("Transpose", _ex(
-            "Reshape", x, _const((nb, b, h, w, cin), dtypes.int32)), perm),
-                 _const((nb, h, w, b * cin), dtypes.int32))
-        gs = _ex("Reshape", _ex("Transpose", _ex(
-            "Reshape", g, _const((nb, b, ho, wo, cout), dtypes.int32)), perm),
-                 _const((nb, ho, wo, b * cout), dtypes.int32))
         grads = gen_nn_ops.conv2d_backprop_filter(
-            xs, _const((kh, kw, cin, b * cout), dtypes.int32), gs,
+            _side_by_side(x, nb, b), _const((kh, kw, cin, b * cout), dtypes.int32),
+            _side_by_side(g, nb, b),
             strides=list(attr(payload, "strides")),
             padding=_decoded(payload, "padding"),
             dilations=list(attr(payload, "dilations") or [1, 1, 1, 1]),
@@ -994,21 +997,14 @@ class _DepthwiseBlocks(_Blocked, _DepthwiseConv2D):
         long (a [64, 32, 32, 8] input, 3x3 and 5x5)."""
         x = payload.inputs[0]
         kh, kw, cin, mult = src_shape
-        if (x.shape.rank != 4 or None in x.shape or None in g.shape[1:3]
+        if (x.shape.rank != 4 or None in x.shape or None in g.shape[1:]
                 or list(attr(payload, "dilations") or [1] * 4) != [1] * 4):
             return None
         nb = _blocks(payload)
-        b, h, w = x.shape[0] // nb, x.shape[1], x.shape[2]
-        ho, wo = g.shape[1], g.shape[2]
-        perm = _const((0, 2, 3, 1, 4), dtypes.int32)
-        xs = _ex("Reshape", _ex("Transpose", _ex(
-            "Reshape", x, _const((nb, b, h, w, cin), dtypes.int32)), perm),
-                 _const((nb, h, w, b * cin), dtypes.int32))
-        gs = _ex("Reshape", _ex("Transpose", _ex(
-            "Reshape", g, _const((nb, b, ho, wo, cin * mult), dtypes.int32)), perm),
-                 _const((nb, ho, wo, b * cin * mult), dtypes.int32))
+        b = x.shape[0] // nb
         grads = gen_nn_ops.depthwise_conv2d_native_backprop_filter(
-            xs, _const((kh, kw, b * cin, mult), dtypes.int32), gs,
+            _side_by_side(x, nb, b), _const((kh, kw, b * cin, mult), dtypes.int32),
+            _side_by_side(g, nb, b),
             strides=list(attr(payload, "strides")),
             padding=_decoded(payload, "padding"), data_format="NHWC")
         return _ex("Transpose", _ex("Reshape", grads, _const(
@@ -1069,23 +1065,26 @@ class _Conv3D(_Conv2DBlocks):
             data_format="NDHWC")
 
 
-@norm_rule("Conv2DBackpropInput")
-class _Conv2DTranspose(_Conv2D):
-    """y = conv2d_transpose(x, K) (Conv2DBackpropInput as a forward op:
-    Keras' Conv2DTranspose, and Conv1DTranspose through ExpandDims), NHWC,
-    SAME or VALID: example i's gradient of K [kh, kw, cy, cx] is
-    P(g_i)^T X_i, P(g_i) the patches [T, kh kw cy] of its output gradient
-    under the convolution that y transposes, X_i its input [T, cx]: the
-    BatchMatMul rule on those; the clipped sum by TF's kernel gradient."""
+class _Transposed:
+    """A transposed convolution's kernel (ConvBackpropInput as a forward
+    op), NHWC or NDHWC, SAME or VALID, with the rule of the convolution it
+    transposes: example i's gradient of K [..., cy, cx] is P(g_i)^T X_i,
+    P(g_i) the patches [T, ... cy] of its output gradient under that
+    convolution, X_i its input [T, cx]: the BatchMatMul rule on those; the
+    clipped sum by TF's kernel gradient of w * g."""
+
+    rank, data_format, filter_gradient = None, None, None
 
     def applies(self, payload, pos, out_shape, src_shape, batch):
         x = payload.inputs[2] if len(payload.inputs) > 2 else None
-        return (pos == 1 and (_decoded(payload, "data_format") or "NHWC") == "NHWC"
+        return (pos == 1
+                and (_decoded(payload, "data_format") or self.data_format) == self.data_format
                 and _decoded(payload, "padding") in ("SAME", "VALID")
-                and len(src_shape) == 4 and None not in src_shape
-                and len(out_shape) == 4 and out_shape[0] == batch
+                and _blocks(payload) == 1
+                and len(src_shape) == self.rank and None not in src_shape
+                and len(out_shape) == self.rank and out_shape[0] == batch
                 and x is not None and x.shape[0] == batch
-                and out_shape[-1] == src_shape[2])
+                and out_shape[-1] == src_shape[-2])
 
     def _flat(self, payload, g, src_shape, pos=1):
         # the patches of g under the forward convolution, against x
@@ -1096,48 +1095,31 @@ class _Conv2DTranspose(_Conv2D):
         summed = self._from_memo(payload, pos, w, memo)
         if summed is not None:
             return _ex("Reshape", summed, _const(tuple(src_shape), dtypes.int32))
-        return gen_nn_ops.conv2d_backprop_filter(
+        return self.filter_gradient(
             _scaled(g, w, memo), _const(tuple(src_shape), dtypes.int32),
             payload.inputs[2], strides=list(attr(payload, "strides")),
             padding=_decoded(payload, "padding"),
-            dilations=list(attr(payload, "dilations") or [1, 1, 1, 1]),
-            data_format="NHWC")
+            dilations=list(attr(payload, "dilations") or [1] * self.rank),
+            data_format=self.data_format)
+
+
+@norm_rule("Conv2DBackpropInput")
+class _Conv2DTranspose(_Transposed, _Conv2D):
+    """y = conv2d_transpose(x, K) (Keras' Conv2DTranspose, and
+    Conv1DTranspose through ExpandDims): K [kh, kw, cy, cx], the patches
+    [T, kh kw cy]."""
+
+    rank, data_format = 4, "NHWC"
+    filter_gradient = staticmethod(gen_nn_ops.conv2d_backprop_filter)
 
 
 @norm_rule("Conv3DBackpropInputV2")
-class _Conv3DTranspose(_Conv3D):
-    """y = conv3d_transpose(x, K) (Conv3DBackpropInputV2 as a forward op:
-    Keras' Conv3DTranspose), NDHWC, SAME or VALID: as Conv2DTranspose's,
-    example i's gradient of K [kd, kh, kw, cy, cx] is P(g_i)^T X_i, P(g_i)
-    the volume patches [T, kd kh kw cy] of its output gradient under the
-    convolution that y transposes, X_i its input [T, cx]; the clipped sum
-    by TF's kernel gradient."""
+class _Conv3DTranspose(_Transposed, _Conv3D):
+    """y = conv3d_transpose(x, K) (Keras' Conv3DTranspose): K [kd, kh, kw,
+    cy, cx], the volume patches [T, kd kh kw cy]."""
 
-    def applies(self, payload, pos, out_shape, src_shape, batch):
-        x = payload.inputs[2] if len(payload.inputs) > 2 else None
-        return (pos == 1 and (_decoded(payload, "data_format") or "NDHWC") == "NDHWC"
-                and _decoded(payload, "padding") in ("SAME", "VALID")
-                and _blocks(payload) == 1
-                and len(src_shape) == 5 and None not in src_shape
-                and len(out_shape) == 5 and out_shape[0] == batch
-                and x is not None and x.shape[0] == batch
-                and out_shape[-1] == src_shape[3])
-
-    def _flat(self, payload, g, src_shape, pos=1):
-        # the patches of g under the forward convolution, against x
-        forward = EagerOp(payload.attrs, (g, None), 2)
-        return super()._flat(forward, payload.inputs[2], src_shape, pos)
-
-    def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
-        summed = self._from_memo(payload, pos, w, memo)
-        if summed is not None:
-            return _ex("Reshape", summed, _const(tuple(src_shape), dtypes.int32))
-        return gen_nn_ops.conv3d_backprop_filter_v2(
-            _scaled(g, w, memo), _const(tuple(src_shape), dtypes.int32),
-            payload.inputs[2], strides=list(attr(payload, "strides")),
-            padding=_decoded(payload, "padding"),
-            dilations=list(attr(payload, "dilations") or [1] * 5),
-            data_format="NDHWC")
+    rank, data_format = 5, "NDHWC"
+    filter_gradient = staticmethod(gen_nn_ops.conv3d_backprop_filter_v2)
 
 
 @norm_rule("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
