@@ -752,6 +752,22 @@ _MAX_LOOPED = 128
 # The dtypes whose grouped kernel gradient TF runs (oneDNN on CPU, cuDNN):
 # its Eigen kernel, float64's, has no groups.
 _GROUPED_DTYPES = frozenset({dtypes.float32})
+
+
+def _groups_run():
+    """Whether TF runs a convolution's kernel gradient with groups here:
+    its oneDNN CPU kernels do; with oneDNN off (TF_ENABLE_ONEDNN_OPTS=0, a
+    build without it) its Eigen kernels raise InvalidArgumentError."""
+    if not _GROUPS_RUN:
+        try:
+            from tensorflow.python.util import _pywrap_util_port  # pylint: disable=import-outside-toplevel
+            _GROUPS_RUN.append(bool(_pywrap_util_port.IsMklEnabled()))
+        except (ImportError, AttributeError):
+            _GROUPS_RUN.append(False)
+    return _GROUPS_RUN[0]
+
+
+_GROUPS_RUN = []
 # Up to this size in bytes of its patches (B T K values), such a
 # convolution at stride 1 builds them from slices (_Conv2DBlocks._sliced).
 _MAX_SLICED_BYTES = 1 << 26
@@ -886,7 +902,7 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         B cout], example i the group of channels i (its blocks summed as
         the batch is), with the op's strides, padding and dilations. Where
         K > 2 cout (_many_inputs), in a dtype TF groups
-        (_GROUPED_DTYPES), but where the ghost norm costs fewer
+        (_GROUPED_DTYPES, _groups_run), but where the ghost norm costs fewer
         products (T^2 (K + N) against T K N); else None. Its products
         are the kernel gradient's, and it holds no patches; on 14
         generated shapes of that kind it took 0.2-1.3x (median 0.7x) the
@@ -894,7 +910,7 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         x = payload.inputs[0]
         shape = self._many_inputs(payload, g, src_shape)
         if (shape is None or x.dtype not in _GROUPED_DTYPES or None in x.shape[1:]
-                or None in g.shape[1:]):
+                or None in g.shape[1:] or not _groups_run()):
             return None
         b, t, k = shape
         kh, kw, cin, cout = src_shape
