@@ -296,3 +296,37 @@ def test_a_first_tape_inside_tf_function_installs_the_death_hook(tmp_path):
     """)
     assert out["hooked"] and out["held"] == 1, out
     np.testing.assert_allclose(out["g"], np.cos(0.5), rtol=1e-6)
+
+
+def test_conv_kernel_rule_where_tf_groups_no_convolution(tmp_path):
+    """With oneDNN off (TF_ENABLE_ONEDNN_OPTS=0: TF's Eigen kernels, whose
+    kernel gradient has no groups), a float32 Conv2D of many input channels
+    to few outputs keeps its rule without the grouped kernel gradient:
+    per-example gradients equal single-example tapes."""
+    out = _run_script(tmp_path, "conv_without_onednn", """
+        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
+        import numpy as np
+        import tensorflow as tf
+        import fasttape
+
+        rng = np.random.default_rng(0)
+        x = tf.constant(rng.normal(size=(3, 6, 6, 8)), tf.float32)
+        kernel = tf.Variable(rng.normal(size=(3, 3, 8, 2)), dtype=tf.float32)
+
+        def loss(x):
+            z = tf.nn.conv2d(x, kernel, 1, "SAME")
+            return tf.reduce_sum(tf.sin(z), axis=[1, 2, 3])
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        got = tape.per_example_gradients(losses, [kernel])[0]
+        rules = tape.summary().per_example_rules[1]
+        ref = []
+        for i in range(3):
+            with tf.GradientTape() as t:
+                one = loss(x[i:i + 1])[0]
+            ref.append(t.gradient(one, kernel).numpy().tolist())
+        print(json.dumps({"got": got.numpy().tolist(), "ref": ref,
+                          "rules": [how for _, how in rules]}))
+    """)
+    assert out["rules"] == ["Conv2D"], out["rules"]
+    np.testing.assert_allclose(out["got"], out["ref"], rtol=1e-4, atol=1e-5)

@@ -59,6 +59,23 @@ def _keras_model(kind, name):
                               # (8 positions: the ghost norm)
                               L.Conv3D(8, 2, strides=2, padding="same", dtype=name),
                               L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "conv3d_dilated":
+        # (TF runs it as SpaceToBatchND, Conv3D, BatchToSpaceND: the blocks)
+        # (the second: few positions, many channels: the ghost norm, and
+        # the clipped sum by TF's kernel gradient of the reweighted blocks)
+        return (5, 5, 4, 2), [L.Conv3D(3, 2, dilation_rate=2, padding="same",
+                                       activation="tanh", dtype=name),
+                              L.Conv3D(8, (3, 3, 2), dilation_rate=2, dtype=name),
+                              L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "conv3d_transpose":
+        # (the first transposed: 2 positions, the ghost norm and TF's
+        # kernel gradient; the second: each example's gradient built)
+        return (2, 1, 1, 2), [L.Conv3D(3, 1, activation="tanh", dtype=name),
+                              L.Conv3DTranspose(3, 2, strides=2, activation="tanh",
+                                                dtype=name),
+                              L.Conv3DTranspose(2, (3, 2, 2), padding="same",
+                                                dtype=name),
+                              L.Flatten(dtype=name), L.Dense(2, dtype=name)]
     if kind == "conv_transpose":
         return (4, 4, 2), [L.Conv2D(3, 1, activation="tanh", dtype=name),
                            L.Conv2DTranspose(3, 3, strides=2, activation="tanh",
@@ -161,6 +178,8 @@ CASES = {
     "keras_simple_rnn": _keras_case("simple_rnn"),
     "keras_gru_sequences": _keras_case("gru_sequences"),
     "keras_conv3d": _keras_case("conv3d"),
+    "keras_conv3d_dilated": _keras_case("conv3d_dilated"),
+    "keras_conv3d_transpose": _keras_case("conv3d_transpose"),
     "keras_conv_transpose": _keras_case("conv_transpose"),
     "keras_conv1d_transpose": _keras_case("conv1d_transpose"),
     "tf_keras_batchnorm": _tf_keras_batchnorm,
@@ -371,6 +390,42 @@ def test_a_folded_batch_norm_with_shapes_unknown_while_tracing(spec):
     x, w, loss = _folded_batch_norm([1, -1, 8, 1], "NCHW")
     with pytest.raises(ValueError, match="mixes examples: a FusedBatchNormV3 op"):
         tf.function(step, input_signature=signature)(x)
+
+
+@pytest.mark.parametrize("cap", ["default", "small"])
+def test_the_sliced_patches_keep_to_their_cap(cap, monkeypatch):
+    """At stride 1, a convolution of many input channels to few outputs
+    (float64: float32 takes the grouped convolution) builds each example's
+    kernel gradient from patches of slices while they take at most
+    _MAX_SLICED_BYTES (B T K values); beyond, by TF's kernel gradient of one
+    example at a time. Both equal the loop of single-example tapes."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    if cap == "small":      # (the two stride-1 kernels' patches: 18.8 and 2.4 KB)
+        monkeypatch.setattr(_norm_rules, "_MAX_SLICED_BYTES", 1024)
+    blocks = _norm_rules._Conv2DBlocks  # pylint: disable=protected-access
+    sliced, looped = [], []
+    original_sliced, original_looped = blocks._sliced, blocks._looped  # pylint: disable=protected-access
+
+    def spy_sliced(self, x, *args):
+        sliced.append(tuple(x.shape))
+        return original_sliced(self, x, *args)
+
+    def spy_looped(self, payload, g, src_shape):
+        out = original_looped(self, payload, g, src_shape)
+        if out is not None:
+            looped.append(tuple(src_shape))
+        return out
+    monkeypatch.setattr(blocks, "_sliced", spy_sliced)
+    monkeypatch.setattr(blocks, "_looped", spy_looped)
+    xs, loss, variables = CASES["keras_conv_many_inputs"](tf.float64)
+    with fasttape.GradientTape() as tape:
+        losses = loss(*xs)
+    got = tape.per_example_gradients(losses, variables)
+    for g, r in zip(got, _reference(loss, xs, variables)):
+        _close(g, r, tf.float64)
+    # the 3x3 and 2x2 kernels at stride 1, and the 3x3 one at stride 2
+    assert sorted(looped) == [(2, 2, 2, 2), (3, 3, 2, 2), (3, 3, 8, 2)]
+    assert len(sliced) == (2 if cap == "default" else 0)
 
 
 @pytest.mark.parametrize("case", ["keras_conv_dilated_wide", "keras_conv1d_dilated"])
