@@ -1319,15 +1319,8 @@ class GraphRecompute:
                 return None
             r = self._recipes.get(id(recipe))
             if r is None:
-                attrs = recipe.attrs
-                try:
-                    hash(attrs)
-                except TypeError:
-                    # (A convolution's or a pool's: list attrs. Not re-made
-                    # in a compiled pass: oneDNN's graph pass fuses it with
-                    # the ops after it, giving other bits than the eager
-                    # pass, and aborts the process where it has a control
-                    # input.)
+                attrs = _hashable_attrs(recipe.attrs)
+                if attrs is None:
                     return None
                 r = self._recipes[id(recipe)] = len(self._recipe_desc)
                 self._recipe_desc.append((
@@ -1516,14 +1509,29 @@ class GraphRecompute:
             values = [self._fed[x] if desc[x][0] == "fed"
                       else self._memo[desc[x][1]][0][desc[x][2]]
                       for x in self._recipe_desc[r][4]]
-            deps = self._deps if self._last_op is None else (
-                self._deps + [self._last_op])
-            with ops.control_dependencies(deps):
-                outs = _graph_op(self._recipe_objs[r], values)
+            last = self._last_op
+            deps = self._deps if last is None or any(
+                v.op is last for v in values) else self._deps + [last]
+            outs = _ordered_graph_op(self._recipe_objs[r], values, deps)
             self._last_op = outs[0].op if outs else None
             self._memo[r] = [outs, step]
             self._alive[step] += self._recipe_bytes[r]
             self.graph_ops += 1
+
+
+def _hashable_attrs(attrs):
+    """attrs as a key (list values as tuples), or None."""
+    try:
+        hash(attrs)
+        return attrs
+    except TypeError:
+        pass
+    attrs = tuple(tuple(v) if type(v) is list else v for v in attrs)
+    try:
+        hash(attrs)
+    except TypeError:
+        return None
+    return attrs
 
 
 def _tensors(values):
@@ -1541,3 +1549,35 @@ def _graph_op(recipe, inputs):
     """Re-make a recipe's op in the graph being traced."""
     with ops.device(recipe.device):
         return graph_op(recipe.op_type, inputs, recipe.attrs)
+
+
+# Ops that TF's oneDNN graph pass (MklLayoutRewritePass, run when a
+# function is instantiated) merges with the op before them (a convolution
+# with its bias add, a pad with its convolution), or that it rewrites to
+# its own kernels: given no control input, it merged a re-made
+# convolution and bias add (other kernels than the eager pass's, and a
+# cycle where the bias add was ordered after the convolution), and with
+# one it aborted the process (a convolution may have its two inputs
+# only). Such an op reads its first input through a reshape to its own
+# shape, which carries the control dependencies and which nothing merges:
+# the kernels the eager pass ran, each on its own.
+_NO_CONTROL_INPUT = frozenset({
+    "Conv2D", "Conv3D", "DepthwiseConv2dNative", "BiasAdd", "Pad", "PadV2",
+    "MirrorPad", "MaxPool", "AvgPool", "MaxPoolV2", "AvgPool3D", "MaxPool3D",
+    "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
+
+
+def _ordered_graph_op(recipe, inputs, deps):
+    """_graph_op, made after ``deps`` (control dependencies): on the op
+    itself, or for the ops of _NO_CONTROL_INPUT on a reshape of its first
+    input (a view of its buffer: no copy, no arithmetic)."""
+    if recipe.op_type not in _NO_CONTROL_INPUT or not inputs:
+        with ops.control_dependencies(deps):
+            return _graph_op(recipe, inputs)
+    inputs = list(inputs)
+    x = inputs[0]
+    shape = (x.shape.as_list() if x.shape.is_fully_defined()
+             else array_ops.shape(x))
+    with ops.device(recipe.device), ops.control_dependencies(deps):
+        inputs[0] = array_ops.reshape(x, shape)
+    return _graph_op(recipe, inputs)
