@@ -660,6 +660,58 @@ def test_refused_compiled_pass_starts_lower_next_time():
     assert not _budget._PASS_WATER  # pylint: disable=protected-access
 
 
+def test_pass_that_never_fits_starts_from_the_usual_level_again():
+    """A budgeted pass whose compiled replay is refused from every lower
+    start tried (a convnet feeding LSTMs under 25%) runs eagerly from the
+    usual level again, not from the last and lowest, where its eager pass
+    re-made 20 times as many ops."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    params, loss = family.build(tf, {
+        "dtype": "float32", "batch": 4, "width": 64, "seed": 562,
+        "image": (24, 24, 1), "stem": ["conv", "conv"], "tokens": None,
+        "blocks": ["recurrent", "recurrent", "dense"], "activation": "relu"})
+    full, expected = _family_step(params, loss, 10 ** 12, debug=True)
+    with compiled_mode("always"):
+        _compiled.CACHE.clear()
+        fasttape.clear_caches()
+        stores = []
+        for _ in range(6):
+            store, grads = _family_step(params, loss, int(full.max_held * 0.25))
+            assert_same(expected, grads, exact=True)
+            stores.append(store)
+    remade = [s.recomputed_ops for s in stores]
+    assert max(remade[1:4]) > 2 * remade[0], remade      # (lower starts tried)
+    assert remade[-1] == remade[0] and stores[-1].compiled_passes == 0, remade
+    assert [w[0] for w in _budget._PASS_WATER.values()] == [None]  # pylint: disable=protected-access
+    fasttape.clear_caches()
+
+
+def test_replay_from_a_lower_start_kept_only_if_faster(monkeypatch):
+    """A replay from a lower start is timed against the eager pass from
+    the usual level; where it is slower, the step starts from the usual
+    level again (and runs eagerly), not from the lower start, whose eager
+    pass re-makes more."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    params, loss = _attention_net(tf)
+    full, expected = _family_step(params, loss, 10 ** 12, debug=True)
+    budget = int(full.max_held * 0.5)
+    monkeypatch.setattr(_compiled.CACHE, "worth_building", lambda *a: True)
+    monkeypatch.setattr(_compiled, "_warm_seconds", lambda *a: 10.0)
+    with compiled_mode("auto"):
+        _compiled.CACHE.clear()
+        fasttape.clear_caches()
+        stores = []
+        for _ in range(6):
+            store, grads = _family_step(params, loss, budget)
+            assert_same(expected, grads, exact=True)
+            stores.append(store)
+    assert _compiled.CACHE.stats["slower"] >= 1
+    assert [w[0] for w in _budget._PASS_WATER.values()] == [None]  # pylint: disable=protected-access
+    assert not stores[-1].lowered and stores[-1].compiled_passes == 0
+    assert stores[-1].recomputed_ops == stores[0].recomputed_ops
+    fasttape.clear_caches()
+
+
 def test_gradient_inside_own_context_refused():
     x = tf.constant([0.5, 1.0])
     with fasttape.GradientTape(persistent=True, memory_budget=TINY) as tape:

@@ -1166,6 +1166,8 @@ def _build_or_run(core, found, target_ids, source_ids, sources_that_are_targets,
         grads = unfed()
         seen.eager_seconds = min(seen.eager_seconds,
                                  time.perf_counter() - start)
+        if recompute is not None:
+            recompute.ran_eagerly(seen.eager_seconds)
         return grads
     cache.seen.pop(key, None)
     cache.misses = 0
@@ -1195,6 +1197,8 @@ def _build_or_run(core, found, target_ids, source_ids, sources_that_are_targets,
     start = time.perf_counter()
     grads = eager_pass()
     eager_seconds = min(seen.eager_seconds, time.perf_counter() - start)
+    if recompute is not None:
+        eager_seconds = recompute.ran_eagerly(eager_seconds)
     replayed = None
     slower = False
     if compiled is not None:
@@ -1221,6 +1225,8 @@ def _build_or_run(core, found, target_ids, source_ids, sources_that_are_targets,
                                                   compiled_seconds, len(entries))
                 slower = compiled_seconds >= eager_seconds
                 compiled.saving = eager_seconds - compiled_seconds
+                if slower and recompute is not None:
+                    recompute.slower()
         except Exception as e:  # pylint: disable=broad-except
             why, compiled = f"it failed: {e!r}", None
     if why is not None:
