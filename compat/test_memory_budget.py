@@ -712,6 +712,36 @@ def test_replay_from_a_lower_start_kept_only_if_faster(monkeypatch):
     fasttape.clear_caches()
 
 
+def test_budgeted_pass_keeps_the_single_threaded_executor(monkeypatch):
+    """A budgeted compiled pass runs on TF's single-threaded executor even
+    where the default one times faster (the unbudgeted pass then takes
+    it): the default executor runs independent gradient functions at once,
+    and the allocator's peak of a dense model's replay was twice the
+    single-threaded one's (0.66 and 1.31 MB, budget or not), so the
+    budgeted peak rose above the unbudgeted one whenever only the
+    unbudgeted pass had been timed faster on the single-threaded one."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    params, loss = _attention_net(tf)
+    full, _ = _family_step(params, loss, 10 ** 12, debug=True)
+    monkeypatch.setattr(_compiled.CACHE, "worth_building", lambda *a: True)
+    monkeypatch.setattr(_compiled, "TRY_DEFAULT_EXECUTOR_SECONDS_PER_OP", 0.0)
+    times = iter([2e-6, 1e-6] * 100)    # (each pair: single-threaded, default)
+    monkeypatch.setattr(_compiled, "_warm_seconds", lambda *a: next(times))
+    with compiled_mode("auto"):
+        _compiled.CACHE.clear()
+        fasttape.clear_caches()
+        for budget in (None, int(full.max_held * 0.5)):
+            for _ in range(4):
+                with fasttape.GradientTape(memory_budget=budget) as tape:
+                    value = loss()
+                tape.gradient(value, params)
+        executors = [c.executor_type for c in _compiled.CACHE.compiled.values()
+                     if c is not _compiled._FAILED]  # pylint: disable=protected-access
+    assert "" in executors, executors       # (the unbudgeted pass's)
+    assert executors.count("SINGLE_THREADED_EXECUTOR") >= 1, executors
+    fasttape.clear_caches()
+
+
 def test_gradient_inside_own_context_refused():
     x = tf.constant([0.5, 1.0])
     with fasttape.GradientTape(persistent=True, memory_budget=TINY) as tape:

@@ -1221,8 +1221,14 @@ def _build_or_run(core, found, target_ids, source_ids, sources_that_are_targets,
                 # for instantiation, so time warm calls: the faster of two
                 # against the fastest eager pass seen for this key).
                 compiled_seconds = _warm_seconds(compiled, feeds)
-                compiled_seconds = _pick_executor(compiled, feeds,
-                                                  compiled_seconds, len(entries))
+                if recompute is None:
+                    # (A memory budget's pass stays on the single-threaded
+                    # executor: the default one runs independent gradient
+                    # functions at once, each with what it allocates; the
+                    # allocator's peak of a small dense model's pass was
+                    # twice as high on it, budget or not.)
+                    compiled_seconds = _pick_executor(
+                        compiled, feeds, compiled_seconds, len(entries))
                 slower = compiled_seconds >= eager_seconds
                 compiled.saving = eager_seconds - compiled_seconds
                 if slower and recompute is not None:
