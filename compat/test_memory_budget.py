@@ -539,6 +539,35 @@ def test_budgeted_pass_compiled_with_its_recomputations():
     assert stores[1].recomputed_ops == stores[2].recomputed_ops
 
 
+def test_compiled_pass_remakes_convolutions(monkeypatch):
+    """A compiled budgeted pass re-makes convolutions, their bias adds and
+    pools inside its function (each reads its first input through a
+    reshape that carries its control dependencies: TF's oneDNN graph pass
+    aborted the process on a convolution with a control input, and merged
+    one with its bias add): the replay gives the unbudgeted replay's
+    gradients bit for bit."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    params, loss = family.build(tf, {
+        "dtype": "float32", "batch": 8, "width": 16, "seed": 3,
+        "image": (12, 12, 3), "stem": ["conv", "pool", "conv"], "tokens": None,
+        "blocks": ["dense"], "activation": "relu"})
+    full, _ = _family_step(params, loss, 10 ** 12, debug=True)
+    remade = []
+    graph_op = _budget._graph_op  # pylint: disable=protected-access
+    monkeypatch.setattr(_budget, "_graph_op", lambda recipe, inputs: (
+        remade.append(recipe.op_type), graph_op(recipe, inputs))[1])
+    with compiled_mode("always"):
+        _compiled.CACHE.clear()
+        expected, replayed = _replayed_step(params, loss, None)
+        assert replayed
+        for _ in range(3):
+            grads, replayed = _replayed_step(params, loss,
+                                             int(full.max_held * 0.5))
+        assert replayed
+    assert {"Conv2D", "BiasAdd"} <= set(remade), remade
+    assert_same(expected, grads, exact=True)
+
+
 def test_eager_pass_through_the_cache_lets_go(monkeypatch):
     """A budgeted pass the compiled cache runs eagerly (its first steps)
     lets go of each saved tensor after its last reader, as a pass that
@@ -629,6 +658,88 @@ def test_refused_compiled_pass_starts_lower_next_time():
     assert stores[-1].recomputed_ops > 0
     fasttape.clear_caches()
     assert not _budget._PASS_WATER  # pylint: disable=protected-access
+
+
+def test_pass_that_never_fits_starts_from_the_usual_level_again():
+    """A budgeted pass whose compiled replay is refused from every lower
+    start tried (a convnet feeding LSTMs under 25%) runs eagerly from the
+    usual level again, not from the last and lowest, where its eager pass
+    re-made 20 times as many ops."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    params, loss = family.build(tf, {
+        "dtype": "float32", "batch": 4, "width": 64, "seed": 562,
+        "image": (24, 24, 1), "stem": ["conv", "conv"], "tokens": None,
+        "blocks": ["recurrent", "recurrent", "dense"], "activation": "relu"})
+    full, expected = _family_step(params, loss, 10 ** 12, debug=True)
+    with compiled_mode("always"):
+        _compiled.CACHE.clear()
+        fasttape.clear_caches()
+        stores = []
+        for _ in range(6):
+            store, grads = _family_step(params, loss, int(full.max_held * 0.25))
+            assert_same(expected, grads, exact=True)
+            stores.append(store)
+    remade = [s.recomputed_ops for s in stores]
+    assert max(remade[1:4]) > 2 * remade[0], remade      # (lower starts tried)
+    assert remade[-1] == remade[0] and stores[-1].compiled_passes == 0, remade
+    assert [w[0] for w in _budget._PASS_WATER.values()] == [None]  # pylint: disable=protected-access
+    fasttape.clear_caches()
+
+
+def test_replay_from_a_lower_start_kept_only_if_faster(monkeypatch):
+    """A replay from a lower start is timed against the eager pass from
+    the usual level; where it is slower, the step starts from the usual
+    level again (and runs eagerly), not from the lower start, whose eager
+    pass re-makes more."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    params, loss = _attention_net(tf)
+    full, expected = _family_step(params, loss, 10 ** 12, debug=True)
+    budget = int(full.max_held * 0.5)
+    monkeypatch.setattr(_compiled.CACHE, "worth_building", lambda *a: True)
+    monkeypatch.setattr(_compiled, "_warm_seconds", lambda *a: 10.0)
+    with compiled_mode("auto"):
+        _compiled.CACHE.clear()
+        fasttape.clear_caches()
+        stores = []
+        for _ in range(6):
+            store, grads = _family_step(params, loss, budget)
+            assert_same(expected, grads, exact=True)
+            stores.append(store)
+    assert _compiled.CACHE.stats["slower"] >= 1
+    assert [w[0] for w in _budget._PASS_WATER.values()] == [None]  # pylint: disable=protected-access
+    assert not stores[-1].lowered and stores[-1].compiled_passes == 0
+    assert stores[-1].recomputed_ops == stores[0].recomputed_ops
+    fasttape.clear_caches()
+
+
+def test_budgeted_pass_keeps_the_single_threaded_executor(monkeypatch):
+    """A budgeted compiled pass runs on TF's single-threaded executor even
+    where the default one times faster (the unbudgeted pass then takes
+    it): the default executor runs independent gradient functions at once,
+    and the allocator's peak of a dense model's replay was twice the
+    single-threaded one's (0.66 and 1.31 MB, budget or not), so the
+    budgeted peak rose above the unbudgeted one whenever only the
+    unbudgeted pass had been timed faster on the single-threaded one."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    params, loss = _attention_net(tf)
+    full, _ = _family_step(params, loss, 10 ** 12, debug=True)
+    monkeypatch.setattr(_compiled.CACHE, "worth_building", lambda *a: True)
+    monkeypatch.setattr(_compiled, "TRY_DEFAULT_EXECUTOR_SECONDS_PER_OP", 0.0)
+    times = iter([2e-6, 1e-6] * 100)    # (each pair: single-threaded, default)
+    monkeypatch.setattr(_compiled, "_warm_seconds", lambda *a: next(times))
+    with compiled_mode("auto"):
+        _compiled.CACHE.clear()
+        fasttape.clear_caches()
+        for budget in (None, int(full.max_held * 0.5)):
+            for _ in range(4):
+                with fasttape.GradientTape(memory_budget=budget) as tape:
+                    value = loss()
+                tape.gradient(value, params)
+        executors = [c.executor_type for c in _compiled.CACHE.compiled.values()
+                     if c is not _compiled._FAILED]  # pylint: disable=protected-access
+    assert "" in executors, executors       # (the unbudgeted pass's)
+    assert executors.count("SINGLE_THREADED_EXECUTOR") >= 1, executors
+    fasttape.clear_caches()
 
 
 def test_gradient_inside_own_context_refused():
@@ -1130,13 +1241,35 @@ def test_family_exact_and_within_bound(spec):
         assert bool(warned) == (store.warned is not None)
         assert warned or store.max_held <= budget + store.largest, (
             family.describe(spec), fraction, store.max_held, budget, store.largest)
-        # Compiled: built at the first step, replayed at the second (if it
-        # fits), bit for bit too.
+        # Compiled: built at the first step (which returns the eager
+        # pass's gradients), replayed at the second where it fits: bit for
+        # bit the unbudgeted tape's replay (a replay's convolution
+        # gradients may differ from the eager kernels' in their last bits,
+        # budget or not: TF's oneDNN graph pass merges them with the bias
+        # gradient).
         with compiled_mode("always"), warnings.catch_warnings():
             warnings.simplefilter("ignore", _budget.MemoryBudgetWarning)
+            if fraction == 0.5:
+                replayed = _replayed_step(params, loss, None)
             for _ in range(2):
-                store, grads = _family_step(params, loss, budget)
-                assert_same(expected, grads, exact=True)
+                grads, was_replayed = _replayed_step(params, loss, budget)
+                assert_same(replayed[0] if was_replayed else expected, grads,
+                            exact=True)
+
+
+def _replayed_step(params, loss, budget):
+    """A step's gradients, replayed compiled if the cache has its pass
+    (else built now and replayed by a second step), and whether the last
+    step was a replay."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    for _ in range(2):
+        before = _compiled.CACHE.stats["replayed"]
+        with fasttape.GradientTape(memory_budget=budget) as tape:
+            value = loss()
+        grads = tape.gradient(value, params)
+        if budget is not None or _compiled.CACHE.stats["replayed"] > before:
+            break
+    return grads, _compiled.CACHE.stats["replayed"] > before
 
 
 def test_family_bench_rows():

@@ -363,7 +363,8 @@ def format_family_table(rows):
         fall = (1 - r["peak"] / r["peak_none"]) if r.get("peak_none") else None
         lines.append(
             f"{r['workload'][:43]:<44}{budget:>16}{r['held'] / r['budget']:>13.2f}"
-            f"{'ok' if r['bound'] else 'OVER':>7}{r['ms']:>9.1f}{r['ratio']:>7.2f}"
+            f"{'ok' if r['bound'] else 'warned' if r.get('warned') else 'OVER':>7}"
+            f"{r['ms']:>9.1f}{r['ratio']:>7.2f}"
             f"{_mb(r.get('peak_none')):>11}{_mb(r.get('peak')):>10}"
             f"{'-' if fall is None else f'{fall:.0%}':>7}")
     for fraction in FRACTIONS:
@@ -378,7 +379,9 @@ def format_family_table(rows):
             f"{np.median(ratios):.2f}, worst {worst['ratio']:.2f} "
             f"({worst['workload']}); held/budget worst "
             f"{max(r['held'] / r['budget'] for r in some):.2f}, bound kept on "
-            f"{sum(r['bound'] for r in some)}/{len(some)}, gradients equal on "
+            f"{sum(r['bound'] for r in some)}/{len(some)} (warned on "
+            f"{sum(not r['bound'] and r.get('warned', False) for r in some)} of the "
+            f"rest), gradients equal on "
             f"{sum(r['grads_equal'] for r in some)}/{len(some)}"
             + (f"; allocator peak fall median {np.median(falls):.0%}, worst "
                f"{min(falls):.0%}" if falls else ""))

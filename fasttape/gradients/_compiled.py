@@ -1166,6 +1166,8 @@ def _build_or_run(core, found, target_ids, source_ids, sources_that_are_targets,
         grads = unfed()
         seen.eager_seconds = min(seen.eager_seconds,
                                  time.perf_counter() - start)
+        if recompute is not None:
+            recompute.ran_eagerly(seen.eager_seconds)
         return grads
     cache.seen.pop(key, None)
     cache.misses = 0
@@ -1195,6 +1197,8 @@ def _build_or_run(core, found, target_ids, source_ids, sources_that_are_targets,
     start = time.perf_counter()
     grads = eager_pass()
     eager_seconds = min(seen.eager_seconds, time.perf_counter() - start)
+    if recompute is not None:
+        eager_seconds = recompute.ran_eagerly(eager_seconds)
     replayed = None
     slower = False
     if compiled is not None:
@@ -1217,10 +1221,18 @@ def _build_or_run(core, found, target_ids, source_ids, sources_that_are_targets,
                 # for instantiation, so time warm calls: the faster of two
                 # against the fastest eager pass seen for this key).
                 compiled_seconds = _warm_seconds(compiled, feeds)
-                compiled_seconds = _pick_executor(compiled, feeds,
-                                                  compiled_seconds, len(entries))
+                if recompute is None:
+                    # (A memory budget's pass stays on the single-threaded
+                    # executor: the default one runs independent gradient
+                    # functions at once, each with what it allocates; the
+                    # allocator's peak of a small dense model's pass was
+                    # twice as high on it, budget or not.)
+                    compiled_seconds = _pick_executor(
+                        compiled, feeds, compiled_seconds, len(entries))
                 slower = compiled_seconds >= eager_seconds
                 compiled.saving = eager_seconds - compiled_seconds
+                if slower and recompute is not None:
+                    recompute.slower()
         except Exception as e:  # pylint: disable=broad-except
             why, compiled = f"it failed: {e!r}", None
     if why is not None:

@@ -365,6 +365,7 @@ class Store:
         self.warned = None          # the MemoryBudgetWarning given (once), or None
         self.over_tensor = None     # (then) the id of the tensor it named
         self.pass_key = None        # (backward) the pass's key in _PASS_WATER
+        self.lowered = False        # (backward) it started below the usual level
 
     # -- recording ----------------------------------------------------------
 
@@ -1117,7 +1118,8 @@ def backward_vspace(tape_state, base, recorded=True):
     # tensors have mostly gone: what only the tape holds is known now.
     store.pass_key = (store.clock, store.budget, len(store.slots))
     water = _PASS_WATER.get(store.pass_key)
-    store.enforce(None if water is None else water[0])
+    store.lowered = water is not None and water[0] is not None
+    store.enforce(water[0] if store.lowered else None)
     return BudgetVSpace(base, store)
 
 
@@ -1127,7 +1129,13 @@ def backward_vspace(tape_state, base, recorded=True):
 # alive for the whole call, where the eager pass lets go of each after its
 # last reader, so a pass refused for holding too much starts, the next
 # time, from less (more dropped, then re-made inside the function).
-# (key) -> [bytes to start from, attempts]; bounded; emptied by clear_caches.
+# A replay from a lower start is kept only where it is faster than the
+# eager pass from the usual level (which re-makes less than the eager pass
+# from the lower start it is otherwise timed against).
+# (key) -> [bytes to start from (None: the usual level again, after the
+# last attempt failed or the replay was slower), attempts, the fastest
+# eager pass from the usual level (seconds)]; bounded; emptied by
+# clear_caches.
 _PASS_WATER = {}
 _PASS_WATER_MAX = 64
 _PASS_WATER_ATTEMPTS = 3
@@ -1142,15 +1150,23 @@ def _lower_pass_water(store, excess):
     got = _PASS_WATER.get(key)
     attempts = 1 if got is None else got[1] + 1
     start = got[0] if got is not None else store.low
-    target = max(start - excess - (store.budget >> 4), 0)
-    if attempts > _PASS_WATER_ATTEMPTS or start <= 0:
-        # (No lower: the last level stays; attempts stop growing it.)
+    if attempts > _PASS_WATER_ATTEMPTS or start is None or start <= 0:
+        # No lower, and no replay from any level tried: the pass starts
+        # from the usual level again and runs eagerly (each lower start
+        # made its eager pass re-make more: a convnet feeding an LSTM
+        # under 25%, 9 ops re-run from the usual level, 192 from the
+        # third, each step 1.3-2x slower). Attempts stop growing.
         if got is not None:
+            got[0] = None
             got[1] = _PASS_WATER_ATTEMPTS + 1
         return
+    target = max(start - excess - (store.budget >> 4), 0)
     if got is None and len(_PASS_WATER) >= _PASS_WATER_MAX:
         del _PASS_WATER[next(iter(_PASS_WATER))]
-    _PASS_WATER[key] = [int(target), attempts]
+    if got is None:
+        _PASS_WATER[key] = [int(target), attempts, math.inf]
+    else:
+        got[0], got[1] = int(target), attempts
 
 
 def clear_caches():
@@ -1319,15 +1335,8 @@ class GraphRecompute:
                 return None
             r = self._recipes.get(id(recipe))
             if r is None:
-                attrs = recipe.attrs
-                try:
-                    hash(attrs)
-                except TypeError:
-                    # (A convolution's or a pool's: list attrs. Not re-made
-                    # in a compiled pass: oneDNN's graph pass fuses it with
-                    # the ops after it, giving other bits than the eager
-                    # pass, and aborts the process where it has a control
-                    # input.)
+                attrs = _hashable_attrs(recipe.attrs)
+                if attrs is None:
                     return None
                 r = self._recipes[id(recipe)] = len(self._recipe_desc)
                 self._recipe_desc.append((
@@ -1369,6 +1378,28 @@ class GraphRecompute:
             return (f"its recomputations would hold {peak} bytes besides the "
                     f"{held - peak} the tape holds: {over} over the budget")
         return None
+
+    def ran_eagerly(self, seconds):
+        """The pass ran eagerly in ``seconds`` (timed by the compiled
+        cache, that decides whether a replay is faster); returns the eager
+        seconds its replay must beat: from the usual level, where this
+        pass started lower."""
+        store = self.store
+        water = _PASS_WATER.get(store.pass_key)
+        if water is None:
+            return seconds
+        if not store.lowered:
+            water[2] = min(water[2], seconds)
+            return seconds
+        return min(seconds, water[2])
+
+    def slower(self):
+        """The replay was slower than the eager pass: a pass started lower
+        for it starts from the usual level again."""
+        water = _PASS_WATER.get(self.store.pass_key)
+        if water is not None and self.store.lowered:
+            water[0] = None
+            water[1] = _PASS_WATER_ATTEMPTS + 1
 
     def replayed(self, ops_run):
         """A compiled replay ran, re-running ops_run ops: count them."""
@@ -1516,14 +1547,29 @@ class GraphRecompute:
             values = [self._fed[x] if desc[x][0] == "fed"
                       else self._memo[desc[x][1]][0][desc[x][2]]
                       for x in self._recipe_desc[r][4]]
-            deps = self._deps if self._last_op is None else (
-                self._deps + [self._last_op])
-            with ops.control_dependencies(deps):
-                outs = _graph_op(self._recipe_objs[r], values)
+            last = self._last_op
+            deps = self._deps if last is None or any(
+                v.op is last for v in values) else self._deps + [last]
+            outs = _ordered_graph_op(self._recipe_objs[r], values, deps)
             self._last_op = outs[0].op if outs else None
             self._memo[r] = [outs, step]
             self._alive[step] += self._recipe_bytes[r]
             self.graph_ops += 1
+
+
+def _hashable_attrs(attrs):
+    """attrs as a key (list values as tuples), or None."""
+    try:
+        hash(attrs)
+        return attrs
+    except TypeError:
+        pass
+    attrs = tuple(tuple(v) if type(v) is list else v for v in attrs)
+    try:
+        hash(attrs)
+    except TypeError:
+        return None
+    return attrs
 
 
 def _tensors(values):
@@ -1541,3 +1587,35 @@ def _graph_op(recipe, inputs):
     """Re-make a recipe's op in the graph being traced."""
     with ops.device(recipe.device):
         return graph_op(recipe.op_type, inputs, recipe.attrs)
+
+
+# Ops that TF's oneDNN graph pass (MklLayoutRewritePass, run when a
+# function is instantiated) merges with the op before them (a convolution
+# with its bias add, a pad with its convolution), or that it rewrites to
+# its own kernels: given no control input, it merged a re-made
+# convolution and bias add (other kernels than the eager pass's, and a
+# cycle where the bias add was ordered after the convolution), and with
+# one it aborted the process (a convolution may have its two inputs
+# only). Such an op reads its first input through a reshape to its own
+# shape, which carries the control dependencies and which nothing merges:
+# the kernels the eager pass ran, each on its own.
+_NO_CONTROL_INPUT = frozenset({
+    "Conv2D", "Conv3D", "DepthwiseConv2dNative", "BiasAdd", "Pad", "PadV2",
+    "MirrorPad", "MaxPool", "AvgPool", "MaxPoolV2", "AvgPool3D", "MaxPool3D",
+    "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
+
+
+def _ordered_graph_op(recipe, inputs, deps):
+    """_graph_op, made after ``deps`` (control dependencies): on the op
+    itself, or for the ops of _NO_CONTROL_INPUT on a reshape of its first
+    input (a view of its buffer: no copy, no arithmetic)."""
+    if recipe.op_type not in _NO_CONTROL_INPUT or not inputs:
+        with ops.control_dependencies(deps):
+            return _graph_op(recipe, inputs)
+    inputs = list(inputs)
+    x = inputs[0]
+    shape = (x.shape.as_list() if x.shape.is_fully_defined()
+             else array_ops.shape(x))
+    with ops.device(recipe.device), ops.control_dependencies(deps):
+        inputs[0] = array_ops.reshape(x, shape)
+    return _graph_op(recipe, inputs)
