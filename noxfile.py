@@ -6,7 +6,8 @@
     nox -l                       # the sessions
     nox -s tf-2.18               # one release: its tensorflow-cpu + tf_keras,
                                  # fasttape built from source, the parity subset
-    nox -s tf-2.18 -- compat/test_forwardprop.py -x   # other pytest arguments
+    nox -s tf-2.18 -- compat/test_forwardprop.py -x   # other pytest files
+    nox -s tf-2.18 -- -n 1 -x    # options alone: the subset with them
     nox -s full                  # the README's install and the whole suite (newest TF)
 
 Each session is a fresh virtualenv (reused with ``nox -r``) and downloads its
@@ -72,6 +73,17 @@ SUBSET = [
 nox.options.sessions = [f"tf-{v}" for v in TF_RELEASES] + ["full"]
 
 
+def _pytest_args(posargs):
+    """The session's pytest arguments: SUBSET's files unless the arguments
+    name files of their own, so that options alone (``-- -n 1 -x``) still
+    run the subset."""
+    names_paths = any(os.path.exists(arg.split("::")[0]) for arg in posargs
+                      if not arg.startswith("-"))
+    if names_paths:
+        return list(posargs)
+    return [*posargs, *(p for p in SUBSET if os.path.exists(p))]
+
+
 def _release_session(release):
     @nox.session(name=f"tf-{release}", python=PYTHON)
     def session(s):
@@ -80,8 +92,7 @@ def _release_session(release):
         s.run("python", "-c", "import tensorflow as tf, tf_keras; "
               "print('tensorflow', tf.__version__, 'tf_keras', tf_keras.__version__)",
               env={"TF_CPP_MIN_LOG_LEVEL": "3"})
-        paths = [p for p in SUBSET if os.path.exists(p)]
-        s.run("python", "-m", "pytest", "-q", *(s.posargs or paths))
+        s.run("python", "-m", "pytest", "-q", *_pytest_args(s.posargs))
 
     return session
 

@@ -1193,23 +1193,35 @@ SECOND_ORDER_TF_RAISES = {
     "StatelessRandomGammaV3",
 }
 
-# More of them in older TF releases: {first release where TF takes them:
-# case ids}. Before, the gradient's own ops had no registered gradient
-# (LookupError); since, they are NotDifferentiable.
-SECOND_ORDER_TF_RAISES_BEFORE = {
-    (2, 17): {"FakeQuantWithMinMaxArgs", "FakeQuantWithMinMaxVars",
-              "FakeQuantWithMinMaxVarsPerChannel"},
-    (2, 18): {"ResizeBilinear"},
+# Cases whose first-order gradient runs the op type named: TF can take their
+# second derivative only where the installed release registers a gradient
+# for it (TF 2.16 registers none for these, so TF raises LookupError; later
+# releases mark them NotDifferentiable). Read from the installed TF, never
+# from a table of releases (test_forwardprop_ops.py asks the same question).
+SECOND_ORDER_RUNS = {
+    "FakeQuantWithMinMaxArgs": "FakeQuantWithMinMaxArgsGradient",
+    "FakeQuantWithMinMaxVars": "FakeQuantWithMinMaxVarsGradient",
+    "FakeQuantWithMinMaxVarsPerChannel": "FakeQuantWithMinMaxVarsPerChannelGradient",
+    "ResizeBilinear": "ResizeBilinearGrad",
 }
+
+
+def tf_registers_no_gradient(op_type):
+    """Whether the installed TF has no gradient registered for ``op_type``
+    (neither a function nor NotDifferentiable): a gradient that reaches it
+    raises LookupError, under TF's tapes and fasttape's."""
+    try:
+        ops._gradient_registry.lookup(op_type)  # pylint: disable=protected-access
+    except LookupError:
+        return True
+    return False
 
 
 def second_order_tf_raises(case_id):
     """Whether TF, the release running, cannot take this case's second
     derivative."""
-    from fasttape.gradients._tf_compat import TF_VERSION
-    return case_id in SECOND_ORDER_TF_RAISES or any(
-        case_id in ids for since, ids in SECOND_ORDER_TF_RAISES_BEFORE.items()
-        if TF_VERSION < since)
+    return case_id in SECOND_ORDER_TF_RAISES or (
+        case_id in SECOND_ORDER_RUNS and tf_registers_no_gradient(SECOND_ORDER_RUNS[case_id]))
 
 
 # Case ids (besides the graph=True ones) also run as an eager pfor jacobian:

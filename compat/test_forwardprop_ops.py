@@ -16,13 +16,13 @@ import zlib
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.util import nest
 
 import fasttape
 from fasttape.recording import _recording
 from fasttape.gradients._jvp_rules import JVP_RULES
 from harness import Raised, assert_same
+from op_corpus import tf_registers_no_gradient
 from test_forwardprop import fwd_error, fwd_parity, run_fwd_case
 
 
@@ -375,12 +375,9 @@ def _raises_without_gradient(op_type):
     TF's forward mode of an op whose gradient runs ``op_type`` (transposed
     under a tape) then raises it, and so does fasttape's. None if TF has one
     or marks it NotDifferentiable (TF 2.21's ResizeBilinearGrad; TF 2.16
-    registers nothing for it)."""
-    try:
-        tf_ops._gradient_registry.lookup(op_type)  # pylint: disable=protected-access
-    except LookupError:
-        return LookupError
-    return None
+    registers nothing for it). The same question as the op corpus's second
+    order (op_corpus.SECOND_ORDER_RUNS)."""
+    return LookupError if tf_registers_no_gradient(op_type) else None
 
 
 def _ops_tf_builds(fn, shape, among):
