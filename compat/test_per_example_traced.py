@@ -362,3 +362,37 @@ def test_traced_dp_step_leaks_nothing(mode):
 
     step()
     assert_leaks_nothing(step)
+
+
+@pytest.mark.parametrize("product", ["einsum", "batch_matmul"])
+def test_traced_contracted_axis_unknown_while_tracing(product):
+    """The rule's operand has an axis unknown while tracing (after a
+    SegmentSum, or an input_signature [B, None, k]) but the source's shape
+    is known: the Einsum and BatchMatMul rules take the sizes from the
+    source (they read the operand's static shape and raised TypeError)."""
+    rng = np.random.default_rng(11)
+    seg = tf.constant([0, 0, 1, 2, 2], tf.int32)
+    w0 = tf.Variable(rng.normal(size=(4, 5)), dtype=tf.float64)
+    w = tf.Variable(rng.normal(size=(3, 2)), dtype=tf.float64)
+    variables = [w0, w]
+
+    def loss(x):
+        # the segments' count is a run-time value: [B, None] while tracing
+        h = tf.transpose(tf.math.segment_sum(tf.transpose(tf.tanh(x @ w0)), seg))
+        if product == "einsum":
+            z = tf.einsum("bi,ij->bj", h, w)
+        else:
+            z = tf.matmul(tf.stack([h, 2.0 * h], 1), w)
+        return tf.reduce_sum(tf.sin(z), axis=list(range(1, len(z.shape))))
+    xs = [tf.constant(rng.normal(size=(B, 4)), tf.float64)]
+    ref = _reference(loss, xs, variables)
+    clip, expected = _expected_dp(ref, B)
+    rows_seen = []
+    per_example, norms, dp = tf.function(
+        _step(loss, variables, clip, rows_seen))(*xs)
+    for g, r in zip(per_example, ref):
+        _close(g, r, tf.float64)
+    _close(norms, _ref_norms(ref), tf.float64)
+    for g, e in zip(dp, expected):
+        _close(g, e, tf.float64)
+    assert len(rows_seen[-1][1]) == 1, rows_seen[-1]     # w by its rule

@@ -245,8 +245,13 @@ class _BatchMatMul:
     def _flat(self, payload, g, src_shape, pos=1):
         a = payload.inputs[0]
         b = array_ops.shape(a)[0]
-        return (array_ops.reshape(a, [b, -1, a.shape[-1]]),
-                array_ops.reshape(g, [b, -1, g.shape[-1]]))
+        k, n = a.shape[-1], g.shape[-1]
+        if src_shape is not None and len(src_shape) == 2 and None not in src_shape:
+            # (W's known shape: while tracing, a's or g's last axis may be
+            # unknown)
+            k, n = src_shape[::-1] if attr(payload, "adj_y") else src_shape
+        return (array_ops.reshape(a, [b, -1, k]),
+                array_ops.reshape(g, [b, -1, n]))
 
     def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
         a, g = self._flat(payload, g, src_shape, pos)
@@ -473,13 +478,15 @@ class _Einsum(_BatchMatMul):
                 and len(src_shape) == len(parts[1]) and None not in src_shape)
 
     def _flat(self, payload, g, src_shape, pos=1):
-        xt, _, out, rows, contracted, outs = _einsum_parts(payload, pos)
+        xt, wt, out, rows, contracted, outs = _einsum_parts(payload, pos)
         x = payload.inputs[1 - pos]
         b = array_ops.shape(x)[0]
         a = array_ops.transpose(x, [0] + [xt.index(c) for c in rows + contracted])
         g = array_ops.transpose(g, [0] + [out.index(c) for c in rows + outs])
-        k = int(np.prod([x.shape[xt.index(c)] for c in contracted]))
-        n = int(np.prod([g.shape[1 + len(rows) + j] for j in range(len(outs))]))
+        # (the sizes from the source's known shape: while tracing, x's or
+        # g's may be unknown, after an op such as SegmentSum)
+        k = int(np.prod([src_shape[wt.index(c)] for c in contracted]))
+        n = int(np.prod([src_shape[wt.index(c)] for c in outs]))
         return (array_ops.reshape(a, [b, -1, k]), array_ops.reshape(g, [b, -1, n]))
 
     def _to_source(self, payload, pos, grads, src_shape, lead):
