@@ -1,10 +1,11 @@
 """Per-example gradients whatever op follows a dense layer: a probe over
 many TF ops (row-wise ones, ones that move or mix rows across the batch
-axis, ones on no list), eager and traced, against the gradient of each
-loss of the full batch by tf.GradientTape, in float64. An op rule reads row
-j of its op's output gradient as example j's; the analysis trusts only the
-ops it knows keep the rows (backward._row_ops), and sends the parameters
-read before any other op to the exact per-example rows."""
+axis, ones on no list), eager and traced (a few under jit_compile),
+against the gradient of each loss of the full batch by tf.GradientTape,
+in float64. An op rule reads row j of its op's output gradient as example
+j's; the analysis trusts only the ops it knows keep the rows
+(backward._row_ops), and sends the parameters read before any other op to
+the exact per-example rows."""
 
 import numpy as np
 import pytest
@@ -132,13 +133,32 @@ def _per_example(loss, x, variables, traced):
         out = tape.per_example_gradients(losses, variables)
         rules.append(dict(tape.summary().per_example_rules[1]))
         return out
-    got = tf.function(step)(x) if traced else step(x)
+    if traced == "jit":
+        got = tf.function(step, jit_compile=True)(x)
+    else:
+        got = tf.function(step)(x) if traced else step(x)
     return got, list(rules[-1].values())
+
+
+# Under jit_compile, a few of each kind (compiling all of them costs a
+# minute): rules, rows by an op that moves them, rows by a loop over the
+# batch. (ResizeNearestNeighborGrad has no XLA kernel: TF's tape raises too.)
+JIT_PROBES = ["softmax", "folded_rows", "outer_per_row", "roll_batch",
+              "scan_batch", "einsum_ij_jk"]
 
 
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "function"])
 @pytest.mark.parametrize("name", list(PROBES))
 def test_any_op_after_a_rule_is_exact(name, traced):
+    _check_probe(name, traced)
+
+
+@pytest.mark.parametrize("name", JIT_PROBES)
+def test_any_op_after_a_rule_is_exact_under_jit(name):
+    _check_probe(name, "jit")
+
+
+def _check_probe(name, traced):
     probe, expected = PROBES[name]
     x, loss, variables = _model(probe)
     ref = _reference(loss, x, variables)
