@@ -133,6 +133,29 @@ def test_accumulator_with_a_variable_passed_into_a_tf_function():
     fd.tf_wrong_here(case, oracle, tf_raises=ValueError)
 
 
+def test_accumulator_inside_a_tf_function_over_an_embedding_lookup():
+    """An accumulator entered inside a tf.function over
+    tf.nn.embedding_lookup of a Variable: TF raises ValueError ("Duplicate
+    node name in graph: 'embedding_lookup'"); fasttape returns the JVP.
+    Found by a drawn program (tests of forward mode over random op chains)."""
+    table0 = np.array([[0.3, -1.2], [0.8, 0.1], [-0.5, 0.7]])
+    t0 = np.array([[0.2, 0.9], [-0.4, 0.3], [1.1, -0.6]])
+    x0 = np.array([[0.5, -0.2], [0.1, 0.4]])
+    ids = [2, 0]
+
+    def case(FA, GT):
+        table = tf.Variable(table0)
+
+        @tf.function
+        def f(x):
+            with FA([table], [tf.constant(t0)]) as acc:
+                y = tf.reduce_sum(tf.sin(x + tf.nn.embedding_lookup(table, ids)))
+            return acc.jvp(y)
+        return [f(tf.constant(x0))]
+    oracle = [fd.jvp_oracle(lambda t: np.sum(np.sin(x0 + t[ids])),
+                            [table0], [t0])]
+    fd.tf_wrong_here(case, oracle, tf_raises=ValueError)
+
 def test_accumulator_with_a_variable_passed_into_a_tf_function_issue_form():
     def case(FA, GT):
         w = tf.Variable(1.119, dtype=tf.float64)
