@@ -8,15 +8,14 @@ across the batch axis), batches of 1, 2 and odd sizes, inside tf.function
 The drawing is fixed (derandomized) and small: wider searches over the
 same draws, in every mode, came out clean."""
 
+import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import fasttape
 
-keras = pytest.importorskip("keras")
 L = keras.layers
 DT = "float64"
 K = 6
