@@ -660,6 +660,35 @@ def test_refused_compiled_pass_starts_lower_next_time():
     assert not _budget._PASS_WATER  # pylint: disable=protected-access
 
 
+def test_lower_start_counts_from_what_the_pass_started_with():
+    """The lower start is counted down from what the refused pass held
+    when it started, not from the usual level: a one-block attention model
+    under 50% starts its backward pass well below the usual level, and a
+    start lowered from that level by the excess dropped nothing more,
+    signed the same pass, found it refused for good, and ran every later
+    step eagerly."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    params, loss = family.build(tf, {
+        "dtype": "float32", "batch": 128, "width": 32, "seed": 257,
+        "image": None, "stem": [], "tokens": (4, 8), "blocks": ["attention"],
+        "activation": "relu"})
+    full, expected = _family_step(params, loss, 10 ** 12, debug=True)
+    budget = int(full.max_held * 0.5)
+    with compiled_mode("always"):
+        _compiled.CACHE.clear()
+        fasttape.clear_caches()
+        stores = []
+        for _ in range(4):
+            store, grads = _family_step(params, loss, budget, debug=True)
+            assert_same(expected, grads, exact=True)
+            assert store.max_held <= budget + store.largest
+            stores.append(store)
+    assert stores[0].compiled_passes == 0
+    assert stores[1].dropped > stores[0].dropped    # (it started lower)
+    assert stores[-1].compiled_passes == 1
+    fasttape.clear_caches()
+
+
 def test_pass_that_never_fits_starts_from_the_usual_level_again():
     """A budgeted pass whose compiled replay is refused from every lower
     start tried (a convnet feeding LSTMs under 25%) runs eagerly from the

@@ -1141,15 +1141,22 @@ _PASS_WATER_MAX = 64
 _PASS_WATER_ATTEMPTS = 3
 
 
-def _lower_pass_water(store, excess):
+def _lower_pass_water(store, excess, held):
     """A compiled pass of this store's shape was refused, ``excess`` bytes
-    over what it may hold: start the next such pass lower (if allowed)."""
+    over what it may hold, having started from ``held`` bytes: start the
+    next such pass lower (if allowed)."""
     key = store.pass_key
     if key is None:
         return
     got = _PASS_WATER.get(key)
     attempts = 1 if got is None else got[1] + 1
-    start = got[0] if got is not None else store.low
+    # (From what it held when it started, which may be well below the
+    # level it was asked to start from: lowered from that level instead,
+    # by less than the gap, the next pass dropped nothing more, signed the
+    # same pass, and found it refused for good.)
+    start = store.low if got is None else got[0]
+    if start is not None:
+        start = min(start, held)
     if attempts > _PASS_WATER_ATTEMPTS or start is None or start <= 0:
         # No lower, and no replay from any level tried: the pass starts
         # from the usual level again and runs eagerly (each lower start
@@ -1374,7 +1381,7 @@ class GraphRecompute:
         held = self._held = self._held_at_start + peak
         over = held - store.budget
         if over > store.largest:
-            _lower_pass_water(store, over - store.largest)
+            _lower_pass_water(store, over - store.largest, self._held_at_start)
             return (f"its recomputations would hold {peak} bytes besides the "
                     f"{held - peak} the tape holds: {over} over the budget")
         return None
@@ -1536,7 +1543,8 @@ class GraphRecompute:
                 self.too_many = True
                 # (Re-made from far back for lack of room: the next such
                 # pass starts from less, leaving its recomputations more.)
-                _lower_pass_water(self.store, self.store.budget >> 2)
+                _lower_pass_water(self.store, self.store.budget >> 2,
+                                  self._held_at_start)
                 raise RuntimeError(
                     f"a compiled pass would re-run {self.graph_ops}+ ops "
                     f"for {len(self._recipe_desc)} dropped recipes")
