@@ -741,6 +741,30 @@ def test_replay_from_a_lower_start_kept_only_if_faster(monkeypatch):
     fasttape.clear_caches()
 
 
+def test_replay_timed_slower_once_is_timed_again(monkeypatch):
+    """A budgeted replay timed slower than the eager pass is timed again
+    before the step is sent back to the eager pass for good: one busy
+    moment of a loaded machine (a 2x faster replay timed slower) left a
+    conv net's steps eager under 50%, 1.3x slower."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    params, loss = _attention_net(tf)
+    full, expected = _family_step(params, loss, 10 ** 12, debug=True)
+    monkeypatch.setattr(_compiled.CACHE, "worth_building", lambda *a: True)
+    times = iter([10.0, 0.0] * 100)     # (slower, then faster)
+    monkeypatch.setattr(_compiled, "_warm_seconds", lambda *a: next(times))
+    with compiled_mode("auto"):
+        _compiled.CACHE.clear()
+        fasttape.clear_caches()
+        stores = []
+        for _ in range(6):
+            store, grads = _family_step(params, loss, int(full.max_held * 0.5))
+            assert_same(expected, grads, exact=True)
+            stores.append(store)
+    assert _compiled.CACHE.stats["slower"] == 0
+    assert stores[-1].compiled_passes == 1
+    fasttape.clear_caches()
+
+
 def test_budgeted_pass_keeps_the_single_threaded_executor(monkeypatch):
     """A budgeted compiled pass runs on TF's single-threaded executor even
     where the default one times faster (the unbudgeted pass then takes
