@@ -241,6 +241,31 @@ def test_chain_tiny_budget():
     assert m["dropped_tensors"] > 60 and m["recomputed_tensors"] > 60
 
 
+def test_chain_costs_kept_between_drops_stay_exact(monkeypatch):
+    """The recomputation cost of each dropped tensor is kept from one drop
+    decision to the next (walked again at each, a long chain of dropped
+    tensors cost half the recording time), and forgotten where a tensor it
+    counts is dropped or made resident: at every decision, recording and
+    backward, each kept cost equals one counted afresh."""
+    checked = []
+    drop_to = _budget.Store._drop_to  # pylint: disable=protected-access
+
+    def checking(self, target):
+        kept = dict(self._chain)  # pylint: disable=protected-access
+        for tid, cost in kept.items():
+            s = self.slots[tid]
+            assert s.tensor is None
+            assert cost == _budget._chain_cost(s, {}), tid  # pylint: disable=protected-access
+        checked.append(len(kept))
+        return drop_to(self, target)
+
+    monkeypatch.setattr(_budget.Store, "_drop_to", checking)
+    with compiled_mode("off"):
+        grads = _chain(lambda: fasttape.GradientTape(memory_budget=600), n=30)
+    assert_same(_chain(fasttape.GradientTape, n=30), grads, exact=True)
+    assert sum(checked) > 100, checked
+
+
 def test_long_chain_no_recursion():
     """Recomputing the 5000th tensor of a chain from the first goes through
     an explicit stack, not Python recursion."""

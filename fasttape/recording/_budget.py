@@ -366,6 +366,13 @@ class Store:
         self.over_tensor = None     # (then) the id of the tensor it named
         self.pass_key = None        # (backward) the pass's key in _PASS_WATER
         self.lowered = False        # (backward) it started below the usual level
+        # A dropped tensor's id -> what recomputing it costs (_chain_cost):
+        # kept from one drop to the next, forgotten where a tensor it
+        # counts is dropped or made resident (_forget_chains). Recomputed
+        # at every drop, the chain of a long run of dropped tensors was
+        # walked again at each (a 100-layer chain under a tight budget:
+        # half of its recording time).
+        self._chain = {}
 
     # -- recording ----------------------------------------------------------
 
@@ -383,7 +390,9 @@ class Store:
         clock = self.clock
         if not outputs:
             pass
-        elif not (recomputable(op_type) and _plain(outputs) and _plain(inputs)):
+        elif not ((_recomputable_cache.get(op_type) or (
+                op_type not in _recomputable_cache and recomputable(op_type)))
+                  and _plain(outputs) and _plain(inputs)):
             # (A leaf: what made it is named if it is ever why the budget
             # cannot be kept.)
             made_by = self.made_by
@@ -430,7 +439,9 @@ class Store:
                     x.readers.extend(out_ids)
         ref = None
         mine = None
-        shape_pos = shape_only(op_type, payload.num_inputs)
+        shape_pos = _SHAPE_ONLY.get(op_type, ())
+        if shape_pos is None:
+            shape_pos = range(payload.num_inputs - 1)
         k = -1
         for t in payload.saved:
             k += 1
@@ -499,6 +510,8 @@ class Store:
         if s.tensor is not None:
             s.tensor = None
             tid = s.tid
+            if self._chain and (s.readers is not None or tid in self._chain):
+                self._forget_chains(s)
             del self.resident[tid]
             self.resident_bytes -= s.nbytes
             if self.shared.get(tid) is s:
@@ -511,11 +524,31 @@ class Store:
     def _hold(self, s, t):
         if s.tensor is None:
             s.tensor = t
+            if self._chain and (s.readers is not None or s.tid in self._chain):
+                self._forget_chains(s)
             self.resident[s.tid] = s
             self.resident_bytes += s.nbytes
             if not s.aliased:
                 self.shared[s.tid] = s
                 self.shared_bytes += s.nbytes
+
+    def _forget_chains(self, s):
+        """s was dropped or made resident: forget the chain costs that
+        counted it (its own, and those of the dropped tensors below it
+        through dropped tensors: a memoized chain's tensors are all
+        memoized, so the walk stops at the first one that is not)."""
+        memo = self._chain
+        memo.pop(s.tid, None)
+        if s.readers is None:
+            return
+        slots = self.slots
+        stack = [s.readers]
+        while stack:
+            for tid in stack.pop():
+                if memo.pop(tid, None) is not None:
+                    c = slots.get(tid)
+                    if c is not None and c.readers is not None:
+                        stack.append(c.readers)
 
     # -- dropping -----------------------------------------------------------
 
@@ -672,7 +705,7 @@ class Store:
         slots = self.slots
         clock = self.clock
         position = self.position
-        chain = {}
+        chain = self._chain
         upcoming = {}
         scored = []
         imminent = []   # (backward) read by the next gradient functions to run
@@ -982,7 +1015,8 @@ def _recipe_inputs(s):
 def _chain_cost(s, memo):
     """What recomputing the dropped tensor s costs: its recipe and those of
     its dropped ancestors (shared ancestors counted once per path; an
-    estimate). Memoized per drop (tensor id -> cost).
+    estimate). Memoized in ``memo`` (tensor id -> cost: the store's, kept
+    until a tensor of the chain changes, see Store._forget_chains).
 
     The walk of _inputs_first, written out: this one runs for every dropped
     tensor at every drop decision (tens of thousands of times a step for an
