@@ -593,6 +593,60 @@ def test_compiled_pass_remakes_convolutions(monkeypatch):
     assert_same(expected, grads, exact=True)
 
 
+_CONV_REPLAY_CHILD = r"""
+import numpy as np
+import tensorflow as tf
+import fasttape
+from fasttape.bench import family
+from fasttape.recording import _budget
+
+params, loss = family.build(tf, {
+    "dtype": "float32", "batch": 4, "width": 8, "seed": 3,
+    "image": (8, 8, 2), "stem": ["conv", "conv"], "tokens": None,
+    "blocks": ["dense"], "activation": "relu"})
+remade = []
+graph_op = _budget._graph_op
+_budget._graph_op = lambda recipe, inputs: (
+    remade.append(recipe.op_type), graph_op(recipe, inputs))[1]
+
+
+def step(budget, debug=False):
+    with fasttape.GradientTape(memory_budget=budget) as tape:
+        store = tape._tape.budget
+        if store is not None:
+            store.debug = debug
+        value = loss()
+    return store, tape.gradient(value, params)
+
+
+full, _ = step(10 ** 12, debug=True)
+for budget in (None, full.max_held // 2):
+    for _ in range(3):
+        store, grads = step(budget)
+    if budget is None:
+        expected = grads    # (the unbudgeted replay's: the same bits)
+assert store.compiled_passes == 1
+assert {"Conv2D", "BiasAdd"} <= set(remade), remade
+for a, b in zip(expected, grads):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+print("OK")
+"""
+
+
+def test_compiled_conv_replay_in_a_fresh_process():
+    """In a fresh process (TF's oneDNN graph pass rewrites a function
+    when it is first instantiated): a budgeted pass that re-makes a
+    convolution and its bias add inside its compiled function runs, and
+    the process exits 0. Given a control input, the re-made convolution
+    made oneDNN's MergeConv2DWithBiasAdd abort the process; each now reads
+    its first input through a reshape that carries the order."""
+    env = dict(os.environ, FASTTAPE_COMPILED_BACKWARD="always")
+    proc = subprocess.run([sys.executable, "-c", _CONV_REPLAY_CHILD],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    assert proc.stdout.strip().splitlines()[-1] == "OK"
+
+
 def test_eager_pass_through_the_cache_lets_go(monkeypatch):
     """A budgeted pass the compiled cache runs eagerly (its first steps)
     lets go of each saved tensor after its last reader, as a pass that
