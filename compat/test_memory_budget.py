@@ -712,25 +712,33 @@ def _attention_net(tf_):
         "activation": "relu"})
 
 
+def _compiled_steps(params, loss, fraction, n, debug=True):
+    """The stores of n steps under ``fraction`` of what the unbudgeted tape
+    holds, compiled passes always built (the caches emptied first); each
+    step's gradients equal the unbudgeted tape's bit for bit (debug: and
+    what the tape held stayed within the bound)."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    full, expected = _family_step(params, loss, 10 ** 12, debug=True)
+    budget = int(full.max_held * fraction)
+    with compiled_mode("always"):
+        _compiled.CACHE.clear()
+        fasttape.clear_caches()
+        stores = []
+        for _ in range(n):
+            store, grads = _family_step(params, loss, budget, debug=debug)
+            assert_same(expected, grads, exact=True)
+            assert not debug or store.max_held <= budget + store.largest
+            stores.append(store)
+    return stores
+
+
 def test_refused_compiled_pass_starts_lower_next_time():
     """A budgeted pass whose compiled replay would hold too much is not
     called; the next such pass starts from less (more dropped), and its
     compiled replay fits: later steps replay it, with the unbudgeted
     gradients bit for bit, within the bound. fasttape.clear_caches()
     forgets it."""
-    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
-    params, loss = _attention_net(tf)
-    full, expected = _family_step(params, loss, 10 ** 12, debug=True)
-    budget = int(full.max_held * 0.5)
-    with compiled_mode("always"):
-        _compiled.CACHE.clear()
-        fasttape.clear_caches()
-        stores = []
-        for _ in range(6):
-            store, grads = _family_step(params, loss, budget, debug=True)
-            assert_same(expected, grads, exact=True)
-            assert store.max_held <= budget + store.largest
-            stores.append(store)
+    stores = _compiled_steps(*_attention_net(tf), 0.5, 6)
     assert stores[0].compiled_passes == 0
     assert _budget._PASS_WATER, "the refused pass set no lower start"  # pylint: disable=protected-access
     assert stores[-1].compiled_passes == 1
@@ -746,22 +754,10 @@ def test_lower_start_counts_from_what_the_pass_started_with():
     start lowered from that level by the excess dropped nothing more,
     signed the same pass, found it refused for good, and ran every later
     step eagerly."""
-    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
-    params, loss = family.build(tf, {
+    stores = _compiled_steps(*family.build(tf, {
         "dtype": "float32", "batch": 128, "width": 32, "seed": 257,
         "image": None, "stem": [], "tokens": (4, 8), "blocks": ["attention"],
-        "activation": "relu"})
-    full, expected = _family_step(params, loss, 10 ** 12, debug=True)
-    budget = int(full.max_held * 0.5)
-    with compiled_mode("always"):
-        _compiled.CACHE.clear()
-        fasttape.clear_caches()
-        stores = []
-        for _ in range(4):
-            store, grads = _family_step(params, loss, budget, debug=True)
-            assert_same(expected, grads, exact=True)
-            assert store.max_held <= budget + store.largest
-            stores.append(store)
+        "activation": "relu"}), 0.5, 4)
     assert stores[0].compiled_passes == 0
     assert stores[1].dropped > stores[0].dropped    # (it started lower)
     assert stores[-1].compiled_passes == 1
@@ -773,20 +769,11 @@ def test_pass_that_never_fits_starts_from_the_usual_level_again():
     start tried (a convnet feeding LSTMs under 25%) runs eagerly from the
     usual level again, not from the last and lowest, where its eager pass
     re-made 20 times as many ops."""
-    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
-    params, loss = family.build(tf, {
+    stores = _compiled_steps(*family.build(tf, {
         "dtype": "float32", "batch": 4, "width": 64, "seed": 562,
         "image": (24, 24, 1), "stem": ["conv", "conv"], "tokens": None,
-        "blocks": ["recurrent", "recurrent", "dense"], "activation": "relu"})
-    full, expected = _family_step(params, loss, 10 ** 12, debug=True)
-    with compiled_mode("always"):
-        _compiled.CACHE.clear()
-        fasttape.clear_caches()
-        stores = []
-        for _ in range(6):
-            store, grads = _family_step(params, loss, int(full.max_held * 0.25))
-            assert_same(expected, grads, exact=True)
-            stores.append(store)
+        "blocks": ["recurrent", "recurrent", "dense"], "activation": "relu"}),
+        0.25, 6, debug=False)
     remade = [s.recomputed_ops for s in stores]
     assert max(remade[1:4]) > 2 * remade[0], remade      # (lower starts tried)
     assert remade[-1] == remade[0] and stores[-1].compiled_passes == 0, remade
