@@ -1184,13 +1184,7 @@ def _lower_pass_water(store, excess, held):
         return
     got = _PASS_WATER.get(key)
     attempts = 1 if got is None else got[1] + 1
-    # (From what it held when it started, which may be well below the
-    # level it was asked to start from: lowered from that level instead,
-    # by less than the gap, the next pass dropped nothing more, signed the
-    # same pass, and found it refused for good.)
     start = store.low if got is None else got[0]
-    if start is not None:
-        start = min(start, held)
     if attempts > _PASS_WATER_ATTEMPTS or start is None or start <= 0:
         # No lower, and no replay from any level tried: the pass starts
         # from the usual level again and runs eagerly (each lower start
@@ -1201,7 +1195,14 @@ def _lower_pass_water(store, excess, held):
             got[0] = None
             got[1] = _PASS_WATER_ATTEMPTS + 1
         return
-    target = max(start - excess - (store.budget >> 4), 0)
+    target = start - excess - (store.budget >> 4)
+    if target >= held:
+        # The pass started below that level, by more than the excess: a
+        # start lowered from the level would drop nothing more, sign the
+        # same pass and find it refused for good. Lowered from what it
+        # held instead.
+        target = held - excess - (store.budget >> 4)
+    target = max(target, 0)
     if got is None and len(_PASS_WATER) >= _PASS_WATER_MAX:
         del _PASS_WATER[next(iter(_PASS_WATER))]
     if got is None:
