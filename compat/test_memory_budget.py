@@ -241,6 +241,31 @@ def test_chain_tiny_budget():
     assert m["dropped_tensors"] > 60 and m["recomputed_tensors"] > 60
 
 
+def test_chain_costs_kept_between_drops_stay_exact(monkeypatch):
+    """The recomputation cost of each dropped tensor is kept from one drop
+    decision to the next (walked again at each, a long chain of dropped
+    tensors cost half the recording time), and forgotten where a tensor it
+    counts is dropped or made resident: at every decision, recording and
+    backward, each kept cost equals one counted afresh."""
+    checked = []
+    drop_to = _budget.Store._drop_to  # pylint: disable=protected-access
+
+    def checking(self, target):
+        kept = dict(self._chain)  # pylint: disable=protected-access
+        for tid, cost in kept.items():
+            s = self.slots[tid]
+            assert s.tensor is None
+            assert cost == _budget._chain_cost(s, {}), tid  # pylint: disable=protected-access
+        checked.append(len(kept))
+        return drop_to(self, target)
+
+    monkeypatch.setattr(_budget.Store, "_drop_to", checking)
+    with compiled_mode("off"):
+        grads = _chain(lambda: fasttape.GradientTape(memory_budget=600), n=30)
+    assert_same(_chain(fasttape.GradientTape, n=30), grads, exact=True)
+    assert sum(checked) > 100, checked
+
+
 def test_long_chain_no_recursion():
     """Recomputing the 5000th tensor of a chain from the first goes through
     an explicit stack, not Python recursion."""
@@ -568,6 +593,60 @@ def test_compiled_pass_remakes_convolutions(monkeypatch):
     assert_same(expected, grads, exact=True)
 
 
+_CONV_REPLAY_CHILD = r"""
+import numpy as np
+import tensorflow as tf
+import fasttape
+from fasttape.bench import family
+from fasttape.recording import _budget
+
+params, loss = family.build(tf, {
+    "dtype": "float32", "batch": 4, "width": 8, "seed": 3,
+    "image": (8, 8, 2), "stem": ["conv", "conv"], "tokens": None,
+    "blocks": ["dense"], "activation": "relu"})
+remade = []
+graph_op = _budget._graph_op
+_budget._graph_op = lambda recipe, inputs: (
+    remade.append(recipe.op_type), graph_op(recipe, inputs))[1]
+
+
+def step(budget, debug=False):
+    with fasttape.GradientTape(memory_budget=budget) as tape:
+        store = tape._tape.budget
+        if store is not None:
+            store.debug = debug
+        value = loss()
+    return store, tape.gradient(value, params)
+
+
+full, _ = step(10 ** 12, debug=True)
+for budget in (None, full.max_held // 2):
+    for _ in range(3):
+        store, grads = step(budget)
+    if budget is None:
+        expected = grads    # (the unbudgeted replay's: the same bits)
+assert store.compiled_passes == 1
+assert {"Conv2D", "BiasAdd"} <= set(remade), remade
+for a, b in zip(expected, grads):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+print("OK")
+"""
+
+
+def test_compiled_conv_replay_in_a_fresh_process():
+    """In a fresh process (TF's oneDNN graph pass rewrites a function
+    when it is first instantiated): a budgeted pass that re-makes a
+    convolution and its bias add inside its compiled function runs, and
+    the process exits 0. Given a control input, the re-made convolution
+    made oneDNN's MergeConv2DWithBiasAdd abort the process; each now reads
+    its first input through a reshape that carries the order."""
+    env = dict(os.environ, FASTTAPE_COMPILED_BACKWARD="always")
+    proc = subprocess.run([sys.executable, "-c", _CONV_REPLAY_CHILD],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    assert proc.stdout.strip().splitlines()[-1] == "OK"
+
+
 def test_eager_pass_through_the_cache_lets_go(monkeypatch):
     """A budgeted pass the compiled cache runs eagerly (its first steps)
     lets go of each saved tensor after its last reader, as a pass that
@@ -633,25 +712,33 @@ def _attention_net(tf_):
         "activation": "relu"})
 
 
+def _compiled_steps(params, loss, fraction, n, debug=True):
+    """The stores of n steps under ``fraction`` of what the unbudgeted tape
+    holds, compiled passes always built (the caches emptied first); each
+    step's gradients equal the unbudgeted tape's bit for bit (debug: and
+    what the tape held stayed within the bound)."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    full, expected = _family_step(params, loss, 10 ** 12, debug=True)
+    budget = int(full.max_held * fraction)
+    with compiled_mode("always"):
+        _compiled.CACHE.clear()
+        fasttape.clear_caches()
+        stores = []
+        for _ in range(n):
+            store, grads = _family_step(params, loss, budget, debug=debug)
+            assert_same(expected, grads, exact=True)
+            assert not debug or store.max_held <= budget + store.largest
+            stores.append(store)
+    return stores
+
+
 def test_refused_compiled_pass_starts_lower_next_time():
     """A budgeted pass whose compiled replay would hold too much is not
     called; the next such pass starts from less (more dropped), and its
     compiled replay fits: later steps replay it, with the unbudgeted
     gradients bit for bit, within the bound. fasttape.clear_caches()
     forgets it."""
-    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
-    params, loss = _attention_net(tf)
-    full, expected = _family_step(params, loss, 10 ** 12, debug=True)
-    budget = int(full.max_held * 0.5)
-    with compiled_mode("always"):
-        _compiled.CACHE.clear()
-        fasttape.clear_caches()
-        stores = []
-        for _ in range(6):
-            store, grads = _family_step(params, loss, budget, debug=True)
-            assert_same(expected, grads, exact=True)
-            assert store.max_held <= budget + store.largest
-            stores.append(store)
+    stores = _compiled_steps(*_attention_net(tf), 0.5, 6)
     assert stores[0].compiled_passes == 0
     assert _budget._PASS_WATER, "the refused pass set no lower start"  # pylint: disable=protected-access
     assert stores[-1].compiled_passes == 1
@@ -660,25 +747,33 @@ def test_refused_compiled_pass_starts_lower_next_time():
     assert not _budget._PASS_WATER  # pylint: disable=protected-access
 
 
+def test_lower_start_counts_from_what_the_pass_started_with():
+    """The lower start is counted down from what the refused pass held
+    when it started, not from the usual level: a one-block attention model
+    under 50% starts its backward pass well below the usual level, and a
+    start lowered from that level by the excess dropped nothing more,
+    signed the same pass, found it refused for good, and ran every later
+    step eagerly."""
+    stores = _compiled_steps(*family.build(tf, {
+        "dtype": "float32", "batch": 128, "width": 32, "seed": 257,
+        "image": None, "stem": [], "tokens": (4, 8), "blocks": ["attention"],
+        "activation": "relu"}), 0.5, 4)
+    assert stores[0].compiled_passes == 0
+    assert stores[1].dropped > stores[0].dropped    # (it started lower)
+    assert stores[-1].compiled_passes == 1
+    fasttape.clear_caches()
+
+
 def test_pass_that_never_fits_starts_from_the_usual_level_again():
     """A budgeted pass whose compiled replay is refused from every lower
     start tried (a convnet feeding LSTMs under 25%) runs eagerly from the
     usual level again, not from the last and lowest, where its eager pass
     re-made 20 times as many ops."""
-    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
-    params, loss = family.build(tf, {
+    stores = _compiled_steps(*family.build(tf, {
         "dtype": "float32", "batch": 4, "width": 64, "seed": 562,
         "image": (24, 24, 1), "stem": ["conv", "conv"], "tokens": None,
-        "blocks": ["recurrent", "recurrent", "dense"], "activation": "relu"})
-    full, expected = _family_step(params, loss, 10 ** 12, debug=True)
-    with compiled_mode("always"):
-        _compiled.CACHE.clear()
-        fasttape.clear_caches()
-        stores = []
-        for _ in range(6):
-            store, grads = _family_step(params, loss, int(full.max_held * 0.25))
-            assert_same(expected, grads, exact=True)
-            stores.append(store)
+        "blocks": ["recurrent", "recurrent", "dense"], "activation": "relu"}),
+        0.25, 6, debug=False)
     remade = [s.recomputed_ops for s in stores]
     assert max(remade[1:4]) > 2 * remade[0], remade      # (lower starts tried)
     assert remade[-1] == remade[0] and stores[-1].compiled_passes == 0, remade
@@ -709,6 +804,30 @@ def test_replay_from_a_lower_start_kept_only_if_faster(monkeypatch):
     assert [w[0] for w in _budget._PASS_WATER.values()] == [None]  # pylint: disable=protected-access
     assert not stores[-1].lowered and stores[-1].compiled_passes == 0
     assert stores[-1].recomputed_ops == stores[0].recomputed_ops
+    fasttape.clear_caches()
+
+
+def test_replay_timed_slower_once_is_timed_again(monkeypatch):
+    """A budgeted replay timed slower than the eager pass is timed again
+    before the step is sent back to the eager pass for good: one busy
+    moment of a loaded machine (a 2x faster replay timed slower) left a
+    conv net's steps eager under 50%, 1.3x slower."""
+    from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
+    params, loss = _attention_net(tf)
+    full, expected = _family_step(params, loss, 10 ** 12, debug=True)
+    monkeypatch.setattr(_compiled.CACHE, "worth_building", lambda *a: True)
+    times = iter([10.0, 0.0] * 100)     # (slower, then faster)
+    monkeypatch.setattr(_compiled, "_warm_seconds", lambda *a: next(times))
+    with compiled_mode("auto"):
+        _compiled.CACHE.clear()
+        fasttape.clear_caches()
+        stores = []
+        for _ in range(6):
+            store, grads = _family_step(params, loss, int(full.max_held * 0.5))
+            assert_same(expected, grads, exact=True)
+            stores.append(store)
+    assert _compiled.CACHE.stats["slower"] == 0
+    assert stores[-1].compiled_passes == 1
     fasttape.clear_caches()
 
 

@@ -366,6 +366,13 @@ class Store:
         self.over_tensor = None     # (then) the id of the tensor it named
         self.pass_key = None        # (backward) the pass's key in _PASS_WATER
         self.lowered = False        # (backward) it started below the usual level
+        # A dropped tensor's id -> what recomputing it costs (_chain_cost):
+        # kept from one drop to the next, forgotten where a tensor it
+        # counts is dropped or made resident (_forget_chains). Recomputed
+        # at every drop, the chain of a long run of dropped tensors was
+        # walked again at each (a 100-layer chain under a tight budget:
+        # half of its recording time).
+        self._chain = {}
 
     # -- recording ----------------------------------------------------------
 
@@ -383,7 +390,9 @@ class Store:
         clock = self.clock
         if not outputs:
             pass
-        elif not (recomputable(op_type) and _plain(outputs) and _plain(inputs)):
+        elif not ((_recomputable_cache.get(op_type) or (
+                op_type not in _recomputable_cache and recomputable(op_type)))
+                  and _plain(outputs) and _plain(inputs)):
             # (A leaf: what made it is named if it is ever why the budget
             # cannot be kept.)
             made_by = self.made_by
@@ -430,7 +439,9 @@ class Store:
                     x.readers.extend(out_ids)
         ref = None
         mine = None
-        shape_pos = shape_only(op_type, payload.num_inputs)
+        shape_pos = _SHAPE_ONLY.get(op_type, ())
+        if shape_pos is None:
+            shape_pos = range(payload.num_inputs - 1)
         k = -1
         for t in payload.saved:
             k += 1
@@ -499,6 +510,8 @@ class Store:
         if s.tensor is not None:
             s.tensor = None
             tid = s.tid
+            if self._chain and (s.readers is not None or tid in self._chain):
+                self._forget_chains(s)
             del self.resident[tid]
             self.resident_bytes -= s.nbytes
             if self.shared.get(tid) is s:
@@ -511,11 +524,31 @@ class Store:
     def _hold(self, s, t):
         if s.tensor is None:
             s.tensor = t
+            if self._chain and (s.readers is not None or s.tid in self._chain):
+                self._forget_chains(s)
             self.resident[s.tid] = s
             self.resident_bytes += s.nbytes
             if not s.aliased:
                 self.shared[s.tid] = s
                 self.shared_bytes += s.nbytes
+
+    def _forget_chains(self, s):
+        """s was dropped or made resident: forget the chain costs that
+        counted it (its own, and those of the dropped tensors below it
+        through dropped tensors: a memoized chain's tensors are all
+        memoized, so the walk stops at the first one that is not)."""
+        memo = self._chain
+        memo.pop(s.tid, None)
+        if s.readers is None:
+            return
+        slots = self.slots
+        stack = [s.readers]
+        while stack:
+            for tid in stack.pop():
+                if memo.pop(tid, None) is not None:
+                    c = slots.get(tid)
+                    if c is not None and c.readers is not None:
+                        stack.append(c.readers)
 
     # -- dropping -----------------------------------------------------------
 
@@ -672,7 +705,7 @@ class Store:
         slots = self.slots
         clock = self.clock
         position = self.position
-        chain = {}
+        chain = self._chain
         upcoming = {}
         scored = []
         imminent = []   # (backward) read by the next gradient functions to run
@@ -982,7 +1015,8 @@ def _recipe_inputs(s):
 def _chain_cost(s, memo):
     """What recomputing the dropped tensor s costs: its recipe and those of
     its dropped ancestors (shared ancestors counted once per path; an
-    estimate). Memoized per drop (tensor id -> cost).
+    estimate). Memoized in ``memo`` (tensor id -> cost: the store's, kept
+    until a tensor of the chain changes, see Store._forget_chains).
 
     The walk of _inputs_first, written out: this one runs for every dropped
     tensor at every drop decision (tens of thousands of times a step for an
@@ -1141,15 +1175,16 @@ _PASS_WATER_MAX = 64
 _PASS_WATER_ATTEMPTS = 3
 
 
-def _lower_pass_water(store, excess):
+def _lower_pass_water(store, excess, held):
     """A compiled pass of this store's shape was refused, ``excess`` bytes
-    over what it may hold: start the next such pass lower (if allowed)."""
+    over what it may hold, having started from ``held`` bytes: start the
+    next such pass lower (if allowed)."""
     key = store.pass_key
     if key is None:
         return
     got = _PASS_WATER.get(key)
     attempts = 1 if got is None else got[1] + 1
-    start = got[0] if got is not None else store.low
+    start = store.low if got is None else got[0]
     if attempts > _PASS_WATER_ATTEMPTS or start is None or start <= 0:
         # No lower, and no replay from any level tried: the pass starts
         # from the usual level again and runs eagerly (each lower start
@@ -1160,7 +1195,14 @@ def _lower_pass_water(store, excess):
             got[0] = None
             got[1] = _PASS_WATER_ATTEMPTS + 1
         return
-    target = max(start - excess - (store.budget >> 4), 0)
+    target = start - excess - (store.budget >> 4)
+    if target >= held:
+        # The pass started below that level, by more than the excess: a
+        # start lowered from the level would drop nothing more, sign the
+        # same pass and find it refused for good. Lowered from what it
+        # held instead.
+        target = held - excess - (store.budget >> 4)
+    target = max(target, 0)
     if got is None and len(_PASS_WATER) >= _PASS_WATER_MAX:
         del _PASS_WATER[next(iter(_PASS_WATER))]
     if got is None:
@@ -1374,7 +1416,7 @@ class GraphRecompute:
         held = self._held = self._held_at_start + peak
         over = held - store.budget
         if over > store.largest:
-            _lower_pass_water(store, over - store.largest)
+            _lower_pass_water(store, over - store.largest, self._held_at_start)
             return (f"its recomputations would hold {peak} bytes besides the "
                     f"{held - peak} the tape holds: {over} over the budget")
         return None
@@ -1536,7 +1578,8 @@ class GraphRecompute:
                 self.too_many = True
                 # (Re-made from far back for lack of room: the next such
                 # pass starts from less, leaving its recomputations more.)
-                _lower_pass_water(self.store, self.store.budget >> 2)
+                _lower_pass_water(self.store, self.store.budget >> 2,
+                                  self._held_at_start)
                 raise RuntimeError(
                     f"a compiled pass would re-run {self.graph_ops}+ ops "
                     f"for {len(self._recipe_desc)} dropped recipes")
