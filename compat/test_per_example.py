@@ -85,11 +85,11 @@ def _embedding(read_first):
     return build
 
 
-def _conv(strides, padding, dilations, cin=2):
+def _conv(strides, padding, dilations, cin=2, cout=3):
     def build(dtype):
         rng = np.random.default_rng(6)
         x = rng.normal(size=(B, 7, 6, cin))
-        kernel = _var(rng, (3, 2, cin, 3), dtype)
+        kernel = _var(rng, (3, 2, cin, cout), dtype)
 
         def loss(x):
             z = tf.nn.conv2d(x, kernel, strides, padding, dilations=dilations)
@@ -171,8 +171,16 @@ CASES = {
     "conv_same": _conv(1, "SAME", 1),
     "conv_strided_valid": _conv(2, "VALID", 1),
     "conv_dilated": _conv(1, "SAME", 2),
-    # patches by extract_patches (the identity kernel would be large)
+    # many input channels to few outputs (no patches)
     "conv_wide": _conv(2, "SAME", 1, cin=64),
+    # patches from slices of the input (8 channels or more, padded one more
+    # at the end where SAME pads an odd total): the per-example gradients
+    # built where T^2 < K N (strided), the ghost norm where T is smaller
+    # still (VALID, strided: T = 9)
+    "conv_sliced_same": _conv(1, "SAME", 1, cin=8, cout=32),
+    "conv_sliced_strided": _conv(2, "SAME", 1, cin=8, cout=32),
+    "conv_sliced_dilated": _conv(1, "SAME", 2, cin=8, cout=32),
+    "conv_sliced_ghost": _conv(2, "VALID", 1, cin=8, cout=64),
     # EinsumDense's and MultiHeadAttention's equations; the variable first;
     # a transposed kernel; the output's letters reordered
     "einsum_dense": _einsum("abc,cd->abd", (5, 4), (4, 3)),
@@ -310,7 +318,7 @@ ALL = {**CASES, **KERAS, "tf_keras_attention": _tf_keras_attention}
 # TF's CPU kernels have no float64 Conv2D backprop with dilations (TF's own
 # loop fails there too).
 PAIRS = [(c, d) for c in sorted(ALL) for d in DTYPES
-         if not (c == "conv_dilated" and d == tf.float64)]
+         if not (c in ("conv_dilated", "conv_sliced_dilated") and d == tf.float64)]
 PAIR_IDS = [f"{c}-{d.name}" for c, d in PAIRS]
 
 
@@ -331,6 +339,8 @@ def _ref_norms(ref):
 
 def _close(actual, expected, dtype):
     rtol, atol = TOLERANCES[dtype]
+    if isinstance(actual, tf.IndexedSlices):    # (a table's, traced, no noise)
+        actual = tf.convert_to_tensor(actual)
     # Per-example sums are taken in another order than the loop's.
     np.testing.assert_allclose(np.asarray(actual), np.asarray(expected),
                                rtol=rtol * 20, atol=atol * 20)

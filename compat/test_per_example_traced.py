@@ -72,6 +72,30 @@ def test_traced_equals_single_example_loop(case, mode):
         assert rows == ()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_traced_table_gradient_without_noise_stays_sparse(mode):
+    """With noise 0, a table's clipped rows come back as IndexedSlices, as
+    the plain step's gradient of a Gather does, of the eager (dense)
+    result's values; with noise, a dense tensor."""
+    xs, loss, variables = ALL["embedding_resource"](tf.float32)
+
+    def dp(noise):
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        return tape.dp_gradient(losses, variables, 0.5, noise, seed=3)
+
+    with tf.GradientTape() as tape:
+        mean = tf.reduce_mean(loss(*xs))
+    plain = tape.gradient(mean, variables)
+    fn = tf.function(dp, **MODES[mode])
+    traced, eager = fn(0.0), dp(0.0)
+    assert [type(g) for g in traced] == [type(g) for g in plain]
+    assert isinstance(traced[0], tf.IndexedSlices)
+    for t, e in zip(traced, eager):
+        _close(t, e, tf.float32)
+    assert all(isinstance(g, tf.Tensor) for g in fn(1.0))
+
+
 def test_traced_dp_step_holds_no_per_example_gradient():
     """Where a rule applies, the traced DP step forms the clipped sums
     directly: no op in it outputs a [B, ...weight shape] tensor."""

@@ -214,6 +214,30 @@ def test_compiled_fit_equals_the_reference_dp_step(make):
     _assert_same(model, want)
 
 
+@pytest.mark.parametrize("regularizer", [None, "l2"])
+def test_compiled_fit_of_a_table_without_noise_equals_eager(regularizer):
+    """Without noise the compiled step's table gradient is IndexedSlices
+    (as the plain step's; a regularizer's gradient added to it densely):
+    the weights trained equal the eager step's."""
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 20, (2 * BATCH, 5)).astype("int32")
+    y = np.arange(2 * BATCH) % 3
+    trained = []
+    for eager in (True, False):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(20, 4, embeddings_regularizer=regularizer),
+            keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+        model.compile(keras.optimizers.SGD(0.5), _loss(_sequential),
+                      run_eagerly=eager)
+        privacy.make_private(model, l2_norm_clip=0.05, noise_multiplier=0.0)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        trained.append(model.get_weights())
+    for a, b in zip(*trained):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_compiled_fit_seeded_noise_repeats():
     def weights(seed):
         model, _ = _fit(_sequential, keras.optimizers.SGD(0.5),

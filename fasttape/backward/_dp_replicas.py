@@ -11,6 +11,7 @@ same seed, the same noise).
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import reduce_util
 from tensorflow.python.framework import constant_op
+from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import math_ops
@@ -58,7 +59,9 @@ def dp_gradient(ctx, tape, losses, sources, l2_norm_clip, noise_multiplier,
         m_local = math_ops.cast(array_ops.shape(losses)[0], "float32")
     m_global = ctx.all_reduce(reduce_util.ReduceOp.SUM, m_local)
     flat = nest.flatten(local)
-    present = [g for g in flat if g is not None]
+    # (dense: replica 0's noised table and the others' clipped rows, which
+    # a replica without noise returns as IndexedSlices, reduce as one)
+    present = [ops.convert_to_tensor(g) for g in flat if g is not None]
     # local is (clipped sum [+ noise]) / m_local: rescaled to / m_global
     scaled = [g * math_ops.cast(m_local / m_global, g.dtype) for g in present]
     summed = iter(ctx.all_reduce(reduce_util.ReduceOp.SUM, scaled)

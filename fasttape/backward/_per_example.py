@@ -1192,7 +1192,8 @@ def _post_pass(spec, *tensors, payloads=None, sparse=False):
         at = noise_of.get(k)
         if isinstance(g, indexed_slices.IndexedSlices):
             if at is None and sparse:
-                result.append(g)
+                result.append(indexed_slices.IndexedSlices(
+                    g.values, g.indices, _norm_rules._const(tuple(shape), dtypes.int32)))
                 continue
             if at is None:
                 g = math_ops.unsorted_segment_sum(g.values, g.indices, shape[0])
@@ -1363,8 +1364,11 @@ def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
              else _norm_rules._const(m, dtype))
     clip_t = _norm_rules._const(clip, dtype)
     noised = noise_multiplier > 0
+    # (a table's clipped rows stay IndexedSlices: scattered into its noise
+    # by _graph_noise, or, with no noise, returned as the plain step's
+    # gradient of a Gather is)
     grads = _post_pass(spec, *feeds, clip_t, _norm_rules._ex("RealDiv", clip_t, count),
-                       sparse=noised)
+                       sparse=True)
     if noised:
         add_noise = _graph_noise(seed, flat_raw, [k for k, _ in spec[3]],
                                  clip * noise_multiplier, count)
