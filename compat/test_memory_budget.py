@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import warnings
 
 import numpy as np
@@ -118,28 +117,31 @@ def test_no_budget_no_bookkeeping():
     tape.gradient(y, x)
 
 
-def test_no_budget_record_time_unchanged():
-    """A 400-op chain records in about the time it did: the unbudgeted tape's
-    hot path gains one pointer test (a loose bound here; the exact numbers
-    are in the report)."""
+def test_no_budget_record_never_reaches_the_budget(monkeypatch):
+    """An unbudgeted tape's hot path never enters the budget's per-op
+    bookkeeping (its cost is one pointer test; the time is the bench's to
+    report, not a test's): with the budget's per-op hook made to raise, a
+    400-op chain records and differentiates as before, and a budgeted tape
+    does reach it (so the check is not vacuous)."""
     x = tf.constant([[0.5, 0.25], [0.125, 1.0]])
 
+    def boom(*a, **k):
+        raise AssertionError("the budget's per-op hook ran")
+
+    monkeypatch.setattr(_budget.Store, "recorded", boom)
+
     def record(**kw):
-        t0 = time.perf_counter()
         with fasttape.GradientTape(**kw) as tape:
             tape.watch(x)
             y = x
             for _ in range(400):
                 y = tf.sin(y)
-        return time.perf_counter() - t0
+        return tape.gradient(y, x)
 
-    for _ in range(3):
-        record()
+    g = record()
+    assert g is not None
+    with pytest.raises(AssertionError, match="per-op hook"):
         record(memory_budget=10 ** 9)
-    plain = min(record() for _ in range(7))
-    budgeted = min(record(memory_budget=10 ** 9) for _ in range(7))
-    # The budgeted tape does work per op; the plain one must not be slower.
-    assert plain < budgeted * 1.1
 
 
 # -- parity: the op corpus -------------------------------------------------------
