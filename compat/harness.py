@@ -226,10 +226,12 @@ class SaturatedTraceCount(dict):
         return tf_forwardprop._TRACE_COUNT_LIMIT
 
 
-def fresh_tf_jvp_trace_state(monkeypatch, trace_count):
+def fresh_tf_jvp_trace_state(monkeypatch, trace_count, cache=None):
     """TF's JVP traces start anew: an empty function cache (shared, as in TF,
-    by the exact- and relaxed-shape configs) and ``trace_count``."""
-    cache = function_cache.FunctionCache()
+    by the exact- and relaxed-shape configs; ``cache``: this one, for a state
+    kept across tests) and ``trace_count``."""
+    if cache is None:
+        cache = function_cache.FunctionCache()
     for config in ("_jvp_exact_config", "_jvp_relaxed_config"):
         old = getattr(tf_forwardprop, config)
         monkeypatch.setattr(tf_forwardprop, config, tracing_compilation.TracingOptions(
