@@ -47,3 +47,54 @@ pytest_collect_file = Sybil(
     patterns=["README.md", "docs/*.md"],
     setup=_setup, teardown=_teardown,
 ).pytest()
+
+
+# -- the order files run in under pytest-xdist -------------------------------
+#
+# With ``--dist loadfile`` each worker runs whole files, taking the next file
+# in the queue when it is nearly done with its own. xdist's default queue
+# puts the files with the most tests first, so files of a few slow tests
+# (subprocesses, TF's nested forward-mode traces) come last, where one
+# worker may run them alone while the other has finished. pyproject.toml's
+# ``--no-loadscope-reorder`` keeps the queue in collection order, and each
+# worker sorts its collection the same way: files not listed below first
+# (their cost unknown: never left for last), then the listed ones, slowest
+# first (longest processing time first). The seconds are one worker's on a
+# loaded 2-core machine; only their order matters. Within a file the order
+# stays as written.
+FILE_SECONDS = {
+    "compat/test_per_example_rules.py": 374,
+    "compat/test_op_corpus.py": 336,
+    "compat/test_memory_budget.py": 285,
+    "compat/test_op_corpus_modes.py": 279,
+    "compat/test_per_example.py": 185,
+    "compat/test_faults.py": 142,
+    "compat/test_tf_accumulator_mix.py": 132,
+    "compat/test_models_fresh_process.py": 121,
+    "compat/test_models_loops.py": 114,
+    "compat/test_per_example_traced.py": 109,
+    "compat/test_reliability_backward.py": 108,
+    "compat/test_forwardprop.py": 82,
+    "compat/test_faults_compiled.py": 75,
+    "compat/test_models_fit.py": 62,
+    "compat/test_reliability_tracing.py": 62,
+    "compat/test_compiled_backward.py": 38,
+    "compat/test_per_example_row_ops.py": 37,
+    "compat/test_reliability_memory.py": 35,
+    "compat/test_forwardprop_ops.py": 24,
+    "compat/test_tf_differences.py": 19,
+    "compat/test_models_patch.py": 16,
+    "compat/test_api_parity.py": 16,
+    "compat/test_reliability_forward.py": 12,
+    "compat/test_models_threads.py": 8,
+    "compat/test_tf_order.py": 3,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """An xdist worker's collection in the order above."""
+    if not hasattr(config, "workerinput"):
+        return
+    unknown = float("inf")
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.nodeid.split("::")[0],
+                                                   unknown))

@@ -141,16 +141,20 @@ def assert_same(expected, actual, path="result", rtol=None, atol=None,
 
 
 def assert_parity(case, rtol=None, atol=None, allow_tf_error=True,
-                  exact=None):
+                  exact=None, tf_result=None):
     """Run ``case`` under both implementations and compare the results.
 
     Returns TF's result. If TF raised and ``allow_tf_error`` is False the
     test fails (use it where TF is expected to succeed). ``exact``: values
     bit for bit where TF's own results are (None: EXACT_DEFAULT).
+    ``tf_result``: what ``case`` gave under TF's tape in an earlier run of
+    the very same computation, used instead of running it again (where the
+    values differ, TF still runs again to see whether its own last bits
+    vary).
     """
     if exact is None:
         exact = EXACT_DEFAULT
-    expected = run_case(case, "tf")
+    expected = run_case(case, "tf") if tf_result is None else tf_result
     actual = run_case(case, "fasttape")
     if not exact:
         return compare(expected, actual, rtol, atol, allow_tf_error)
@@ -226,10 +230,12 @@ class SaturatedTraceCount(dict):
         return tf_forwardprop._TRACE_COUNT_LIMIT
 
 
-def fresh_tf_jvp_trace_state(monkeypatch, trace_count):
+def fresh_tf_jvp_trace_state(monkeypatch, trace_count, cache=None):
     """TF's JVP traces start anew: an empty function cache (shared, as in TF,
-    by the exact- and relaxed-shape configs) and ``trace_count``."""
-    cache = function_cache.FunctionCache()
+    by the exact- and relaxed-shape configs; ``cache``: this one, for a state
+    kept across tests) and ``trace_count``."""
+    if cache is None:
+        cache = function_cache.FunctionCache()
     for config in ("_jvp_exact_config", "_jvp_relaxed_config"):
         old = getattr(tf_forwardprop, config)
         monkeypatch.setattr(tf_forwardprop, config, tracing_compilation.TracingOptions(

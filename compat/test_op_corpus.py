@@ -50,15 +50,27 @@ def _primary(mode):
     return _params([c for c in PRIMARY if mode not in c.entry.no_modes], mode)
 
 
-def _check(case, body, tf_raises=None):
+def _check(case, body, tf_raises=None, tf_result=None):
     """Parity of ``body``; TF must succeed unless the case (or ``tf_raises``)
-    says TF raises, and then it must raise."""
+    says TF raises, and then it must raise. Returns TF's result.
+    ``tf_result``: TF's result of the same computation in an earlier test
+    (see _TF_RESULTS), or None to run it."""
     raises = case.entry.raises if tf_raises is None else tf_raises
     tol = case.entry.tol or (None, None)
     result = assert_parity(body, rtol=tol[0], atol=tol[1], allow_tf_error=raises,
-                           exact=True)
+                           exact=True, tf_result=tf_result)
     if raises:
         assert isinstance(result, Raised), f"{case.id}: TF was expected to raise"
+    return result
+
+
+# TF's result of a computation two tests share, kept by the first (when it
+# passed) for the second, which takes it out: the eager first-order case is
+# also the compiled test's reference (the compiled mode is fasttape's; TF's
+# tape runs as always), and TF's second order (a tf.GradientTape over a
+# tf.GradientTape) is the reference of both halves of the mixed-tapes test.
+# Run alone, the second test runs TF itself.
+_TF_RESULTS = {}
 
 
 # -- eager, first order ---------------------------------------------------------------
@@ -66,7 +78,7 @@ def _check(case, body, tf_raises=None):
 @pytest.mark.parametrize("case", _params(CASES))
 def test_op_gradient_parity(case):
     """Gradients of sum(y * w) w.r.t. every float input, recorded eagerly."""
-    _check(case, case.body)
+    _TF_RESULTS["first", case.id] = _check(case, case.body)
 
 
 @pytest.fixture
@@ -86,7 +98,7 @@ def compiled_verify():
 @pytest.mark.parametrize("case", _params(CASES))
 def test_op_gradient_parity_compiled(case, compiled_verify):
     """As test_op_gradient_parity, with the backward pass compiled."""
-    _check(case, case.body)
+    _check(case, case.body, tf_result=_TF_RESULTS.pop(("first", case.id), None))
 
 
 @pytest.mark.parametrize("case", _primary("variables"))
@@ -113,7 +125,8 @@ def test_op_without_gradient_function_parity(case):
 @pytest.mark.parametrize("case", _primary("second_order"))
 def test_op_second_order_parity(case):
     """An outer tape of the same kind records the inner tape's backward pass."""
-    _check(case, case.second_order_body, oc.second_order_tf_raises(case.id))
+    _TF_RESULTS["second", case.id] = _check(
+        case, case.second_order_body, oc.second_order_tf_raises(case.id))
 
 
 @pytest.mark.parametrize("case", _primary("second_order"))
@@ -122,7 +135,12 @@ def test_op_second_order_mixed_tapes_parity(case):
     def body(GradientTape):
         return (case.mixed_outer_tf_body(GradientTape),
                 case.mixed_inner_tf_body(GradientTape))
-    _check(case, body, oc.second_order_tf_raises(case.id))
+    # Under TF's tape both halves are TF's own second order: if it raised,
+    # the first half raises it.
+    second = _TF_RESULTS.pop(("second", case.id), None)
+    _check(case, body, oc.second_order_tf_raises(case.id),
+           tf_result=second if second is None or isinstance(second, Raised)
+           else (second, second))
 
 
 # -- graph mode ------------------------------------------------------------------------

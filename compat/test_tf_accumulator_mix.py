@@ -3,11 +3,11 @@ tf.autodiff.ForwardAccumulator, and fasttape's ForwardAccumulator with TF's
 tf.GradientTape.
 
 A case is ``case(ForwardAccumulator, GradientTape)``, as in
-test_forwardprop.py; ``mix_parity(case, mix)`` runs it with TF's two classes
-and with the mix, and compares. TF's accumulator computes each op's JVP from
-inside the op's execution (before TF's op callbacks run) and scopes the ops
-of that computation to tapes older than itself: a fasttape tape inside it
-must still record the op itself, and not the JVP's ops.
+test_forwardprop.py; ``mix_parity(case, mix, tf_once)`` runs it with TF's
+two classes and with the mix, and compares. TF's accumulator computes each
+op's JVP from inside the op's execution (before TF's op callbacks run) and
+scopes the ops of that computation to tapes older than itself: a fasttape
+tape inside it must still record the op itself, and not the JVP's ops.
 """
 
 import faulthandler
@@ -15,6 +15,8 @@ import time
 
 import pytest
 import tensorflow as tf
+from tensorflow.core.function.polymorphism import function_cache
+from tensorflow.python.eager import forwardprop as tf_forwardprop
 from tensorflow.python.framework import test_util
 
 import fasttape
@@ -23,6 +25,41 @@ from harness import Raised
 from test_forwardprop import attempt, const
 
 pytestmark = pytest.mark.usefixtures("fresh_tf_jvp_traces")
+
+# Per test function: TF's JVP traces (function cache, trace counts) and TF's
+# reference results, shared by the function's parametrizations.
+_JVP_STATES = {}
+_TF_RESULTS = {}
+
+
+@pytest.fixture
+def fresh_tf_jvp_traces(request, monkeypatch):
+    """conftest's fixture, with one state per test function rather than per
+    test: its parametrizations (the mixes) reuse the JVP functions TF traced
+    for the first of them, as each mix reuses those traced for TF's own
+    classes just before it. TF's trace counts stay below its limit (else TF
+    would trace relaxed shapes, unlike a fresh process): checked after."""
+    cache, counts = _JVP_STATES.setdefault(
+        request.function, (function_cache.FunctionCache(), {}))
+    harness.fresh_tf_jvp_trace_state(monkeypatch, counts, cache)
+    yield
+    over = {op: n for op, n in counts.items()
+            if n >= tf_forwardprop._TRACE_COUNT_LIMIT}  # pylint: disable=protected-access
+    assert not over, f"TF's JVP traces went relaxed in this module: {over}"
+
+
+@pytest.fixture
+def tf_once(request):
+    """``tf_once(compute, *key)``: ``compute()`` (TF's own classes, the
+    reference) the first time this test function asks for ``key``, the same
+    result for its other parametrizations (the other mixes)."""
+    results = _TF_RESULTS.setdefault(request.function, {})
+
+    def get(compute, *key):
+        if key not in results:
+            results[key] = compute()
+        return results[key]
+    return get
 
 MIXES = {
     "tf": (tf.autodiff.ForwardAccumulator, tf.GradientTape),
@@ -55,11 +92,11 @@ def _run(case, mix):
         return Raised(exc)
 
 
-def mix_parity(case, mix):
-    """``case`` with TF's classes and with ``mix``: the same results. TF
-    must succeed."""
-    return harness.compare(_run(case, "tf"), _run(case, mix),
-                           allow_tf_error=False)
+def mix_parity(case, mix, tf_once, *key):
+    """``case`` with TF's classes (once per ``key``, see ``tf_once``) and
+    with ``mix``: the same results. TF must succeed."""
+    return harness.compare(tf_once(lambda: _run(case, "tf"), *key),
+                           _run(case, mix), allow_tf_error=False)
 
 
 def _body(x):
@@ -71,7 +108,7 @@ def _body(x):
 # -- a tape inside an accumulator: forward over back ---------------------------------
 
 @pytest.mark.parametrize("mix", BOTH_MIXES)
-def test_tape_inside_accumulator_gradient_and_its_jvp(mix):
+def test_tape_inside_accumulator_gradient_and_its_jvp(mix, tf_once):
     def case(FA, GT):
         x = const(3, 4)
         with FA(x, tf.ones_like(x)) as acc:
@@ -80,11 +117,11 @@ def test_tape_inside_accumulator_gradient_and_its_jvp(mix):
                 y = _body(x)
             g = tape.gradient(y, x)
         return g, acc.jvp(g), acc.jvp(y)
-    mix_parity(case, mix)
+    mix_parity(case, mix, tf_once)
 
 
 @pytest.mark.parametrize("mix", BOTH_MIXES)
-def test_persistent_tape_inside_accumulator(mix):
+def test_persistent_tape_inside_accumulator(mix, tf_once):
     def case(FA, GT):
         x = const(3, 4)
         v = const(3, 4, seed=1)
@@ -97,11 +134,11 @@ def test_persistent_tape_inside_accumulator(mix):
             gs = (tape.gradient(y, x), tape.gradient(y, a),
                   tape.gradient(b, x), tape.gradient(y, b))
         return gs, [acc.jvp(g) for g in gs]
-    mix_parity(case, mix)
+    mix_parity(case, mix, tf_once)
 
 
 @pytest.mark.parametrize("mix", BOTH_MIXES)
-def test_tape_inside_two_nested_accumulators(mix):
+def test_tape_inside_two_nested_accumulators(mix, tf_once):
     def case(FA, GT):
         x = const(3)
         v = const(3, seed=1)
@@ -115,12 +152,12 @@ def test_tape_inside_two_nested_accumulators(mix):
                 g = tape.gradient(y, x)
             hvp = inner.jvp(g)
         return g, hvp, outer.jvp(g), outer.jvp(hvp)
-    mix_parity(case, mix)
+    mix_parity(case, mix, tf_once)
 
 
 @pytest.mark.parametrize("shared_tangent", [False, True])
 @pytest.mark.parametrize("mix", YOUNGER_TAPE_MIXES)
-def test_tape_between_two_accumulators(mix, shared_tangent):
+def test_tape_between_two_accumulators(mix, shared_tangent, tf_once):
     # The tape is younger than the outer accumulator (does not record its
     # JVPs) and older than the inner one (records its JVPs). With one
     # tangent tensor for both, TF asks both for the JVP of x's first ops
@@ -138,11 +175,11 @@ def test_tape_between_two_accumulators(mix, shared_tangent):
             g = tape.gradient(y, x)
         return (g, jy_inner, jy_outer, tape.gradient(jy_inner, x),
                 tape.gradient(jy_outer, x), outer.jvp(g))
-    mix_parity(case, mix)
+    mix_parity(case, mix, tf_once, shared_tangent)
 
 
 @pytest.mark.parametrize("mix", BOTH_MIXES)
-def test_variable_source_inside_accumulator(mix):
+def test_variable_source_inside_accumulator(mix, tf_once):
     def case(FA, GT):
         w = tf.Variable(const(4, seed=3))
         x = const(3, 4)
@@ -151,11 +188,11 @@ def test_variable_source_inside_accumulator(mix):
                 y = tf.reduce_sum(_body(x * w) * 3.0)
             gw, gx = tape.gradient(y, [w, x])
         return gw, gx, acc.jvp(gw), acc.jvp(y)
-    mix_parity(case, mix)
+    mix_parity(case, mix, tf_once)
 
 
 @pytest.mark.parametrize("mix", BOTH_MIXES)
-def test_tf_function_inside_accumulator(mix):
+def test_tf_function_inside_accumulator(mix, tf_once):
     def case(FA, GT):
         f = tf.function(lambda a: tf.tanh(a * 2.0) + a)
         x = const(3, 4)
@@ -165,11 +202,11 @@ def test_tf_function_inside_accumulator(mix):
                 y = f(tf.sin(x)) * 3.0
             g = tape.gradient(y, x)
         return g, acc.jvp(g), acc.jvp(y)
-    mix_parity(case, mix)
+    mix_parity(case, mix, tf_once)
 
 
 @pytest.mark.parametrize("mix", YOUNGER_TAPE_MIXES)
-def test_tape_inside_does_not_see_the_accumulators_jvps(mix):
+def test_tape_inside_does_not_see_the_accumulators_jvps(mix, tf_once):
     def case(FA, GT):
         x = const(3)
         v = const(3, seed=1)
@@ -179,13 +216,13 @@ def test_tape_inside_does_not_see_the_accumulators_jvps(mix):
                 y = _body(x) * x
             jy = acc.jvp(y)
         return jy, tape.gradient(jy, x), tape.gradient(jy, v), tape.gradient(y, x)
-    mix_parity(case, mix)
+    mix_parity(case, mix, tf_once)
 
 
 # -- a tape outside an accumulator: back over forward -------------------------------
 
 @pytest.mark.parametrize("mix", BOTH_MIXES)
-def test_tape_outside_accumulator_sees_its_jvps(mix):
+def test_tape_outside_accumulator_sees_its_jvps(mix, tf_once):
     def case(FA, GT):
         x = const(3)
         v = const(3, seed=1)
@@ -195,10 +232,10 @@ def test_tape_outside_accumulator_sees_its_jvps(mix):
                 y = _body(x) * x
                 jy = acc.jvp(y)
         return jy, tape.gradient(jy, x), tape.gradient(jy, v), tape.gradient(y, x)
-    mix_parity(case, mix)
+    mix_parity(case, mix, tf_once)
 
 
-def test_fasttape_tape_reenters_after_tf_accumulator_pushed_first():
+def test_fasttape_tape_reenters_after_tf_accumulator_pushed_first(tf_once):
     """The accumulator is pushed before fasttape's hooks go in (fasttape
     installs them at its first tape): its JVPs must still stay off the tape."""
     def case(FA, GT):
@@ -212,10 +249,10 @@ def test_fasttape_tape_reenters_after_tf_accumulator_pushed_first():
                 y = _body(x)
             jy = acc.jvp(y)
         return tape.gradient(y, x), tape.gradient(jy, x)
-    mix_parity(case, "tf_acc+fasttape_tape")
+    mix_parity(case, "tf_acc+fasttape_tape", tf_once)
 
 
-def test_tape_outside_two_nested_accumulators():
+def test_tape_outside_two_nested_accumulators(tf_once):
     """Back over forward over forward: TF records the JVP calls of the inner
     accumulator's JVPs (some with no outputs at all) on the older tape."""
     def case(FA, GT):
@@ -231,7 +268,7 @@ def test_tape_outside_two_nested_accumulators():
                 joi = outer.jvp(ji)
         return (jo, joi) + tuple(attempt(tape.gradient, t, x)
                                  for t in (y, ji, jo, joi))
-    mix_parity(case, "tf_acc+fasttape_tape")
+    mix_parity(case, "tf_acc+fasttape_tape", tf_once)
 
 
 def test_recorded_operation_without_outputs():
@@ -258,7 +295,7 @@ _TAPES = {"tf": tf.GradientTape, "ft": fasttape.GradientTape}
 @pytest.mark.parametrize("outer,inner,tape", [
     (o, i, t) for o in "tf ft".split() for i in "tf ft".split()
     for t in "tf ft".split() if (o, i, t) != ("tf", "tf", "tf")])
-def test_two_accumulators_and_a_tape_in_any_mix(outer, inner, tape):
+def test_two_accumulators_and_a_tape_in_any_mix(outer, inner, tape, tf_once):
     """Forward over forward over back. An older fasttape accumulator must
     take each op before a younger TF one computes its JVP (TF asks its
     accumulators oldest first, and the JVP reads the older one's tangents
@@ -274,7 +311,7 @@ def test_two_accumulators_and_a_tape_in_any_mix(outer, inner, tape):
                 g = t.gradient(y, x)
             j2 = a2.jvp(y)
         return g, a2.jvp(g), a1.jvp(g), a1.jvp(a2.jvp(g)), j2, a1.jvp(j2)
-    _mixed_pair(case, (outer, inner), tape)
+    _mixed_pair(case, (outer, inner), tf_once, tape)
 
 
 # -- a tf.function called under a TF and a fasttape accumulator ---------------------
@@ -305,12 +342,14 @@ def _outcome(case, *args):
         return Raised(exc)
 
 
-def _mixed_pair(case, accs, tape=None):
+def _mixed_pair(case, accs, tf_once, tape=None, key=()):
     """``case(FA1, FA2, GT)`` with TF's two accumulators (and TF's tape if
-    ``tape``) and with ``accs`` (outer, inner) and ``tape``: the same."""
+    ``tape``; once per ``key``, see ``tf_once``) and with ``accs`` (outer,
+    inner) and ``tape``: the same."""
     outer, inner = accs
     return harness.compare(
-        _outcome(case, _ACCS["tf"], _ACCS["tf"], _TAPES.get(tape and "tf")),
+        tf_once(lambda: _outcome(case, _ACCS["tf"], _ACCS["tf"],
+                                 _TAPES.get(tape and "tf")), *key),
         _outcome(case, _ACCS[outer], _ACCS[inner], _TAPES.get(tape)),
         allow_tf_error=False)
 
@@ -328,7 +367,8 @@ def _function_with_a_variable(traced=True):
 @pytest.mark.usefixtures("no_hang")
 @pytest.mark.parametrize("accs,traced_before", [
     (("tf", "ft"), False), (("ft", "tf"), False), (("ft", "tf"), True)])
-def test_tf_function_under_a_tf_and_a_fasttape_accumulator(accs, traced_before):
+def test_tf_function_under_a_tf_and_a_fasttape_accumulator(accs, traced_before,
+                                                          tf_once):
     def case(FA1, FA2, _):
         f, _ = _function_with_a_variable()
         x, w = const(3), const(3, seed=2)
@@ -338,7 +378,7 @@ def test_tf_function_under_a_tf_and_a_fasttape_accumulator(accs, traced_before):
             with FA2(x, const(3, seed=5)) as a2:
                 y = f(x, w)
             return y, a1.jvp(y), a2.jvp(y), a2.jvp(w)
-    _mixed_pair(case, accs)
+    _mixed_pair(case, accs, tf_once, key=(traced_before,))
 
 
 class _NoAccumulator:
@@ -376,7 +416,8 @@ def _call_in_a_tape(FA1, FA2, GT, persistent, traced=True):
 @pytest.mark.parametrize("accs,tape,persistent", [
     (accs, tape, True) for accs in _MIXED_ACCS for tape in ("tf", "ft")] + [
     (("tf", "ft"), "tf", False), (("ft", "tf"), "ft", False)])
-def test_tf_function_under_mixed_accumulators_in_a_tape(accs, tape, persistent):
+def test_tf_function_under_mixed_accumulators_in_a_tape(accs, tape, persistent,
+                                                        tf_once):
     """Back over forward: the tape records the call and each accumulator's
     JVP computation; with two accumulators TF builds the call's functions
     for higher orders. TF's gradient of its accumulators' JVPs through a
@@ -387,8 +428,10 @@ def test_tf_function_under_mixed_accumulators_in_a_tape(accs, tape, persistent):
 
     def run(FA1, FA2, GT, traced=True):
         return _outcome(_call_in_a_tape, FA1, FA2, GT, persistent, traced)
-    expected = run(_ACCS["tf"], _ACCS["tf"], _TAPES["tf"])
+    expected = tf_once(lambda: run(_ACCS["tf"], _ACCS["tf"], _TAPES["tf"]),
+                       persistent)
     assert not isinstance(expected, Raised), expected
+    expected = list(expected)
     if persistent:
         # (TF's two accumulators with the eager body raise InternalError
         # there: the reference is TF's accumulator alone.)
@@ -396,7 +439,8 @@ def test_tf_function_under_mixed_accumulators_in_a_tape(accs, tape, persistent):
         assert expected[at] == [None, None, None]
         alone = [_ACCS["tf"], _NoAccumulator] if at == 4 else [
             _NoAccumulator, _ACCS["tf"]]
-        expected[at] = run(*alone, _TAPES["tf"], False)[at]
+        expected[at] = tf_once(lambda: run(*alone, _TAPES["tf"], False),
+                               persistent, at)[at]
     harness.compare(expected, run(_ACCS[outer], _ACCS[inner], _TAPES[tape]),
                     allow_tf_error=False)
 
@@ -405,7 +449,8 @@ def test_tf_function_under_mixed_accumulators_in_a_tape(accs, tape, persistent):
 @pytest.mark.parametrize("accs,tape", [(("tf", "ft"), "tf"),
                                        (("ft", "tf"), "ft")])
 def test_jvp_of_the_gradient_of_a_tf_function_under_mixed_accumulators(accs,
-                                                                      tape):
+                                                                      tape,
+                                                                      tf_once):
     """Forward over back: each accumulator's JVP of a gradient through the
     call (its backward function, called under both accumulators). TF's own
     two accumulators raise IndexError here (in record_operation_backprop_only);
@@ -423,8 +468,8 @@ def test_jvp_of_the_gradient_of_a_tf_function_under_mixed_accumulators(accs,
                     a1.jvp(y), a2.jvp(y))
     outer, inner = accs
     tf_acc, tf_tape = _ACCS["tf"], _TAPES["tf"]
-    first = case(tf_acc, _NoAccumulator, tf_tape)
-    second = case(_NoAccumulator, tf_acc, tf_tape)
+    first = tf_once(lambda: case(tf_acc, _NoAccumulator, tf_tape), "first")
+    second = tf_once(lambda: case(_NoAccumulator, tf_acc, tf_tape), "second")
     expected = (first[0], first[1], first[2], second[3], first[4], second[5])
     harness.compare(expected, case(_ACCS[outer], _ACCS[inner], _TAPES[tape]),
                     allow_tf_error=False)
@@ -488,8 +533,8 @@ def _jvp_of_tf_jvp(FA1, FA2, _):
     "a fasttape.ForwardAccumulator cannot take the JVP of the JVPs TF's "
     "accumulator computes inside a tf.function call's forward function: it "
     "raises TypeError (use one implementation for both accumulators)"))
-def test_fasttape_jvp_of_a_tf_jvp_through_a_tf_function():
-    _mixed_pair(_jvp_of_tf_jvp, ("ft", "tf"))
+def test_fasttape_jvp_of_a_tf_jvp_through_a_tf_function(tf_once):
+    _mixed_pair(_jvp_of_tf_jvp, ("ft", "tf"), tf_once)
 
 
 @pytest.mark.usefixtures("no_hang")
