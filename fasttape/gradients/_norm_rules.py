@@ -769,11 +769,13 @@ def _groups_run():
 
 _GROUPS_RUN = []
 # From this many taps (kh kw) of a depthwise kernel, each example's kernel
-# gradient by a correlation (_DepthwiseBlocks._correlated). Eager, float32,
-# B 8-128, 8-256 channels, 8x8 to 32x32: with 5x5 kernels it took 0.08-0.56x
-# (median 0.3x) the time of the side-by-side kernel gradient; with 3x3
-# kernels 0.7-2.1x (TF's depthwise convolution with an output of 3x3 per
-# channel), with 1x1 kernels or a depth multiplier more.
+# gradient by a correlation (_DepthwiseBlocks._correlated). In a
+# tf.function (as dp_gradient's post-pass runs), float32, B 8-128, 16-256
+# channels, 12x12 to 32x32: with 4x4 and 5x5 kernels it took 0.02-0.62x
+# (median 0.2x) the time of the side-by-side kernel gradient, 0.4-1.6x that
+# of the plain step's; with 3x3 kernels 0.7-2.9x the side-by-side's (TF's
+# depthwise convolution of an output of 3x3 per channel), with 1x1 kernels
+# or a depth multiplier more.
 _MIN_CORRELATED_TAPS = 16
 # Up to this size in bytes of its patches (B T K values), such a
 # convolution at stride 1 builds them from slices (_Conv2DBlocks._sliced).
