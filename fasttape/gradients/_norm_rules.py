@@ -1164,13 +1164,29 @@ class _Transposed:
                 and x is not None and x.shape[0] == batch
                 and out_shape[-1] == src_shape[-2])
 
-    def _flat(self, payload, g, src_shape, pos=1):
-        # the patches of g under the forward convolution, against x
+    def _forward(self, payload, g, memo):
+        """The forward convolution's payload, its input g (the patches of
+        g, against x as its output gradient), shared through ``memo``
+        between sq_norms and weighted (the per-example gradients sq_norms
+        leaves there are keyed by it)."""
+        hit = None if memo is None else memo.get(("forward", id(payload)))
+        if hit is not None and hit[0] is payload and hit[1].inputs[0] is g:
+            return hit[1]
         forward = EagerOp(payload.attrs, (g, None), 2)
-        return super()._flat(forward, payload.inputs[2], src_shape, pos)
+        if memo is not None:
+            memo[("forward", id(payload))] = (payload, forward)
+        return forward
+
+    def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
+        return super().sq_norms(self._forward(payload, g, memo), pos,
+                                payload.inputs[2], src_shape, memo)
+
+    def per_example(self, payload, pos, g, src_shape=None):
+        return super().per_example(self._forward(payload, g, None), pos,
+                                   payload.inputs[2], src_shape)
 
     def weighted(self, payload, pos, g, w, src_shape=None, memo=None):
-        summed = self._from_memo(payload, pos, w, memo)
+        summed = self._from_memo(self._forward(payload, g, memo), pos, w, memo)
         if summed is not None:
             return _ex("Reshape", summed, _const(tuple(src_shape), dtypes.int32))
         return self.filter_gradient(
@@ -1182,10 +1198,12 @@ class _Transposed:
 
 
 @norm_rule("Conv2DBackpropInput")
-class _Conv2DTranspose(_Transposed, _Conv2D):
+class _Conv2DTranspose(_Transposed, _Conv2DBlocks):
     """y = conv2d_transpose(x, K) (Keras' Conv2DTranspose, and
     Conv1DTranspose through ExpandDims): K [kh, kw, cy, cx], the patches
-    [T, kh kw cy]."""
+    [T, kh kw cy]; with many channels cy to few cx, each example's kernel
+    gradient as the convolution's (one grouped kernel gradient, slices or
+    a loop: _Conv2DBlocks)."""
 
     rank, data_format = 4, "NHWC"
     filter_gradient = staticmethod(gen_nn_ops.conv2d_backprop_filter)
