@@ -54,6 +54,17 @@ def _keras_model(kind, name):
                            L.DepthwiseConv2D(3, dilation_rate=2,
                                              depth_multiplier=2, dtype=name),
                            L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "depthwise_wide":
+        # kernels of 16 taps and more: each example's gradient by a
+        # correlation (a stride where oneDNN runs, float32), also on the
+        # blocks of a dilated one
+        return (9, 9, 2), [L.DepthwiseConv2D(5, padding="same", activation="tanh",
+                                             dtype=name),
+                           L.DepthwiseConv2D(4, strides=2, padding="same",
+                                             activation="tanh", dtype=name),
+                           L.DepthwiseConv2D(4, dilation_rate=2, padding="same",
+                                             dtype=name),
+                           L.Flatten(dtype=name), L.Dense(2, dtype=name)]
     if kind == "conv3d":
         return (4, 5, 4, 2), [L.Conv3D(3, (2, 3, 2), activation="tanh", dtype=name),
                               # (8 positions: the ghost norm)
@@ -188,6 +199,7 @@ CASES = {
     "keras_conv_many_inputs": _keras_case("conv_many_inputs"),
     "keras_conv1d_dilated": _keras_case("conv1d_dilated"),
     "keras_depthwise_dilated": _keras_case("depthwise_dilated"),
+    "keras_depthwise_wide": _keras_case("depthwise_wide"),
     "tf_keras_layernorm": _tf_keras_layernorm,
 }
 # Sources that still take rows (none).
