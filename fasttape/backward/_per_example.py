@@ -1170,7 +1170,9 @@ def _post_pass(spec, *tensors, payloads=None, sparse=False):
             "AddV2", total, math_ops.cast(sq, total.dtype))
         items.append((k, payload, pos, rule, src_shape, g))
     for _, r_i in rows_spec:
-        sq = _norm_rules.sq_rows(tensors[r_i])
+        factors = getattr(tensors[r_i], _while_grads.FACTORS, None)
+        sq = (_norm_rules.sq_rows(tensors[r_i]) if factors is None
+              else _while_grads.sq_norms(factors))
         total = sq if total is None else _norm_rules._ex(
             "AddV2", total, math_ops.cast(sq, total.dtype))
     clip = math_ops.cast(clip, total.dtype)
@@ -1184,7 +1186,10 @@ def _post_pass(spec, *tensors, payloads=None, sparse=False):
                                memo=memo)
     for k, r_i in rows_spec:
         r = tensors[r_i]
-        out[k] = math_ops.tensordot(math_ops.cast(weights, r.dtype), r, 1)
+        factors = getattr(r, _while_grads.FACTORS, None)
+        out[k] = (math_ops.tensordot(math_ops.cast(weights, r.dtype), r, 1)
+                  if factors is None else
+                  _while_grads.weighted(factors, math_ops.cast(weights, r.dtype)))
     noise_of = {k: (offset, n) for k, offset, n in noised}
     result = []
     for k, shape in shapes:

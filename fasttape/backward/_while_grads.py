@@ -25,6 +25,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import array_ops_stack
+from tensorflow.python.ops import cond
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import list_ops
 from tensorflow.python.ops import math_ops
@@ -146,13 +147,69 @@ def per_example(while_op, grads, plans, batch):
             at += w
             if op.type == "MatMul":
                 k = op.inputs[0].shape[1]
-                term = _term(op, cols[:, :, :k], cols[:, :, k:])
+                factors = (cols[:, :, :k], cols[:, :, k:], op.get_attr("transpose_b"))
+                term = _term(op, *factors[:2])
             else:
                 term = _term(op, None, array_ops.reshape(
                     cols, [-1, batch] + op.outputs[0].shape.as_list()[1:]))
             terms.setdefault(op.inputs[1]._id, []).append(term)  # pylint: disable=protected-access
         result[i] = next(iter(_back_to_variable(kinds, terms, by_id, batch).values()))
+        if (len(slots[i]) == 1 and slots[i][0][0].type == "MatMul"
+                and result[i] is term and _ghost_pays(*factors[:2])):
+            # (the variable's gradient is this one product's: see FACTORS)
+            setattr(result[i], FACTORS, factors)
     return result
+
+
+# The attribute of a traced per-example gradient [B, K, N] that is one
+# MatMul's terms summed over the iterations, sum_t a_t g_t^T: its factors
+# (a [T, B, K], g [T, B, N], transpose_b), from which dp_gradient's
+# post-pass takes each example's squared norm by the ghost norm (T x T per
+# example) and the weighted sum by one K x T B x N product, so that the
+# per-example gradients are never built (the traced function drops them).
+FACTORS = "_fasttape_loop_factors"
+
+
+def _ghost_pays(a, g):
+    """Whether the factors serve: K and N known while tracing, and T^2 < K N
+    where T (the iterations) is too (else sq_norms chooses at run time)."""
+    t, k, n = a.shape[0], a.shape[2], g.shape[2]
+    return None not in (k, n) and (t is None or t * t < k * n)
+
+
+def sq_norms(factors):
+    """[B] squared norms of sum_t a_t g_t^T: by the ghost norm (T x T per
+    example) where T^2 < K N, else of the per-example gradients built
+    (decided at run time where T is unknown while tracing)."""
+    a, g, _ = factors
+    a = array_ops.transpose(a, [1, 0, 2])
+    g = array_ops.transpose(g, [1, 0, 2])
+
+    def ghost():
+        aa = math_ops.matmul(a, a, transpose_b=True)
+        gg = math_ops.matmul(g, g, transpose_b=True)
+        return math_ops.reduce_sum(aa * gg, axis=[1, 2])
+
+    def built():
+        return math_ops.reduce_sum(math_ops.square(
+            math_ops.matmul(a, g, transpose_a=True)), axis=[1, 2])
+
+    t, kn = a.shape[1], a.shape[2] * g.shape[2]
+    if t is not None:
+        return ghost()
+    t = array_ops.shape(a)[1]
+    return cond.cond(t * t < kn, ghost, built)
+
+
+def weighted(factors, w):
+    """sum_b w_b sum_t a_tb g_tb^T (transposed for transpose_b), one
+    product over the iterations and the batch."""
+    a, g, transpose_b = factors
+    a2 = array_ops.reshape(a, [-1, a.shape[2]])
+    gw = array_ops.reshape(g * array_ops.reshape(w, [1, -1, 1]), [-1, g.shape[2]])
+    if transpose_b:
+        return math_ops.matmul(gw, a2, transpose_a=True)
+    return math_ops.matmul(a2, gw, transpose_a=True)
 
 
 def _width(op):
