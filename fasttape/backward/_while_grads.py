@@ -9,7 +9,9 @@ the variable's gradient in:
 
 - a TensorList, one element per iteration (set at the backward loop's
   counter), stacked after the loop: a MatMul's terms are then one batched
-  product over the iterations, [B, in, T] x [B, T, out];
+  product over the iterations, [B, in, T] x [B, T, out]; a tensor the
+  meets of several variables read (an LSTM's gate gradient) goes to one
+  of their lists only;
 - under XLA (whose lists are dense buffers, so that adding one to another
   costs the whole list), a [B] + shape accumulator, each iteration's terms
   added to it.
@@ -117,6 +119,11 @@ def per_example(while_op, grads, plans, batch):
     grads += [None] * (len(while_op.outputs) - len(grads))
     slots = {}        # i -> meets, in order: [(op, width of its columns)]
     overrides = {}
+    # (stacked) the loop's one set of what the meets handed over, and where
+    # each tensor of it went: the meets of a loop's variables read the same
+    # tensors (an LSTM's gate gradient, for its kernel, recurrent kernel and
+    # bias), each written to one list only
+    handed, layout = {}, {"placed": {}, "width": {}}
     for i, (shape, dtype, kinds) in plans.items():
         meets = [by_id[key] for key, kind in kinds.items() if kind == "meet"]
         meets.sort(key=lambda o: o._id)  # pylint: disable=protected-access
@@ -126,32 +133,40 @@ def per_example(while_op, grads, plans, batch):
                 None, while_op.outputs[0], dtype)
         else:
             grads[i] = array_ops.zeros([batch] + list(shape), dtype)
+            handed = {}    # meet op -> its term this iteration
         reads = [by_id[key] for key, kind in kinds.items()
                  if kind == "weight" and by_id[key].type == "ReadVariableOp"]
-        handed = {}        # meet op -> what it handed over this iteration
         for op in meets:
             overrides[op] = _hand_over(op, handed, batch, stacked)
         for op in reads:
-            overrides[op] = _collect(slots.get(i), kinds, by_id, handed, batch)
+            overrides[op] = _collect(
+                None if not stacked else (i, slots[i], layout),
+                kinds, by_id, handed, batch)
     with _recording.gradient_functions_of(overrides):
         out = while_v2._WhileGrad(while_op, *grads)  # pylint: disable=protected-access
     if not stacked:
         return {i: out[i] for i in plans}
+    rows = {i: list_ops.tensor_list_stack(out[i], plans[i][1],
+                                          element_shape=[batch, width])
+            for i, width in layout["width"].items() if width}
     result = {}
     for i, (shape, dtype, kinds) in plans.items():
-        width = sum(w for _, w in slots[i])
-        rows = list_ops.tensor_list_stack(out[i], dtype, element_shape=[batch, width])
-        terms, at = {}, 0
+        terms = {}
         for op, w in slots[i]:
-            cols = rows[:, :, at:at + w]
-            at += w
+            k = int(op.inputs[0].shape[1]) if op.type == "MatMul" else 0
+            at = layout.get(op)
+            if at is None:      # no gradient reached it
+                a = array_ops.zeros([1, batch, k], dtype)
+                g = array_ops.zeros([1, batch, w - k], dtype)
+            else:
+                g = _columns(rows, at[1], w - k)
+                a = _columns(rows, at[0], k) if k else None
             if op.type == "MatMul":
-                k = op.inputs[0].shape[1]
-                factors = (cols[:, :, :k], cols[:, :, k:], op.get_attr("transpose_b"))
-                term = _term(op, *factors[:2])
+                factors = (a, g, op.get_attr("transpose_b"))
+                term = _term(op, a, g)
             else:
                 term = _term(op, None, array_ops.reshape(
-                    cols, [-1, batch] + op.outputs[0].shape.as_list()[1:]))
+                    g, [-1, batch] + op.outputs[0].shape.as_list()[1:]))
             terms.setdefault(op.inputs[1]._id, []).append(term)  # pylint: disable=protected-access
         result[i] = next(iter(_back_to_variable(kinds, terms, by_id, batch).values()))
         if (len(slots[i]) == 1 and slots[i][0][0].type == "MatMul"
@@ -159,6 +174,13 @@ def per_example(while_op, grads, plans, batch):
             # (the variable's gradient is this one product's: see FACTORS)
             setattr(result[i], FACTORS, factors)
     return result
+
+
+def _columns(rows, at, width):
+    """[T, B, width] of the stacked lists ``rows`` at ``at``: (list, first
+    column)."""
+    i, first = at
+    return rows[i][:, :, first:first + width]
 
 
 # The attribute of a traced per-example gradient [B, K, N] that is one
@@ -229,9 +251,7 @@ def _hand_over(op, handed, batch, stacked):
     def grad(_, g):
         first = original(op, g)[0]
         if stacked:
-            flat = array_ops.reshape(g, [batch, -1])
-            handed[op] = (array_ops.concat([op.inputs[0], flat], 1)
-                          if op.type == "MatMul" else flat)
+            handed[op] = (op.inputs[0] if op.type == "MatMul" else None, g)
         else:
             handed[op] = _term(op, op.inputs[0], g)
         w = op.inputs[1]
@@ -239,26 +259,52 @@ def _hand_over(op, handed, batch, stacked):
     return grad
 
 
-def _collect(slots, kinds, by_id, handed, batch):
+def _collect(stacked, kinds, by_id, handed, batch):
     """The variable read's gradient, which TF's loop carries for the
-    resource (TF checks no resource gradient's shape): this iteration's
-    columns in a list with only the counter's element set (adding lists
-    takes each element from the one that holds it), or the per-example
-    gradient."""
+    resource (TF checks no resource gradient's shape): the per-example
+    gradient; or (``stacked``: the variable's plan index i, its slots and
+    the loop's layout) this iteration's columns in a list with only the
+    counter's element set (adding lists takes each element from the one that
+    holds it): the tensors its meets handed over that no other variable's
+    list holds (where each went in layout, by meet op: (list, column) of a
+    and of g; None where no gradient reached the meet), the list left
+    unset where there are none."""
 
     def grad(read, _):
-        if slots is None:
+        if stacked is None:
             terms = {}
             for op, term in handed.items():
                 terms.setdefault(op.inputs[1]._id, []).append(term)  # pylint: disable=protected-access
             return _back_to_variable(kinds, terms, by_id, batch)[read]
+        i, slots, layout = stacked
+        placed = layout["placed"]       # id(tensor) -> (tensor, (list, column))
         graph = ops.get_default_graph()
         counter, total = graph.inputs[0], graph.inputs[2]
-        # (an op no gradient reached this iteration: zeros)
-        row = array_ops.concat([
-            handed[op] if op in handed else array_ops.zeros([batch, w], read.outputs[0].dtype)
-            for op, w in slots], 1)
-        empty = list_ops.tensor_list_reserve(None, total, row.dtype)
+        dtype = read.outputs[0].dtype
+        pieces, width = [], 0
+
+        def place(t, w):
+            nonlocal width
+            hit = placed.get(id(t))
+            if hit is not None and hit[0] is t:
+                return hit[1]
+            at = (i, width)
+            placed[id(t)] = (t, at)
+            pieces.append(array_ops.reshape(t, [batch, w]))
+            width += w
+            return at
+
+        for op, w in slots:
+            if op not in handed:
+                layout[op] = None
+                continue
+            a, g = handed[op]
+            k = int(a.shape[1]) if a is not None else 0
+            layout[op] = (None if a is None else place(a, k), place(g, w - k))
+        layout["width"][i] = width
+        empty = list_ops.tensor_list_reserve(None, total, dtype)
+        if not pieces:
+            return empty
+        row = pieces[0] if len(pieces) == 1 else array_ops.concat(pieces, 1)
         return list_ops.tensor_list_set_item(empty, counter, row)
     return grad
-
