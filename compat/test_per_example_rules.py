@@ -33,9 +33,10 @@ def _keras_model(kind, name):
                             L.Flatten(dtype=name), L.Dense(2, dtype=name)]
     if kind == "conv_many_inputs":
         # many input channels to few outputs, many positions: each
-        # example's kernel gradient from patches of slices at stride 1
-        # (SAME with an odd and an even kernel), from TF's kernel gradient
-        # of each example at stride 2
+        # example's kernel gradient at stride 1 from the output gradient's
+        # shifts (8 channels to 2) or patches of slices (2 to 2; SAME with
+        # an odd and an even kernel), from TF's kernel gradient of each
+        # example at stride 2
         return (7, 7, 3), [L.Conv2D(8, 1, activation="tanh", dtype=name),
                            L.Conv2D(2, 3, padding="same", activation="tanh",
                                     dtype=name),
@@ -404,31 +405,41 @@ def test_a_folded_batch_norm_with_shapes_unknown_while_tracing(spec):
         tf.function(step, input_signature=signature)(x)
 
 
+def _spy_taken(monkeypatch, cls, name):
+    """The kernel shapes for which cls.name (a path of a convolution's
+    rule, None where not taken) returns a value, from now on."""
+    original, taken = getattr(cls, name), []
+
+    def spy(self, payload, g, src_shape):
+        out = original(self, payload, g, src_shape)
+        if out is not None:
+            taken.append(tuple(src_shape))
+        return out
+    monkeypatch.setattr(cls, name, spy)
+    return taken
+
+
 @pytest.mark.parametrize("cap", ["default", "small"])
 def test_the_sliced_patches_keep_to_their_cap(cap, monkeypatch):
     """At stride 1, a convolution of many input channels to few outputs
     (float64: float32 takes the grouped convolution) builds each example's
-    kernel gradient from patches of slices while they take at most
-    _MAX_SLICED_BYTES (B T K values); beyond, by TF's kernel gradient of one
-    example at a time. Both equal the loop of single-example tapes."""
+    kernel gradient from the output gradient's shifts where they are fewer
+    values to copy than the patches (8 channels to 2: _shifted), else from
+    patches of slices, while they take at most _MAX_SLICED_BYTES (B T K
+    values); beyond, by TF's kernel gradient of one example at a time. All
+    equal the loop of single-example tapes."""
     from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
     if cap == "small":      # (the two stride-1 kernels' patches: 18.8 and 2.4 KB)
         monkeypatch.setattr(_norm_rules, "_MAX_SLICED_BYTES", 1024)
     blocks = _norm_rules._Conv2DBlocks  # pylint: disable=protected-access
-    sliced, looped = [], []
-    original_sliced, original_looped = blocks._sliced, blocks._looped  # pylint: disable=protected-access
+    sliced, original_sliced = [], blocks._sliced  # pylint: disable=protected-access
 
     def spy_sliced(self, x, *args):
         sliced.append(tuple(x.shape))
         return original_sliced(self, x, *args)
-
-    def spy_looped(self, payload, g, src_shape):
-        out = original_looped(self, payload, g, src_shape)
-        if out is not None:
-            looped.append(tuple(src_shape))
-        return out
     monkeypatch.setattr(blocks, "_sliced", spy_sliced)
-    monkeypatch.setattr(blocks, "_looped", spy_looped)
+    looped = _spy_taken(monkeypatch, blocks, "_looped")
+    shifted = _spy_taken(monkeypatch, blocks, "_shifted")
     xs, loss, variables = CASES["keras_conv_many_inputs"](tf.float64)
     with fasttape.GradientTape() as tape:
         losses = loss(*xs)
@@ -436,8 +447,53 @@ def test_the_sliced_patches_keep_to_their_cap(cap, monkeypatch):
     for g, r in zip(got, _reference(loss, xs, variables)):
         _close(g, r, tf.float64)
     # the 3x3 and 2x2 kernels at stride 1, and the 3x3 one at stride 2
-    assert sorted(looped) == [(2, 2, 2, 2), (3, 3, 2, 2), (3, 3, 8, 2)]
-    assert len(sliced) == (2 if cap == "default" else 0)
+    if cap == "default":
+        assert shifted == [(3, 3, 8, 2)]
+        assert sorted(looped) == [(2, 2, 2, 2), (3, 3, 2, 2)]
+        assert len(sliced) == 1
+    else:
+        assert not shifted and not sliced
+        assert sorted(looped) == [(2, 2, 2, 2), (3, 3, 2, 2), (3, 3, 8, 2)]
+
+
+@pytest.mark.parametrize("kernel,padding,transposed", [
+    ((2, 4), "SAME", False), ((3, 2), "VALID", False), ((1, 5), "SAME", False),
+    ((2, 3), "SAME", True)])
+def test_kernel_gradients_from_the_output_gradients_shifts(kernel, padding, transposed,
+                                                           monkeypatch):
+    """At stride 1, many input channels to few outputs (float64), each
+    example's kernel gradient by the shifts of its output gradient
+    (_shifted; a transposed convolution's the other way round, as its
+    forward convolution's): even kernels (SAME pads one more after),
+    VALID, one row (Conv1D's); per-example gradients, norms and the
+    clipped sum equal the loop's."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    shifted = _spy_taken(monkeypatch, _norm_rules._Conv2DBlocks, "_shifted")  # pylint: disable=protected-access
+    kh, kw = kernel
+    rng = np.random.default_rng(kh * 10 + kw)
+    if transposed:      # K [kh, kw, cy 8, cx 2]: its forward convolution 8 -> 2
+        x = tf.constant(rng.normal(size=(B, 5, 6, 2)), tf.float64)
+        w = tf.Variable(rng.normal(size=(kh, kw, 8, 2)) * 0.3, dtype=tf.float64)
+
+        def loss(x):
+            y = tf.nn.conv2d_transpose(x, w, [x.shape[0], 5, 6, 8], 1, padding)
+            return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+    else:
+        x = tf.constant(rng.normal(size=(B, 5, 7, 9)), tf.float64)
+        w = tf.Variable(rng.normal(size=(kh, kw, 9, 2)) * 0.3, dtype=tf.float64)
+
+        def loss(x):
+            y = tf.nn.conv2d(x, w, 1, padding)
+            return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+    ref = _reference(loss, [x], [w])[0]
+    with fasttape.GradientTape(persistent=True) as tape:
+        losses = loss(x)
+    _close(tape.per_example_gradients(losses, [w])[0], ref, tf.float64)
+    norms = _ref_norms([ref])
+    clip = float(np.median(norms.numpy()))
+    expected = tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B
+    _close(tape.dp_gradient(losses, [w], clip, 0.0)[0], expected, tf.float64)
+    assert shifted and set(shifted) == {(kh, kw, 8 if transposed else 9, 2)}
 
 
 @pytest.mark.parametrize("case", ["keras_conv_dilated_wide", "keras_conv1d_dilated"])
