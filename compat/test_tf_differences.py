@@ -156,6 +156,32 @@ def test_accumulator_inside_a_tf_function_over_an_embedding_lookup():
                             [table0], [t0])]
     fd.tf_wrong_here(case, oracle, tf_raises=ValueError)
 
+def test_accumulator_inside_a_tf_function_over_a_scan():
+    """An accumulator entered inside a tf.function over tf.scan (a While
+    loop over TensorLists): TF raises TypeError ("`dtype` <dtype: 'variant'>
+    is not compatible with 1 of dtype int64"), with fasttape imported or
+    not; fasttape returns the JVP. Found by a drawn program."""
+    x0 = np.array([[0.5, -0.2, 0.3], [0.1, 0.4, -0.7], [0.9, -0.3, 0.2]])
+    t0 = np.array([[0.2, 0.9, -0.1], [-0.4, 0.3, 0.5], [1.1, -0.6, 0.8]])
+
+    def case(FA, GT):
+        @tf.function
+        def f(x):
+            with FA([x], [tf.constant(t0)]) as acc:
+                y = tf.reduce_sum(tf.sin(tf.scan(lambda a, r: a * 0.5 + r, x)))
+            return acc.jvp(y)
+        return [f(tf.constant(x0))]
+
+    def scan(x):
+        a, out = x[0], [x[0]]
+        for r in x[1:]:
+            a = a * 0.5 + r
+            out.append(a)
+        return np.sum(np.sin(out))
+    oracle = [fd.jvp_oracle(scan, [x0], [t0])]
+    fd.tf_wrong_here(case, oracle, tf_raises=TypeError)
+
+
 def test_accumulator_with_a_variable_passed_into_a_tf_function_issue_form():
     def case(FA, GT):
         w = tf.Variable(1.119, dtype=tf.float64)
