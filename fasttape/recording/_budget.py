@@ -390,9 +390,7 @@ class Store:
         clock = self.clock
         if not outputs:
             pass
-        elif not ((_recomputable_cache.get(op_type) or (
-                op_type not in _recomputable_cache and recomputable(op_type)))
-                  and _plain(outputs) and _plain(inputs)):
+        elif not (recomputable(op_type) and _plain(outputs) and _plain(inputs)):
             # (A leaf: what made it is named if it is ever why the budget
             # cannot be kept.)
             made_by = self.made_by
@@ -439,9 +437,7 @@ class Store:
                     x.readers.extend(out_ids)
         ref = None
         mine = None
-        shape_pos = _SHAPE_ONLY.get(op_type, ())
-        if shape_pos is None:
-            shape_pos = range(payload.num_inputs - 1)
+        shape_pos = shape_only(op_type, payload.num_inputs)
         k = -1
         for t in payload.saved:
             k += 1
