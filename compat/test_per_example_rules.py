@@ -44,6 +44,14 @@ def _keras_model(kind, name):
                                     dtype=name),
                            L.Conv2D(2, 3, strides=2, dtype=name),
                            L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "conv_groups":
+        # Keras 3 runs a grouped convolution as a call of a jit_compile
+        # function: its kernel takes rows, built while tracing by a loop of
+        # backward passes (pfor's grouped kernel gradient mixes the
+        # examples with the groups)
+        return (6, 6, 4), [L.Conv2D(4, 3, groups=2, activation="tanh",
+                                    dtype=name),
+                           L.Flatten(dtype=name), L.Dense(2, dtype=name)]
     if kind == "conv1d_dilated":        # WaveNet-style, causal
         return (11, 2), [L.Conv1D(3, 2, dilation_rate=2, padding="causal",
                                   activation="tanh", dtype=name),
@@ -198,13 +206,15 @@ CASES = {
     "keras_conv_dilated": _keras_case("conv_dilated"),
     "keras_conv_dilated_wide": _keras_case("conv_dilated_wide"),
     "keras_conv_many_inputs": _keras_case("conv_many_inputs"),
+    "keras_conv_groups": _keras_case("conv_groups"),
     "keras_conv1d_dilated": _keras_case("conv1d_dilated"),
     "keras_depthwise_dilated": _keras_case("depthwise_dilated"),
     "keras_depthwise_wide": _keras_case("depthwise_wide"),
     "tf_keras_layernorm": _tf_keras_layernorm,
 }
-# Sources that still take rows (none).
-ROWS = {}
+# Sources that still take rows: a grouped convolution's kernel (its op a
+# function call).
+ROWS = {"keras_conv_groups": ("kernel (3, 3, 2, 4)",)}
 # Keras 3's RNNs in a tf.function are one While op (its steps inside it,
 # unseen by the tape): the variables its body reads take the loop's rule
 # (the body's MatMul, BiasAdd and Add rules, summed over its iterations),
