@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import fasttape
 from fasttape.bench import family
 from fasttape.recording import _budget
+from fasttape.recording import _budget_core
 import op_corpus as oc
 from harness import Raised, assert_leaks_nothing, assert_same, compare, compiled_mode
 
@@ -601,6 +602,7 @@ import tensorflow as tf
 import fasttape
 from fasttape.bench import family
 from fasttape.recording import _budget
+from fasttape.recording import _budget_core
 
 params, loss = family.build(tf, {
     "dtype": "float32", "batch": 4, "width": 8, "seed": 3,
@@ -1274,7 +1276,7 @@ def test_next_reader_rule_saves_recomputation(monkeypatch):
     are no longer chosen, and both runs re-run about as much. Since the
     steps of a recomputation that nothing else needs are let go at once,
     what the rule saves is smaller: 180 ops against 193 here.)"""
-    monkeypatch.setattr(_budget, "_SHAPE_ONLY", {})
+    monkeypatch.setattr(_budget_core, "_SHAPE_ONLY", {})
     expected, _ = _small_lstm_step(None)
     budget = 8600
     fasttape.clear_caches()     # (each from the same start: see _PASS_WATER)
