@@ -12,16 +12,18 @@ Terms:
            (the slot then is the marker that says how to recompute it).
   held     bytes of resident tensors that only the tape holds: a tensor the
            program still references frees nothing when the tape drops it,
-           so it is neither counted nor dropped (sys.getrefcount tells).
+           so it is neither counted nor dropped (sys.getrefcount tells);
+           leaves that share one buffer (reshapes of one input, made where
+           the tape records nothing) count it once.
 
 While recording, after each op, when the resident bytes pass the budget the
 store counts what it alone holds and, while that is over the budget, drops
 the candidate with the lowest ``h = cost / (bytes * staleness)``: cost is
 the op's own estimate plus that of re-making its dropped inputs (DTR's
 evicted neighbourhood, upstream), or 0 for a tensor that gradients read
-only for its shape (_budget_core._SHAPE_ONLY: they get zeros of that shape) and that no
-needed recomputation reads. Only what can be recomputed exactly is
-dropped: outputs of ops whose OpDef is stateless, that take and make no
+only for its shape (_budget_core._SHAPE_ONLY: they get zeros of that
+shape) and that no needed recomputation reads. Only what can be
+recomputed exactly is dropped: outputs of ops whose OpDef is stateless, that take and make no
 resource or variant, carry no function attr and are not random; never a
 watched tensor, and never a leaf (a tensor no recipe makes: a variable
 read, a random op's output, a constant, what a tf.function or
@@ -217,6 +219,7 @@ class Store(StoreCore):
         # walked again at each (a 100-layer chain under a tight budget:
         # half of its recording time).
         self._chain = {}
+        self._buffers = {}
 
     # -- recording ----------------------------------------------------------
 
@@ -248,6 +251,8 @@ class Store(StoreCore):
             elif self.sole.get(tid) is s:
                 del self.sole[tid]
                 self.sole_bytes -= s.nbytes
+            if s.buf:
+                self._unview(s)
 
     def _forget_chains(self, s):
         """s was dropped or made resident: forget the chain costs that
@@ -278,7 +283,7 @@ class Store(StoreCore):
     def _sole(s):
         # References: the slot's, one per holder's saved entry while they
         # hold the tensor itself, and getrefcount's argument.
-        if s.aliased:
+        if s.aliased or s.view:
             return False
         return sys.getrefcount(s.tensor) <= 2 + s.refs
 

@@ -20,12 +20,16 @@ from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops
 
 cimport cython
+cimport numpy as cnp
 from libc.stdint cimport int64_t
 
 from fasttape.gradients._payloads cimport EagerOp, tensor_enum, tensor_shape
 from fasttape.gradients._tf_vspace import element_size as _element_size
 
 cdef object _EagerTensor = ops.EagerTensor
+cnp.import_array()
+# Strings, resources and variants: no NumPy view of their buffers.
+_NO_NUMPY = frozenset((7, 20, 21))
 cdef object _weakref = weakref.ref
 
 
@@ -170,6 +174,20 @@ cdef class Recipe:
         return f"<Recipe {self.op_type} on {self.device}>"
 
 
+cdef size_t _buffer_of(t) except? 0:
+    """The address of a CPU tensor's buffer (0: unknown, or elsewhere):
+    TF's NumPy view of it shares it."""
+    if tensor_enum(t) in _NO_NUMPY or "CPU" not in t.device:
+        return 0
+    try:
+        a = t._numpy_internal()  # pylint: disable=protected-access
+    except Exception:  # pylint: disable=broad-except
+        return 0
+    if not cnp.PyArray_Check(a) or cnp.PyArray_SIZE(a) == 0:
+        return 0
+    return <size_t>cnp.PyArray_DATA(a)
+
+
 cdef int64_t _nelem(t) except -1:
     cdef int64_t n = 1
     for d in tensor_shape(t):
@@ -195,6 +213,8 @@ cdef class Slot:
     cdef public bint pinned         # a leaf some dropped tensor's recipe needs
     cdef public bint closure_ok     # every leaf it is recomputed from is pinned
     cdef public bint aliased        # a variable's value: shares its buffer, frees nothing
+    cdef public bint view           # a leaf whose buffer another resident leaf, counted, shares
+    cdef public size_t buf          # (a leaf's, once held) its buffer's address (0: unknown)
     cdef public object readers      # ids of the tensors whose recipes read it (or None)
     cdef public int64_t valued      # live payloads that save it for its values, not only its shape
     cdef public object shape_holders  # (or a set) payload weakrefs that save it for its shape only
@@ -238,6 +258,8 @@ cdef class StoreCore:
     cdef public object _on_death
     cdef public dict made_by            # a leaf's tensor id -> the op type that made it
     cdef public dict _chain             # a dropped tensor's id -> its recomputation's cost
+    cdef public dict _buffers           # a held leaf's buffer address -> the leaves sharing it
+                                        # (the first one counts its bytes)
 
     def recorded(self, op_id, op_type, list inputs, list outputs, payload):
         """Called by the recorder after it recorded an op on the tape."""
@@ -353,16 +375,52 @@ cdef class StoreCore:
         return self._slot(t)
 
     cdef int _hold_c(self, Slot s, t) except -1:
+        cdef list group
         if s.tensor is None:
             s.tensor = t
             if self._chain and (s.readers is not None or s.tid in self._chain):
                 self._forget_chains(s)
             self.resident[s.tid] = s
             self.resident_bytes += s.nbytes
-            if not s.aliased:
-                self.shared[s.tid] = s
-                self.shared_bytes += s.nbytes
+            if s.aliased:
+                return 0
+            if s.recipe is None:
+                # A leaf may be a view of another the tape holds (reshapes
+                # of one input, made before the tape recorded them: each
+                # a tensor of its own, one buffer): its bytes count once.
+                if s.buf == 0:
+                    s.buf = _buffer_of(t)
+                if s.buf != 0:
+                    group = self._buffers.get(s.buf)
+                    if group is not None:
+                        group.append(s)
+                        s.view = True
+                        return 0
+                    self._buffers[s.buf] = [s]
+            self.shared[s.tid] = s
+            self.shared_bytes += s.nbytes
         return 0
+
+    def _unview(self, Slot s):
+        """s is let go of: it leaves its buffer's group; if it counted the
+        group's bytes, the next one in it does."""
+        cdef list group = self._buffers.get(s.buf)
+        cdef Slot first
+        if group is None:
+            return
+        for i in range(len(group)):
+            if group[i] is s:
+                del group[i]
+                break
+        if not group:
+            del self._buffers[s.buf]
+        elif not s.view:
+            first = group[0]
+            if first.view:
+                first.view = False
+                self.shared[first.tid] = first
+                self.shared_bytes += first.nbytes
+        s.view = False
 
     def _hold(self, Slot s, t):
         self._hold_c(s, t)
