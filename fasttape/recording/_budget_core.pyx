@@ -188,6 +188,19 @@ cdef size_t _buffer_of(t) except? 0:
     return <size_t>cnp.PyArray_DATA(a)
 
 
+cdef dict _sizes = {}    # dtype enum -> bytes per element (_element_size's)
+
+
+cdef int64_t _size_of(t) except -1:
+    """_element_size(t), memoized by dtype enum (read through TF's C
+    function)."""
+    enum = tensor_enum(t)
+    size = _sizes.get(enum)
+    if size is None:
+        size = _sizes[enum] = _element_size(t)
+    return size
+
+
 cdef int64_t _nelem(t) except -1:
     cdef int64_t n = 1
     for d in tensor_shape(t):
@@ -227,7 +240,7 @@ cdef class Slot:
         self.wref = _weakref(t)
         self.recipe = recipe
         self.nelem = _nelem(t)
-        self.nbytes = _element_size(t) * self.nelem
+        self.nbytes = _size_of(t) * self.nelem
         self.holders = {}
 
     def __repr__(self):
