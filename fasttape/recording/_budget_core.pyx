@@ -183,7 +183,10 @@ cdef size_t _buffer_of(t) except? 0:
         a = t._numpy_internal()  # pylint: disable=protected-access
     except Exception:  # pylint: disable=broad-except
         return 0
-    if not cnp.PyArray_Check(a) or cnp.PyArray_SIZE(a) == 0:
+    if not cnp.PyArray_Check(a) or cnp.PyArray_SIZE(a) == 0 or \
+            cnp.PyArray_CHKFLAGS(a, cnp.NPY_ARRAY_OWNDATA):
+        # (A copy, not a view, where TF makes one: its address, freed at
+        # once, could be the next copy's, so it never names a buffer.)
         return 0
     return <size_t>cnp.PyArray_DATA(a)
 
