@@ -496,6 +496,51 @@ def test_kernel_gradients_from_the_output_gradients_shifts(kernel, padding, tran
     assert shifted and set(shifted) == {(kh, kw, 8 if transposed else 9, 2)}
 
 
+@pytest.mark.parametrize("kernel,strides,mult,dilation,padding,chunk", [
+    (5, 1, 1, 1, "SAME", 2), (3, 2, 2, 1, "VALID", 3), (2, 1, 2, 2, "SAME", 2),
+    (1, 1, 1, 1, "SAME", 1), (4, 2, 1, 1, "SAME", 6)])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_depthwise_kernel_gradients_by_chunks_of_examples(kernel, strides, mult, dilation,
+                                                          padding, chunk, mode, monkeypatch):
+    """Where every example's depthwise kernels take more than
+    _MAX_GROUPED_DW_BYTES (0 here), each example's kernel gradient by TF's
+    kernel gradient of ``chunk`` examples side by side in the channels
+    (_chunked): a 5x5 kernel in float64 (no correlation: float32 only), a
+    depth multiplier and a stride, VALID, a dilated one's blocks, 1x1, an
+    even kernel at stride 2 with all examples in one chunk; per-example
+    gradients, norms and the clipped sum equal the loop's (float64, eagerly
+    and in a tf.function)."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    blocks = _norm_rules._DepthwiseBlocks  # pylint: disable=protected-access
+    chunked = _spy_taken(monkeypatch, blocks, "_chunked")
+    correlated = _spy_taken(monkeypatch, blocks, "_correlated")
+    monkeypatch.setattr(_norm_rules, "_MAX_GROUPED_DW_BYTES", 0)
+    monkeypatch.setattr(_norm_rules, "_DW_CHUNK_BYTES", chunk * kernel * kernel * 3 * mult * 8)
+    rng = np.random.default_rng(kernel * 10 + strides)
+    x = tf.constant(rng.normal(size=(B, 7, 8, 3)), tf.float64)
+    w = tf.Variable(rng.normal(size=(kernel, kernel, 3, mult)) * 0.5, dtype=tf.float64)
+
+    def loss(x):
+        y = tf.nn.depthwise_conv2d(x, w, [1, strides, strides, 1], padding,
+                                   dilations=[dilation, dilation])
+        return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+    ref = _reference(loss, [x], [w])[0]
+    norms = _ref_norms([ref])
+    clip = float(np.median(norms.numpy()))
+
+    def step(x):
+        with fasttape.GradientTape(persistent=True) as tape:
+            losses = loss(x)
+        return (tape.per_example_gradients(losses, [w])[0],
+                tape.per_example_norms(losses, [w]),
+                tape.dp_gradient(losses, [w], clip, 0.0)[0])
+    got, got_norms, clipped = _run(mode, step, x)
+    _close(got, ref, tf.float64)
+    _close(got_norms, norms, tf.float64)
+    _close(clipped, tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B, tf.float64)
+    assert chunked and set(chunked) == {(kernel, kernel, 3, mult)} and not correlated
+
+
 @pytest.mark.parametrize("case", ["keras_conv_dilated_wide", "keras_conv1d_dilated"])
 def test_dilated_convolutions_with_positions_unknown_while_tracing(case):
     """Height and width (or length) unknown while tracing: the blocks'
