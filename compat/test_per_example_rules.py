@@ -503,9 +503,9 @@ def test_kernel_gradients_from_the_output_gradients_shifts(kernel, padding, tran
 def test_depthwise_kernel_gradients_by_chunks_of_examples(kernel, strides, mult, dilation,
                                                           padding, chunk, mode, monkeypatch):
     """Where every example's depthwise kernels take more than
-    _MAX_GROUPED_DW_BYTES (0 here), each example's kernel gradient by TF's
-    kernel gradient of ``chunk`` examples side by side in the channels
-    (_chunked): a 5x5 kernel in float64 (no correlation: float32 only), a
+    _MAX_GROUPED_DW_BYTES_SLOW (float64; 0 here), each example's kernel
+    gradient by TF's kernel gradient of ``chunk`` examples side by side in
+    the channels (_chunked): a 5x5 kernel in float64 (no correlation: float32 only), a
     depth multiplier and a stride, VALID, a dilated one's blocks, 1x1, an
     even kernel at stride 2 with all examples in one chunk; per-example
     gradients, norms and the clipped sum equal the loop's (float64, eagerly
@@ -514,7 +514,7 @@ def test_depthwise_kernel_gradients_by_chunks_of_examples(kernel, strides, mult,
     blocks = _norm_rules._DepthwiseBlocks  # pylint: disable=protected-access
     chunked = _spy_taken(monkeypatch, blocks, "_chunked")
     correlated = _spy_taken(monkeypatch, blocks, "_correlated")
-    monkeypatch.setattr(_norm_rules, "_MAX_GROUPED_DW_BYTES", 0)
+    monkeypatch.setattr(_norm_rules, "_MAX_GROUPED_DW_BYTES_SLOW", 0)
     monkeypatch.setattr(_norm_rules, "_DW_CHUNK_BYTES", chunk * kernel * kernel * 3 * mult * 8)
     rng = np.random.default_rng(kernel * 10 + strides)
     x = tf.constant(rng.normal(size=(B, 7, 8, 3)), tf.float64)
@@ -539,6 +539,42 @@ def test_depthwise_kernel_gradients_by_chunks_of_examples(kernel, strides, mult,
     _close(got_norms, norms, tf.float64)
     _close(clipped, tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B, tf.float64)
     assert chunked and set(chunked) == {(kernel, kernel, 3, mult)} and not correlated
+
+
+@pytest.mark.parametrize("dtype,kernel,mult,path", [
+    (tf.float32, 3, 1, "_grouped"), (tf.float32, 5, 1, "_correlated"),
+    (tf.float32, 5, 2, "_chunked"), (tf.float64, 3, 1, "_chunked"),
+    (tf.float64, 5, 1, "_chunked"), (tf.float64, 1, 1, "_grouped")])
+def test_depthwise_paths_by_dtype_and_size(dtype, kernel, mult, path, monkeypatch):
+    """At the default sizes, B 32 over 40 channels: float32 with fewer than
+    16 taps (46 KiB of kernels, at most 320) one grouped kernel gradient; 16
+    taps or more a correlation, or chunks with a depth multiplier; float64
+    chunks (its correlation and its grouped kernel gradient over many
+    channels are slow), but for 1x1 kernels (10 KiB); each the loop's."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    blocks = _norm_rules._DepthwiseBlocks  # pylint: disable=protected-access
+    if path == "_correlated" and not _norm_rules._groups_run():  # pylint: disable=protected-access
+        pytest.skip("the correlation runs where TF's oneDNN kernels do")
+    taken = {name: _spy_taken(monkeypatch, blocks, name)
+             for name in ("_correlated", "_chunked", "_grouped")}
+    n = 32
+    rng = np.random.default_rng(kernel)
+    x = tf.constant(rng.normal(size=(n, 6, 6, 40)), dtype)
+    w = tf.Variable(rng.normal(size=(kernel, kernel, 40, mult)) * 0.3, dtype=dtype)
+
+    def loss(x):
+        return tf.reduce_sum(tf.tanh(tf.nn.depthwise_conv2d(x, w, [1, 1, 1, 1], "SAME")) ** 2,
+                             axis=[1, 2, 3])
+    with fasttape.GradientTape() as tape:
+        losses = loss(x)
+    got = tape.per_example_gradients(losses, [w])[0]
+    ref = []
+    for i in range(n):
+        with tf.GradientTape() as t:
+            li = loss(x[i:i + 1])[0]
+        ref.append(t.gradient(li, w))
+    _close(got, tf.stack(ref), dtype)
+    assert {name for name, shapes in taken.items() if shapes} == {path}
 
 
 @pytest.mark.parametrize("case", ["keras_conv_dilated_wide", "keras_conv1d_dilated"])

@@ -841,11 +841,14 @@ _MIN_CORRELATED_TAPS = 16
 # of B cin channels copies a patch of kh kw B cin values per position and
 # falls out of the cache (float64, B 128, 32x32, 32 channels, 5x5: 8.6x the
 # plain step's kernel gradient in CPU time), and chunks of a few examples
-# (_chunked) do: up to _DW_CHUNK_BYTES of kernel (kh kw e cin m) each.
-# On 8 shapes (B 16-128, 8x8 to 32x32, 8-64 channels, 1x1 to 5x5, depth
-# multipliers 1-2, strides 1-2) grouped and chunked were within 1.3x of
-# each other below this size, chunked 1.5-5x faster above it.
+# (_chunked) do: up to _DW_CHUNK_BYTES of kernel (kh kw e cin m) each. In
+# CPU time on 19 shapes (B 16-128, 8x8 to 32x32, 8-256 channels, 1x1 to
+# 5x5, depth multipliers 1-2, strides 1-2): in float32 (oneDNN) with fewer
+# than 16 taps grouped took 0.6-1.1x chunked's up to 590 KiB; with 16 taps
+# or more (a depth multiplier: no correlation) 2.6-3.4x from 410 KiB; in
+# float64 0.8-1.1x up to 147 KiB, 1.1-2.5x from 295 KiB (and 1.6x at 74).
 _MAX_GROUPED_DW_BYTES = 320 << 10
+_MAX_GROUPED_DW_BYTES_SLOW = 64 << 10
 _DW_CHUNK_BYTES = 32 << 10
 # Up to this size in bytes of its patches (B T K values), such a
 # convolution at stride 1 builds them from slices (_Conv2DBlocks._sliced).
@@ -1215,9 +1218,10 @@ class _DepthwiseBlocks(_Blocked, _DepthwiseConv2D):
         whose kernels take at most _DW_CHUNK_BYTES), with the op's strides
         and padding: B / e ops of the plain step's products, each one
         image's patches in the cache. Where every example's kernels take
-        more than _MAX_GROUPED_DW_BYTES (one group of all of them would
-        not: _grouped), the sizes are known and the op does not dilate;
-        else None."""
+        more than _MAX_GROUPED_DW_BYTES (float32, fewer than 16 taps), else
+        _MAX_GROUPED_DW_BYTES_SLOW (one group of all of them would not stay
+        in the cache: _grouped), the sizes are known and the op does not
+        dilate; else None."""
         x = payload.inputs[0]
         kh, kw, cin, mult = src_shape
         if (x.shape.rank != 4 or None in x.shape or None in g.shape
@@ -1226,7 +1230,8 @@ class _DepthwiseBlocks(_Blocked, _DepthwiseConv2D):
         nb = _blocks(payload)
         b = x.shape[0] // nb
         per = kh * kw * cin * mult * x.dtype.size
-        if b * per <= _MAX_GROUPED_DW_BYTES:
+        fast = x.dtype in _GROUPED_DTYPES and kh * kw < _MIN_CORRELATED_TAPS
+        if b * per <= (_MAX_GROUPED_DW_BYTES if fast else _MAX_GROUPED_DW_BYTES_SLOW):
             return None
         e = max(1, min(b, _DW_CHUNK_BYTES // per))
         while b % e:
