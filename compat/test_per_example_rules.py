@@ -496,6 +496,42 @@ def test_kernel_gradients_from_the_output_gradients_shifts(kernel, padding, tran
     assert shifted and set(shifted) == {(kh, kw, 8 if transposed else 9, 2)}
 
 
+@pytest.mark.parametrize("kernel,dilation,padding", [
+    ((3, 2), 2, "SAME"), ((2, 2), (3, 2), "VALID")])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_dilated_kernel_gradients_from_the_output_gradients_shifts(kernel, dilation, padding,
+                                                                   mode, monkeypatch):
+    """A dilated convolution of many input channels to few outputs
+    (float64), as TF runs it on SpaceToBatchND's blocks: each block's
+    kernel gradient from its output gradient's shifts (_shifted), summed
+    over each example's blocks; per-example gradients, norms and the
+    clipped sum equal the loop's, eagerly and in a tf.function."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    shifted = _spy_taken(monkeypatch, _norm_rules._Conv2DBlocks, "_shifted")  # pylint: disable=protected-access
+    rng = np.random.default_rng(kernel[0] * 10 + kernel[1])
+    x = tf.constant(rng.normal(size=(B, 9, 10, 9)), tf.float64)
+    w = tf.Variable(rng.normal(size=kernel + (9, 2)) * 0.3, dtype=tf.float64)
+
+    def loss(x):
+        y = tf.nn.convolution(x, w, padding=padding, dilations=dilation)
+        return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+    ref = _reference(loss, [x], [w])[0]
+    norms = _ref_norms([ref])
+    clip = float(np.median(norms.numpy()))
+
+    def step(x):
+        with fasttape.GradientTape(persistent=True) as tape:
+            losses = loss(x)
+        return (tape.per_example_gradients(losses, [w])[0],
+                tape.per_example_norms(losses, [w]),
+                tape.dp_gradient(losses, [w], clip, 0.0)[0])
+    got, got_norms, clipped = _run(mode, step, x)
+    _close(got, ref, tf.float64)
+    _close(got_norms, norms, tf.float64)
+    _close(clipped, tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B, tf.float64)
+    assert shifted and set(shifted) == {kernel + (9, 2)}
+
+
 @pytest.mark.parametrize("kernel,strides,mult,dilation,padding,chunk", [
     (5, 1, 1, 1, "SAME", 2), (3, 2, 2, 1, "VALID", 3), (2, 1, 2, 2, "SAME", 2),
     (1, 1, 1, 1, "SAME", 1), (4, 2, 1, 1, "SAME", 6)])

@@ -1046,17 +1046,19 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         one batched product of X_i^T by the kh kw shifts of G_i side by
         side (kh kw slices of G_i padded by kh - 1, kw - 1 on each side),
         no patches of the input. Its products are the patches' times
-        (ho + kh - 1)(wo + kw - 1) / (ho wo)."""
+        (ho + kh - 1)(wo + kw - 1) / (ho wo). On a dilated convolution's
+        blocks (BLOCKS_ATTR), each block's, summed over an example's."""
         x = payload.inputs[0]
-        if (_blocks(payload) != 1 or len(src_shape) != 4 or x.shape.rank != 4
+        if (len(src_shape) != 4 or x.shape.rank != 4
                 or None in x.shape or None in g.shape
                 or list(attr(payload, "strides")) != [1] * 4
                 or list(attr(payload, "dilations") or [1] * 4) != [1] * 4):
             return None
         kh, kw, cin, cout = src_shape
+        nb = _blocks(payload)
         b, ho, wo = x.shape[0], g.shape[1], g.shape[2]
         t, k, hp, wp = ho * wo, kh * kw * cin, ho + kh - 1, wo + kw - 1
-        if t * t < k * cout and self._ghost(b, t, k, cout, x.dtype):
+        if (nb * t) ** 2 < k * cout and self._ghost(b // nb, nb * t, k, cout, x.dtype):
             return None
         # a copied value costs about as many as _COPY_MACS products
         if (hp * wp * kh * kw * cout * (_COPY_MACS + cin)
@@ -1079,10 +1081,15 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         shifts = array_ops_stack.stack(
             [g[:, kh - 1 - r:kh - 1 - r + hp, kw - 1 - c:kw - 1 - c + wp, :]
              for r in range(kh) for c in range(kw)], axis=3)
-        return math_ops.matmul(
+        grads = math_ops.matmul(
             _ex("Reshape", x, _const((b, hp * wp, cin), dtypes.int32)),
             _ex("Reshape", shifts, _const((b, hp * wp, kh * kw * cout), dtypes.int32)),
             adjoint_a=True)
+        if nb == 1:
+            return grads
+        return _ex("Sum", _ex("Reshape", grads, _const((nb, b // nb, cin, kh * kw * cout),
+                                                       dtypes.int32)),
+                   _const(0, dtypes.int32), "keep_dims", False)
 
     def _looped(self, payload, g, src_shape):
         """Each example's kernel gradient where many input channels go to
