@@ -496,6 +496,50 @@ def test_kernel_gradients_from_the_output_gradients_shifts(kernel, padding, tran
     assert shifted and set(shifted) == {(kh, kw, 8 if transposed else 9, 2)}
 
 
+@pytest.mark.parametrize("kernel,padding,transposed", [
+    ((3, 2, 2), "SAME", False), ((2, 3, 1), "VALID", False), ((3, 3, 2), "SAME", True)])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_volume_patches_from_slices(kernel, padding, transposed, mode, monkeypatch):
+    """A Conv3D at stride 1 over 8 channels or more (a Conv3DTranspose's
+    forward convolution: its output gradient of 8 channels), its patches
+    copied from kd kh kw slices (_volume_slices; even kernels: SAME pads
+    one more after); per-example gradients, norms and the clipped sum
+    equal the loop's (float64), eagerly and in a tf.function."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    original, sliced = _norm_rules._volume_slices, []  # pylint: disable=protected-access
+
+    def spy(x, *args):
+        sliced.append(tuple(x.shape))
+        return original(x, *args)
+    monkeypatch.setattr(_norm_rules, "_volume_slices", spy)
+    rng = np.random.default_rng(sum(kernel))
+    x = tf.constant(rng.normal(size=(B, 4, 5, 3, 2 if transposed else 8)), tf.float64)
+    w = tf.Variable(rng.normal(size=kernel + ((8, 2) if transposed else (8, 3))) * 0.3,
+                    dtype=tf.float64)
+
+    def loss(x):
+        if transposed:
+            y = tf.nn.conv3d_transpose(x, w, [x.shape[0], 4, 5, 3, 8], 1, padding)
+        else:
+            y = tf.nn.conv3d(x, w, [1] * 5, padding)
+        return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3, 4])
+    ref = _reference(loss, [x], [w])[0]
+    norms = _ref_norms([ref])
+    clip = float(np.median(norms.numpy()))
+
+    def step(x):
+        with fasttape.GradientTape(persistent=True) as tape:
+            losses = loss(x)
+        return (tape.per_example_gradients(losses, [w])[0],
+                tape.per_example_norms(losses, [w]),
+                tape.dp_gradient(losses, [w], clip, 0.0)[0])
+    got, got_norms, clipped = _run(mode, step, x)
+    _close(got, ref, tf.float64)
+    _close(got_norms, norms, tf.float64)
+    _close(clipped, tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B, tf.float64)
+    assert sliced and set(sliced) == {(B, 4, 5, 3, 8)}
+
+
 @pytest.mark.parametrize("kernel,dilation,padding", [
     ((3, 2), 2, "SAME"), ((2, 2), (3, 2), "VALID")])
 @pytest.mark.parametrize("mode", ["eager", "function"])

@@ -1294,6 +1294,22 @@ class _DepthwiseBlocks(_Blocked, _DepthwiseConv2D):
 
 # -- 3-D and transposed convolutions, batch norm in inference -----------------
 
+def _volume_slices(x, ksize, out_sizes, padding):
+    """[N, do, ho, wo, kd kh kw cin]: each output position's patch of x
+    [N, D, H, W, cin] (sizes known) under a kd x kh x kw convolution at
+    stride 1, no dilation, in the kernel's (kd, kh, kw, cin) order: kd kh
+    kw slices of x (padded as TF pads SAME), copies, no products."""
+    if padding == "SAME":
+        pads = [[0, 0]] + [[(k - 1) // 2, k - 1 - (k - 1) // 2] for k in ksize] + [[0, 0]]
+        if any(p != [0, 0] for p in pads):
+            x = array_ops.pad(x, pads)
+    (kd, kh, kw), (do, ho, wo) = ksize, out_sizes
+    return array_ops.reshape(array_ops_stack.stack(
+        [x[:, i:i + do, j:j + ho, l:l + wo, :]
+         for i in range(kd) for j in range(kh) for l in range(kw)], axis=4),
+        [-1, do, ho, wo, kd * kh * kw * x.shape[-1]])
+
+
 @norm_rule("Conv3D")
 class _Conv3D(_Conv2DBlocks):
     """z = conv3d(x, K), NDHWC, SAME or VALID: the Conv2D rule on volume
@@ -1315,7 +1331,14 @@ class _Conv3D(_Conv2DBlocks):
         strides = list(attr(payload, "strides"))
         dilations = list(attr(payload, "dilations") or [1] * 5)
         padding = _decoded(payload, "padding")
-        if k * k * x.dtype.size > _MAX_PATCH_KERNEL_BYTES and dilations == [1] * 5:
+        if (cin >= _SLICED_MIN_CHANNELS and strides == [1] * 5 and dilations == [1] * 5
+                and None not in x.shape[1:4] and None not in g.shape[1:4]):
+            # copied from kd kh kw slices, no products (a Conv3DTranspose
+            # of 16 channels to 8, 3x3x3, B 16, 8^3: DP/plain 1.77x -> 1.22x
+            # in float32, 1.67x -> 1.40x in float64; strided slices took
+            # longer than the identity kernel's products)
+            patches = _volume_slices(x, (kd, kh, kw), g.shape[1:4], padding)
+        elif k * k * x.dtype.size > _MAX_PATCH_KERNEL_BYTES and dilations == [1] * 5:
             patches = array_ops.extract_volume_patches(
                 x, [1, kd, kh, kw, 1], strides, padding)
         else:
