@@ -496,6 +496,26 @@ def test_kernel_gradients_from_the_output_gradients_shifts(kernel, padding, tran
     assert shifted and set(shifted) == {(kh, kw, 8 if transposed else 9, 2)}
 
 
+def _assert_loops_values(mode, loss, x, w):
+    """Per-example gradients, norms and the clipped sum of w (float64),
+    from one tape each in ``mode``, equal the loop of single-example
+    tapes'."""
+    ref = _reference(loss, [x], [w])[0]
+    norms = _ref_norms([ref])
+    clip = float(np.median(norms.numpy()))
+
+    def step(x):
+        with fasttape.GradientTape(persistent=True) as tape:
+            losses = loss(x)
+        return (tape.per_example_gradients(losses, [w])[0],
+                tape.per_example_norms(losses, [w]),
+                tape.dp_gradient(losses, [w], clip, 0.0)[0])
+    got, got_norms, clipped = _run(mode, step, x)
+    _close(got, ref, tf.float64)
+    _close(got_norms, norms, tf.float64)
+    _close(clipped, tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B, tf.float64)
+
+
 @pytest.mark.parametrize("kernel,padding,transposed", [
     ((3, 2, 2), "SAME", False), ((2, 3, 1), "VALID", False), ((3, 3, 2), "SAME", True)])
 @pytest.mark.parametrize("mode", ["eager", "function"])
@@ -523,20 +543,7 @@ def test_volume_patches_from_slices(kernel, padding, transposed, mode, monkeypat
         else:
             y = tf.nn.conv3d(x, w, [1] * 5, padding)
         return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3, 4])
-    ref = _reference(loss, [x], [w])[0]
-    norms = _ref_norms([ref])
-    clip = float(np.median(norms.numpy()))
-
-    def step(x):
-        with fasttape.GradientTape(persistent=True) as tape:
-            losses = loss(x)
-        return (tape.per_example_gradients(losses, [w])[0],
-                tape.per_example_norms(losses, [w]),
-                tape.dp_gradient(losses, [w], clip, 0.0)[0])
-    got, got_norms, clipped = _run(mode, step, x)
-    _close(got, ref, tf.float64)
-    _close(got_norms, norms, tf.float64)
-    _close(clipped, tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B, tf.float64)
+    _assert_loops_values(mode, loss, x, w)
     assert sliced and set(sliced) == {(B, 4, 5, 3, 8)}
 
 
@@ -559,20 +566,7 @@ def test_dilated_kernel_gradients_from_the_output_gradients_shifts(kernel, dilat
     def loss(x):
         y = tf.nn.convolution(x, w, padding=padding, dilations=dilation)
         return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
-    ref = _reference(loss, [x], [w])[0]
-    norms = _ref_norms([ref])
-    clip = float(np.median(norms.numpy()))
-
-    def step(x):
-        with fasttape.GradientTape(persistent=True) as tape:
-            losses = loss(x)
-        return (tape.per_example_gradients(losses, [w])[0],
-                tape.per_example_norms(losses, [w]),
-                tape.dp_gradient(losses, [w], clip, 0.0)[0])
-    got, got_norms, clipped = _run(mode, step, x)
-    _close(got, ref, tf.float64)
-    _close(got_norms, norms, tf.float64)
-    _close(clipped, tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B, tf.float64)
+    _assert_loops_values(mode, loss, x, w)
     assert shifted and set(shifted) == {kernel + (9, 2)}
 
 
@@ -604,20 +598,7 @@ def test_depthwise_kernel_gradients_by_chunks_of_examples(kernel, strides, mult,
         y = tf.nn.depthwise_conv2d(x, w, [1, strides, strides, 1], padding,
                                    dilations=[dilation, dilation])
         return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
-    ref = _reference(loss, [x], [w])[0]
-    norms = _ref_norms([ref])
-    clip = float(np.median(norms.numpy()))
-
-    def step(x):
-        with fasttape.GradientTape(persistent=True) as tape:
-            losses = loss(x)
-        return (tape.per_example_gradients(losses, [w])[0],
-                tape.per_example_norms(losses, [w]),
-                tape.dp_gradient(losses, [w], clip, 0.0)[0])
-    got, got_norms, clipped = _run(mode, step, x)
-    _close(got, ref, tf.float64)
-    _close(got_norms, norms, tf.float64)
-    _close(clipped, tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B, tf.float64)
+    _assert_loops_values(mode, loss, x, w)
     assert chunked and set(chunked) == {(kernel, kernel, 3, mult)} and not correlated
 
 
