@@ -44,6 +44,14 @@ def _keras_model(kind, name):
                                     dtype=name),
                            L.Conv2D(2, 3, strides=2, dtype=name),
                            L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "conv_groups":
+        # Keras 3 runs a grouped convolution as a call of a jit_compile
+        # function: its kernel takes rows, built while tracing by a loop of
+        # backward passes (pfor's grouped kernel gradient mixes the
+        # examples with the groups)
+        return (6, 6, 4), [L.Conv2D(4, 3, groups=2, activation="tanh",
+                                    dtype=name),
+                           L.Flatten(dtype=name), L.Dense(2, dtype=name)]
     if kind == "conv1d_dilated":        # WaveNet-style, causal
         return (11, 2), [L.Conv1D(3, 2, dilation_rate=2, padding="causal",
                                   activation="tanh", dtype=name),
@@ -198,13 +206,15 @@ CASES = {
     "keras_conv_dilated": _keras_case("conv_dilated"),
     "keras_conv_dilated_wide": _keras_case("conv_dilated_wide"),
     "keras_conv_many_inputs": _keras_case("conv_many_inputs"),
+    "keras_conv_groups": _keras_case("conv_groups"),
     "keras_conv1d_dilated": _keras_case("conv1d_dilated"),
     "keras_depthwise_dilated": _keras_case("depthwise_dilated"),
     "keras_depthwise_wide": _keras_case("depthwise_wide"),
     "tf_keras_layernorm": _tf_keras_layernorm,
 }
-# Sources that still take rows (none).
-ROWS = {}
+# Sources that still take rows: a grouped convolution's kernel (its op a
+# function call).
+ROWS = {"keras_conv_groups": ("kernel (3, 3, 2, 4)",)}
 # Keras 3's RNNs in a tf.function are one While op (its steps inside it,
 # unseen by the tape): the variables its body reads take the loop's rule
 # (the body's MatMul, BiasAdd and Add rules, summed over its iterations),
@@ -303,7 +313,7 @@ def _same_rules(case, traced, eager):
 def test_per_example_gradients_and_norms(case, dtype, mode):
     methods = [("per_example_gradients",), ("per_example_norms",)]
     got, summaries, traced, (xs, loss, variables) = _calls(case, dtype, mode, methods)
-    ref = _reference(loss, xs, variables)
+    ref = _reference(loss, xs, variables, key=("rules", case))
     for g, r, v in zip(got["per_example_gradients"], ref, variables):
         assert g.shape == [B] + v.shape
         _close(g, r, dtype)
@@ -322,7 +332,7 @@ def test_per_example_gradients_and_norms(case, dtype, mode):
 @pytest.mark.parametrize("case,dtype,mode", PAIRS + TRACED)
 def test_dp_gradient(case, dtype, mode):
     xs, loss, variables = CASES[case](dtype)
-    ref = _reference(loss, xs, variables)
+    ref = _reference(loss, xs, variables, key=("rules", case))
     norms = _ref_norms(ref)
     clip = float(np.median(norms.numpy()))     # some clipped, some not
     scale = clip / tf.maximum(norms, clip)
@@ -985,3 +995,46 @@ def test_summed_rules_share_the_ruled_ops_backward_pass(method, monkeypatch):
     assert len(passes) == 1, passes
     rules = dict(tape.summary().per_example_rules[1])
     assert sum("summed" in how for how in rules.values()) == 2, rules
+
+
+@pytest.mark.parametrize("dtype,mode", [(tf.float64, "eager"), (tf.float32, "eager"),
+                                        (tf.float32, "function")], ids=str)
+def test_per_example_gradients_larger_than_the_activations_take_the_ghost_norm(
+        dtype, mode, monkeypatch):
+    """A convolution whose per-example kernel gradients (144 x 96 values an
+    example) outgrow its input and output gradient (7 x 7 x 16 and
+    5 x 5 x 96) and the ghost norm's products (2 x 25 x 25) takes the
+    ghost norm, though it costs more products: no route that builds them
+    runs, so the step's peak stays near the plain step's; per-example
+    gradients, norms and the clipped sum equal the loop's."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    blocks = _norm_rules._Conv2DBlocks  # pylint: disable=protected-access
+    taken = [_spy_taken(monkeypatch, blocks, name)
+             for name in ("_grouped", "_shifted", "_looped")]
+    chosen, original = [], _norm_rules._Conv2D._ghost  # pylint: disable=protected-access
+
+    def spy(self, *args):
+        chosen.append(original(self, *args))
+        return chosen[-1]
+    monkeypatch.setattr(_norm_rules._Conv2D, "_ghost", spy)  # pylint: disable=protected-access
+    rng = np.random.default_rng(5)
+    x = tf.constant(rng.normal(size=(B, 7, 7, 16)), dtype)
+    w = tf.Variable(rng.normal(size=(3, 3, 16, 96)) * 0.1, dtype=dtype)
+
+    def loss(x):
+        return tf.reduce_sum(tf.tanh(tf.nn.conv2d(x, w, 1, "VALID")) ** 2, axis=[1, 2, 3])
+    ref = _reference(loss, [x], [w])[0]
+    norms = _ref_norms([ref])
+    clip = float(np.median(norms.numpy()))
+
+    def step(x, method, *args):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        return getattr(tape, method)(losses, [w], *args)
+    got_norms = _run(mode, lambda x: step(x, "per_example_norms"), x)
+    got_dp = _run(mode, lambda x: step(x, "dp_gradient", clip, 0.0), x)
+    assert chosen and all(chosen), chosen
+    assert taken == [[], [], []]
+    _close(got_norms, norms, dtype)
+    _close(got_dp[0], tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B, dtype)
+    _close(_run(mode, lambda x: step(x, "per_example_gradients"), x)[0], ref, dtype)

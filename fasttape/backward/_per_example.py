@@ -697,7 +697,8 @@ def _graph_rows(tape, losses, flat_raw, keys, basis=None):
         return [array_ops.zeros_like(s) if g is None
                 else ops.convert_to_tensor(g) for g, s in zip(grads, raw)]
 
-    if _loops_in_xla(tape_state, losses, flat):
+    if _loops_in_xla(tape_state, losses, flat) or _grouped_conv_on_path(
+            tape_state, losses, flat):
         rows = pfor_ops.for_loop(loop_fn, [dtypes.as_dtype(s.dtype).base_dtype
                                            for s in raw], n)
     else:
@@ -721,6 +722,56 @@ def _loops_in_xla(tape_state, losses, flat):
         return False
     plan = tape_state.core.plan([losses._id], [t._id for t in flat])  # pylint: disable=protected-access
     return plan is not None and any(e.op_type in _CONTROL_FLOW for e in plan[1])
+
+
+# Convolutions whose kernel gradient pfor vectorizes wrongly with groups
+# (its Conv2DBackpropFilter converter folds the examples into the kernel's
+# output channels, which a grouped kernel gradient splits by group, not by
+# example: silently wrong rows).
+_CONVOLUTIONS = frozenset({"Conv2D", "Conv3D"})
+
+
+def _grouped_conv_on_path(tape_state, losses, flat):
+    """Whether a grouped convolution (its kernel's input channels fewer
+    than its input's) is on the path, recorded directly or inside a
+    recorded function call (Keras 3 runs one in a jit_compile function):
+    then the rows run as a while loop of backward passes, not by pfor."""
+    plan = tape_state.core.plan([losses._id], [t._id for t in flat])  # pylint: disable=protected-access
+    if plan is None:
+        return False
+    graph = ops.get_default_graph()
+    seen = set()
+    todo = []
+    for e in plan[1]:
+        op = getattr(e.payload, "op", None)
+        if op is not None:
+            todo.append(op)
+        elif e.op_type not in seen:
+            seen.add(e.op_type)
+            fn = graph._get_function(e.op_type)  # pylint: disable=protected-access
+            body = getattr(fn, "graph", None)
+            if body is not None:
+                todo.extend(body.get_operations())
+    while todo:
+        op = todo.pop()
+        if op.type in _CONVOLUTIONS and len(op.inputs) > 1:
+            channels, kernel = op.inputs[0].shape, op.inputs[1].shape
+            fmt = op.get_attr("data_format")
+            axis = 1 if fmt in (b"NCHW", b"NCDHW") else -1
+            if (channels.rank is None or kernel.rank is None
+                    or channels[axis] != kernel[-2]):
+                return True
+        for name in ("f", "then_branch", "else_branch", "body", "cond"):
+            try:
+                fname = op.get_attr(name).name
+            except (ValueError, AttributeError):
+                continue
+            if fname not in seen:
+                seen.add(fname)
+                body = getattr(graph._get_function(fname), "graph", None)  # pylint: disable=protected-access
+                if body is not None:
+                    todo.extend(body.get_operations())
+    return False
 
 
 def per_example_gradients(tape, losses, sources):

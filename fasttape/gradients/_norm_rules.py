@@ -256,7 +256,8 @@ class _BatchMatMul:
     def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
         a, g = self._flat(payload, g, src_shape, pos)
         t, k, n = a.shape[1], a.shape[2], g.shape[2]
-        if t is not None and t * t < k * n and self._ghost(a.shape[0], t, k, n, a.dtype):
+        if t is not None and t * t < k * n and self._ghost(a.shape[0], t, k, n, a.dtype,
+                                                           payload):
             aa = math_ops.matmul(a, a, transpose_b=True)
             gg = math_ops.matmul(g, g, transpose_b=True)
             return math_ops.reduce_sum(aa * gg, axis=[1, 2])
@@ -267,7 +268,7 @@ class _BatchMatMul:
             memo[("per_example", id(payload), pos)] = (payload, grads)
         return sq_rows(grads)
 
-    def _ghost(self, b, t, k, n, dtype):
+    def _ghost(self, b, t, k, n, dtype, payload=None):
         """Whether the ghost norm (where T^2 < K N) serves over the
         per-example gradients: for a product, always (its clipped sum is one
         K x B T x N product either way)."""
@@ -342,6 +343,30 @@ def _slices(x, kh, kw, out_hw, strides, dilations, padding):
          for i in range(kh) for j in range(kw)], axis=3)
 
 
+# Per-example kernel gradients (K N values an example, built from the
+# patches) where the ghost norm also serves (T^2 < K N) only up to this
+# many times the values the op's input and output gradient hold an
+# example: beyond, and where they hold more than the ghost norm's two
+# T x T products (both routes hold the patches), they would raise the DP
+# step's peak memory over the plain step's, whose largest tensors are such
+# activations (dpc_conv's second convolution, 144 x 32 values an example
+# against 784 + 800 and 2 x 25 x 25: the step's extra peak over the plain
+# step's 5.2-6.2 MB with them, 3.6-4.4 with the ghost norm).
+_PER_EXAMPLE_HELD = 1
+
+
+def _over_held(payload, t, k, n):
+    """Whether an example's gradient (k n values) outgrows both the op's
+    input and output gradient (t n values) times _PER_EXAMPLE_HELD and
+    the ghost norm's two t x t products (t: the positions over every
+    space-to-batch block)."""
+    x = None if payload is None else payload.inputs[0]
+    if x is None or x.shape.rank is None or None in x.shape[1:]:
+        return False
+    held = _blocks(payload) * x.shape[1:].num_elements() + t * n
+    return k * n > _PER_EXAMPLE_HELD * held and k * n > 2 * t * t
+
+
 @norm_rule("Conv2D")
 class _Conv2D(_BatchMatMul):
     """z = conv2d(x, K), NHWC, SAME or VALID: example i's gradient of K is
@@ -394,17 +419,20 @@ class _Conv2D(_BatchMatMul):
         return (array_ops.reshape(patches, [b, -1, patches.shape[-1]]),
                 array_ops.reshape(g, [b, -1, g.shape[-1]]))
 
-    def _ghost(self, b, t, k, n, dtype):
+    def _ghost(self, b, t, k, n, dtype, payload=None):
         """The ghost norm where its B T^2 (K + N) products are few (at most
-        4 B K N), or where the per-example gradients would take more than
-        _MAX_SLICED_BYTES (or B is unknown); else the per-example gradients,
+        4 B K N), where the per-example gradients would take more than
+        _MAX_SLICED_BYTES (or B is unknown), or more than the op's input
+        and output gradient hold and than the ghost norm's products
+        (_over_held: they would raise the step's peak over the plain
+        one's); else the per-example gradients,
         built by one batched product of the patches (B T K N, as the plain
         step's kernel gradient), whose weighted sum is the clipped sum (a
         1 x B x K N product) where the ghost norm is followed by TF's kernel
         gradient of w * g (B T K N again). (A Conv2D of 7x7x16 to 32
         channels, batch 64: its norms and clipped sum with sliced patches
         took 0.65x the time of the ghost norm's on identity-kernel ones.)"""
-        if t * t * (k + n) <= 4 * k * n:
+        if t * t * (k + n) <= 4 * k * n or _over_held(payload, t, k, n):
             return True
         return b is None or b * k * n * dtype.size > _MAX_SLICED_BYTES
 
@@ -933,8 +961,11 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         if grouped is not None:
             if memo is not None:
                 memo[("grouped", id(payload), pos)] = (payload, grouped)
-            return _ex("Sum", _ex("Square", grouped), _const((0, 2), dtypes.int32),
-                       "keep_dims", False)
+            # (the channels' sums, then the taps': one reduction over
+            # axes (0, 2) took 2-4x as long, [K, B, cout] float32)
+            return _ex("Sum", _ex("Sum", _ex("Square", grouped), _const(2, dtypes.int32),
+                                  "keep_dims", False),
+                       _const(0, dtypes.int32), "keep_dims", False)
         shifted = self._shifted(payload, g, src_shape)
         if shifted is not None:
             if memo is not None:
@@ -1058,7 +1089,8 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         nb = _blocks(payload)
         b, ho, wo = x.shape[0], g.shape[1], g.shape[2]
         t, k, hp, wp = ho * wo, kh * kw * cin, ho + kh - 1, wo + kw - 1
-        if (nb * t) ** 2 < k * cout and self._ghost(b // nb, nb * t, k, cout, x.dtype):
+        if (nb * t) ** 2 < k * cout and self._ghost(b // nb, nb * t, k, cout, x.dtype,
+                                                    payload):
             return None
         # a copied value costs about as many as _COPY_MACS products
         if (hp * wp * kh * kw * cout * (_COPY_MACS + cin)
