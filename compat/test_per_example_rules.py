@@ -618,7 +618,7 @@ def test_depthwise_kernel_gradients_by_chunks_of_examples(kernel, strides, mult,
     (tf.float64, 5, 1, "_chunked"), (tf.float64, 1, 1, "_grouped")])
 def test_depthwise_paths_by_dtype_and_size(dtype, kernel, mult, path, monkeypatch):
     """At the default sizes, B 32 over 40 channels: float32 with fewer than
-    16 taps (46 KiB of kernels, at most 320) one grouped kernel gradient; 16
+    16 taps (46 KiB of kernels, at most 640) one grouped kernel gradient; 16
     taps or more a correlation, or chunks with a depth multiplier; float64
     chunks (its correlation and its grouped kernel gradient over many
     channels are slow), but for 1x1 kernels (10 KiB); each the loop's."""

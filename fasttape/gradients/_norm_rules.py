@@ -875,7 +875,7 @@ _MIN_CORRELATED_TAPS = 16
 # than 16 taps grouped took 0.6-1.1x chunked's up to 590 KiB; with 16 taps
 # or more (a depth multiplier: no correlation) 2.6-3.4x from 410 KiB; in
 # float64 0.8-1.1x up to 147 KiB, 1.1-2.5x from 295 KiB (and 1.6x at 74).
-_MAX_GROUPED_DW_BYTES = 320 << 10
+_MAX_GROUPED_DW_BYTES = 640 << 10
 _MAX_GROUPED_DW_BYTES_SLOW = 64 << 10
 _DW_CHUNK_BYTES = 32 << 10
 # Up to this size in bytes of its patches (B T K values), such a
