@@ -255,8 +255,11 @@ def _stepped(body, x, mode, unknown_time):
         return tf.function(body, jit_compile=True)(x)
     if mode == "traced":
         return tf.function(body)(x)
-    assert mode == "unknown_batch"
-    shape = [None] + x.shape[1:].as_list()
+    shape = x.shape.as_list()
+    if mode == "unknown_batch":     # (every source takes rows)
+        shape[0] = None
+    else:
+        assert mode == "unknown_time"
     if unknown_time:
         shape[1] = None
     return tf.function(body, input_signature=[tf.TensorSpec(shape, x.dtype)])(x)
@@ -311,7 +314,7 @@ _PATH_SPECS = st.one_of(
 @settings(_SETTINGS, max_examples=1)
 @given(spec=_PATH_SPECS, batch=st.sampled_from([1, 2, 3]),
        dt=st.sampled_from(["float32", "float64"]),
-       mode=st.sampled_from(["eager", "traced", "jit", "unknown_batch"]),
+       mode=st.sampled_from(["eager", "traced", "jit", "unknown_batch", "unknown_time"]),
        clip_kind=st.sampled_from(["none", "some", "all"]), seed=st.integers(0, 100))
 # 1. patches from strided slices: 9 input channels, strided, SAME, even kernel
 @example(spec=dict(kind="conv2d", cin=9, cout=7, k=4, s=3, p="same", h=8, w=7),
@@ -330,9 +333,12 @@ _PATH_SPECS = st.one_of(
 # 5. stride 1, fewer output channels than input ones (shifted output gradients)
 @example(spec=dict(kind="conv1d", cin=64, cout=8, k=6, p="causal", h=19),
          batch=3, dt="float64", mode="traced", clip_kind="some", seed=8)
-# 6. recurrent kernels in a traced while loop, T unknown while tracing
-@example(spec=dict(kind="LSTM", t=7, units=2), batch=3, dt="float64",
-         mode="unknown_batch", clip_kind="some", seed=10)
+# 6. recurrent kernels in a traced while loop, T unknown while tracing (the
+# ghost norm chosen at run time), and the batch too (rows)
+@example(spec=dict(kind="LSTM", t=7, units=5), batch=3, dt="float64",
+         mode="unknown_time", clip_kind="some", seed=10)
+@example(spec=dict(kind="GRU", t=2, units=2), batch=1, dt="float32",
+         mode="unknown_batch", clip_kind="all", seed=11)
 # 7. an embedding (the traced DP gradient stays IndexedSlices)
 @example(spec=dict(kind="embedding", t=5, vocab=4), batch=3, dt="float64",
          mode="traced", clip_kind="some", seed=12)
