@@ -103,6 +103,15 @@ def _raw_op(kind, rng, batch, variables):
             m = a @ tf.linalg.matrix_transpose(a) + tf.eye(2, dtype=DT)
             return tf.concat([tf.reshape(tf.linalg.cholesky(m), [-1, 4]), h[:, 4:]], 1)
         return chol
+    if kind == "gather_twice":
+        # (while tracing, TF records the table's capture again at its second
+        # read: the tape's producer of the captured handle comes after the
+        # first Gather)
+        table = var((5, K))
+        first = tf.constant(rng.integers(0, 5, size=(batch, 2)), tf.int32)
+        second = tf.constant(rng.integers(0, 5, size=(batch, 1)), tf.int32)
+        return lambda h: h + tf.reduce_sum(tf.gather(table, first), 1) * tf.reduce_sum(
+            tf.gather(table, second), 1)
     if kind == "roll_batch":
         return lambda h: tf.roll(h, 1, axis=0)
     if kind == "scan_batch":
@@ -115,7 +124,7 @@ def _raw_op(kind, rng, batch, variables):
     return lambda h: h * p + p
 
 
-RAW_KINDS = ["dense", "einsum_outer", "gather_batch_dims", "while_over_time",
+RAW_KINDS = ["dense", "einsum_outer", "gather_batch_dims", "gather_twice", "while_over_time",
              "segment_sum_then_einsum", "cholesky", "roll_batch", "scan_batch",
              "matvec", "param_per_row"]
 
@@ -147,29 +156,7 @@ def _loop(loss, x, variables):
 
 
 def _check(x, loss, variables):
-    ref = _loop(loss, x, variables)
-    batch = x.shape[0]
-    norms = np.sqrt(sum((r.reshape(batch, -1) ** 2).sum(1) for r in ref))
-    clip = float(np.median(norms)) if batch > 1 else float(norms[0]) / 2
-    scale = np.minimum(1.0, clip / norms)
-    expected = [np.tensordot(scale, r, 1) / batch for r in ref]
-
-    @tf.function
-    def step(x):
-        with fasttape.GradientTape() as tape:
-            losses = loss(x)
-        per_example = tape.per_example_gradients(losses, variables)
-        with fasttape.GradientTape() as tape:
-            losses = loss(x)
-        return per_example, tape.dp_gradient(losses, variables, clip)
-    per_example, dp = step(x)
-    size = max(np.abs(r).max() for r in ref)
-    for g, r in zip(per_example, ref):
-        np.testing.assert_allclose(g.numpy(), r, rtol=1e-9, atol=1e-11 * size)
-    size = max(np.abs(e).max() for e in expected)
-    for g, e in zip(dp, expected):
-        np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(), e, rtol=1e-9,
-                                   atol=1e-11 * size)
+    _check_path(x, loss, variables, "traced", "some", with_norms=False)
 
 
 _SETTINGS = settings(max_examples=3, derandomize=True, database=None,
@@ -191,8 +178,174 @@ def test_drawn_keras_chains_traced(kinds, batch, seed):
 @given(kinds=st.lists(st.sampled_from(RAW_KINDS), min_size=1, max_size=4),
        batch=st.sampled_from([1, 2, 5]), seed=st.integers(0, 100))
 @example(kinds=["roll_batch", "einsum_outer"], batch=3, seed=1)
+@example(kinds=["gather_twice"], batch=3, seed=4)
 @example(kinds=["segment_sum_then_einsum", "while_over_time"], batch=2, seed=2)
 @example(kinds=["gather_batch_dims", "param_per_row", "scan_batch", "matvec"],
          batch=5, seed=3)
 def test_drawn_raw_op_chains_traced(kinds, batch, seed):
     _check(*_raw_program(["dense"] + kinds, batch, seed))
+
+
+# -- the DP rules' shape-chosen paths, in every mode ---------------------------
+# One layer (then a dense head) whose kernel takes a path chosen by its
+# shapes: patches from strided slices (8+ input channels), the per-example
+# gradients over the ghost norm, a depthwise kernel of 16+ taps by a
+# correlation, transposed convolutions, stride-1 convolutions to fewer
+# channels (shifted output gradients), recurrent kernels in a traced while
+# loop (their factors; T unknown while tracing), embeddings (IndexedSlices),
+# EinsumDense; eager, traced, compiled by XLA, and traced with the batch (and
+# the time steps) unknown; float32 and float64; clips that clip none, some
+# and all examples.
+
+def _path_layer(spec, dt):
+    """spec -> (input shape, layer as a function of the input)."""
+    kind = spec["kind"]
+    if kind in ("conv2d", "depthwise", "conv2d_transpose"):
+        shape = (spec["h"], spec["w"], spec["cin"])
+        common = dict(strides=spec.get("s", 1), padding=spec.get("p", "valid"),
+                      dtype=dt)
+        if kind == "conv2d":
+            return shape, L.Conv2D(spec["cout"], spec["k"], dilation_rate=spec.get("d", 1),
+                                   **common)
+        if kind == "depthwise":
+            return shape, L.DepthwiseConv2D(spec["k"], depth_multiplier=spec.get("m", 1),
+                                            dilation_rate=spec.get("d", 1), **common)
+        return shape, L.Conv2DTranspose(spec["cout"], spec["k"],
+                                        output_padding=spec.get("op"), **common)
+    if kind in ("conv1d", "conv1d_transpose"):
+        layer = L.Conv1D if kind == "conv1d" else L.Conv1DTranspose
+        extra = {"dilation_rate": spec.get("d", 1)} if kind == "conv1d" else {
+            "output_padding": spec.get("op")}
+        return (spec["h"], spec["cin"]), layer(
+            spec["cout"], spec["k"], strides=spec.get("s", 1), padding=spec.get("p", "valid"),
+            dtype=dt, **extra)
+    if kind in ("LSTM", "GRU", "SimpleRNN"):
+        return (spec["t"], 3), getattr(L, kind)(spec["units"], return_sequences=True,
+                                               dtype=dt)
+    if kind == "embedding":
+        return (spec["t"],), L.Embedding(spec["vocab"], 4, dtype=dt)
+    assert kind == "einsum"
+    return (spec["t"], 2, 3), L.EinsumDense("abcd,cde->abe", (spec["t"], 5),
+                                            bias_axes="e", dtype=dt)
+
+
+def _path_program(spec, batch, dt, seed):
+    keras.utils.set_random_seed(seed)
+    shape, layer = _path_layer(spec, dt)
+    inp = keras.Input(shape, dtype="int32" if spec["kind"] == "embedding" else dt)
+    model = keras.Model(inp, L.Dense(2, dtype=dt)(L.Flatten(dtype=dt)(layer(inp))))
+    rng = np.random.default_rng(seed)
+    for w in model.weights:
+        v = w.numpy()
+        w.assign((v + 0.3 * rng.normal(size=v.shape)).astype(v.dtype))
+    if spec["kind"] == "embedding":
+        x = tf.constant(rng.integers(0, spec["vocab"], size=(batch,) + shape), tf.int32)
+    else:
+        x = tf.constant(rng.normal(size=(batch,) + shape), dt)
+
+    def loss(x):
+        return tf.reduce_sum(tf.sin(model(x)), axis=1)
+    return x, loss, model.trainable_variables
+
+
+def _stepped(body, x, mode, unknown_time):
+    if mode == "eager":
+        return body(x)
+    if mode == "jit":
+        return tf.function(body, jit_compile=True)(x)
+    if mode == "traced":
+        return tf.function(body)(x)
+    shape = x.shape.as_list()
+    if mode == "unknown_batch":     # (every source takes rows)
+        shape[0] = None
+    else:
+        assert mode == "unknown_time"
+    if unknown_time:
+        shape[1] = None
+    return tf.function(body, input_signature=[tf.TensorSpec(shape, x.dtype)])(x)
+
+
+def _check_path(x, loss, variables, mode, clip_kind, unknown_time=False,
+                with_norms=True):
+    """per_example_gradients, per_example_norms (``with_norms``) and
+    dp_gradient (noise 0) in ``mode`` against a loop of single-example
+    tf.GradientTape's."""
+    ref = _loop(loss, x, variables)
+    batch = x.shape[0]
+    norms = np.sqrt(sum((r.reshape(batch, -1) ** 2).sum(1) for r in ref))
+    clip = {"none": 2 * norms.max(), "all": norms.min() / 3,
+            "some": float(np.median(norms)) if batch > 1 else norms[0] / 2}[clip_kind]
+    scale = np.minimum(1.0, clip / norms)
+    expected = [np.tensordot(scale, r, 1) / batch for r in ref]
+
+    def body(x):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        per_example = tape.per_example_gradients(losses, variables)
+        got_norms = norms
+        if with_norms:
+            with fasttape.GradientTape() as tape:
+                losses = loss(x)
+            got_norms = tape.per_example_norms(losses, variables)
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        return per_example, got_norms, tape.dp_gradient(losses, variables, float(clip))
+    per_example, got_norms, dp = _stepped(body, x, mode, unknown_time)
+    rtol = 1e-9 if variables[0].dtype == tf.float64 else 2e-4
+    for got, want in ((per_example, ref), ([got_norms], [norms]), (dp, expected)):
+        size = max(np.abs(w).max() for w in want)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(), w, rtol=rtol,
+                                       atol=rtol * size)
+
+
+_PATH_SPECS = st.one_of(
+    st.fixed_dictionaries({
+        "kind": st.sampled_from(["conv2d", "depthwise", "conv2d_transpose"]),
+        "cin": st.sampled_from([1, 7, 8, 9]), "cout": st.sampled_from([1, 2, 9]),
+        "k": st.integers(1, 5), "s": st.integers(1, 3),
+        "p": st.sampled_from(["same", "valid"]), "h": st.integers(5, 8),
+        "w": st.integers(5, 8)}),
+    st.fixed_dictionaries({
+        "kind": st.sampled_from(["LSTM", "GRU", "SimpleRNN"]),
+        "t": st.sampled_from([1, 2, 3]), "units": st.sampled_from([1, 2, 5])}))
+
+
+@settings(_SETTINGS, max_examples=1)
+@given(spec=_PATH_SPECS, batch=st.sampled_from([1, 2, 3]),
+       dt=st.sampled_from(["float32", "float64"]),
+       mode=st.sampled_from(["eager", "traced", "jit", "unknown_batch", "unknown_time"]),
+       clip_kind=st.sampled_from(["none", "some", "all"]), seed=st.integers(0, 100))
+# 1. patches from strided slices: 9 input channels, strided, SAME, even kernel
+@example(spec=dict(kind="conv2d", cin=9, cout=7, k=4, s=3, p="same", h=8, w=7),
+         batch=3, dt="float64", mode="jit", clip_kind="some", seed=1)
+# 2. the per-example gradients over the ghost norm (many positions, few K N)
+@example(spec=dict(kind="conv2d", cin=1, cout=1, k=2, p="same", h=12, w=11),
+         batch=2, dt="float64", mode="traced", clip_kind="some", seed=3)
+# 3. a depthwise kernel of 16+ taps by a correlation (strided, float32)
+@example(spec=dict(kind="depthwise", cin=7, k=5, s=2, p="same", h=9, w=8),
+         batch=3, dt="float32", mode="traced", clip_kind="some", seed=4)
+# 4. transposed convolutions, output_padding
+@example(spec=dict(kind="conv2d_transpose", cin=9, cout=2, k=4, s=3, op=1, p="same",
+                   h=4, w=3), batch=3, dt="float64", mode="jit", clip_kind="some", seed=6)
+@example(spec=dict(kind="conv1d_transpose", cin=64, cout=7, k=3, s=2, op=0, h=5),
+         batch=1, dt="float32", mode="unknown_batch", clip_kind="all", seed=7)
+# 5. stride 1, fewer output channels than input ones (shifted output gradients)
+@example(spec=dict(kind="conv1d", cin=64, cout=8, k=6, p="causal", h=19),
+         batch=3, dt="float64", mode="traced", clip_kind="some", seed=8)
+# 6. recurrent kernels in a traced while loop, T unknown while tracing (the
+# ghost norm chosen at run time), and the batch too (rows)
+@example(spec=dict(kind="LSTM", t=7, units=5), batch=3, dt="float64",
+         mode="unknown_time", clip_kind="some", seed=10)
+@example(spec=dict(kind="GRU", t=2, units=2), batch=1, dt="float32",
+         mode="unknown_batch", clip_kind="all", seed=11)
+# 7. an embedding (the traced DP gradient stays IndexedSlices)
+@example(spec=dict(kind="embedding", t=5, vocab=4), batch=3, dt="float64",
+         mode="traced", clip_kind="some", seed=12)
+# 8. EinsumDense
+@example(spec=dict(kind="einsum", t=3), batch=2, dt="float64", mode="unknown_batch",
+         clip_kind="some", seed=13)
+def test_drawn_dp_paths(spec, batch, dt, mode, clip_kind, seed):
+    _check_path(*_path_program(spec, batch, dt, seed), mode, clip_kind,
+                unknown_time=spec["kind"] in ("LSTM", "GRU", "SimpleRNN"))
+    keras.backend.clear_session()

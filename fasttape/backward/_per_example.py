@@ -166,7 +166,41 @@ class _GraphEntry:
 
 
 def _graph_entries(entries):
-    return [_GraphEntry(e) for e in entries]
+    return [_GraphEntry(e) for e in _producers_first(entries)]
+
+
+def _producers_first(entries):
+    """``entries`` (op-id order) with each after the producers of its
+    inputs, else in their order. While tracing, op-id order is not always
+    that: TF records a "captured_value" op each time a function captures a
+    tensor again, and the tape keeps the last record as the placeholder's
+    producer, so the first op that read the capture came before it (the
+    analysis, walking in order, then missed that read: a variable gathered
+    twice took only its last Gather's per-example gradient)."""
+    at = {}
+    for n, entry in enumerate(entries):
+        for o in entry.output_ids:
+            at[o] = n
+    if all(at.get(i, -1) < n for n, entry in enumerate(entries)
+           for i in entry.input_ids):
+        return entries
+    done, order = set(), []
+    for n in range(len(entries)):
+        stack = [n]
+        while stack:
+            m = stack[-1]
+            if m in done:
+                stack.pop()
+                continue
+            todo = [at[i] for i in entries[m].input_ids
+                    if i in at and at[i] not in done and at[i] != m]
+            if todo:
+                stack.extend(todo)
+                continue
+            done.add(m)
+            order.append(entries[m])
+            stack.pop()
+    return order
 
 
 def _pack(sources, flat_raw, out):
