@@ -11,7 +11,9 @@ the variable's gradient in:
   counter), stacked after the loop: a MatMul's terms are then one batched
   product over the iterations, [B, in, T] x [B, T, out]; a tensor the
   meets of several variables read (an LSTM's gate gradient) goes to one
-  of their lists only;
+  of their lists only; a variable one MatMul alone reads is handed back
+  as its factors (Factors), the caller's rule of a batched product then
+  taking its norms by the ghost norm and its clipped sum by one product;
 - under XLA (whose lists are dense buffers, so that adding one to another
   costs the whole list), a [B] + shape accumulator, each iteration's terms
   added to it.
@@ -23,11 +25,12 @@ plan: the body keeps every example's rows its own, and reads the weight
 only through these ops.
 """
 
+import collections
+
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import array_ops_stack
-from tensorflow.python.ops import cond
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import list_ops
 from tensorflow.python.ops import math_ops
@@ -67,15 +70,14 @@ def _back(op, pieces, batch):
 
 def _term(op, a, g):
     """A meeting op's per-example term for its weight, [B] + the weight's
-    shape, from its input a and output gradient g; [T, B, ...] of each
+    shape, from its input a and output gradient g; [B, T, ...] of each
     (stacked iterations) give the sum over them."""
     if op.type == "MatMul":
         eq = "bi,bo->boi" if op.get_attr("transpose_b") else "bi,bo->bio"
         if g.shape.rank == 3:
-            eq = "t" + eq.replace(",", ",t")
+            eq = eq.replace("i,", "ti,").replace("o-", "to-")
         return special_math_ops.einsum(eq, a, g)
-    lead = g.shape.rank - op.outputs[0].shape.rank     # 1: stacked iterations
-    axes = list(range(lead)) + list(range(lead + 1, g.shape.rank - op.inputs[1].shape.rank))
+    axes = list(range(1, g.shape.rank - op.inputs[1].shape.rank))
     return math_ops.reduce_sum(g, axes) if axes else g
 
 
@@ -83,9 +85,8 @@ def _back_to_variable(kinds, terms, by_id, batch):
     """{read op: the variable's per-example gradient}: the terms of the
     meeting ops (``terms``: weight tensor id -> [B] + its shape) carried
     back through the weight-side ops, last first."""
-    weight_ops = [by_id[key] for key, kind in kinds.items() if kind == "weight"]
     out = {}
-    for op in sorted(weight_ops, key=lambda o: -o._id):  # pylint: disable=protected-access
+    for op in sorted(_weight_ops(kinds, by_id), key=lambda o: -o._id):  # pylint: disable=protected-access
         pieces = [_sum(terms.get(o._id)) for o in op.outputs]  # pylint: disable=protected-access
         value = _back(op, pieces, batch)
         if op.type == "ReadVariableOp":
@@ -95,6 +96,10 @@ def _back_to_variable(kinds, terms, by_id, batch):
     return out
 
 
+def _weight_ops(kinds, by_id):
+    return [by_id[key] for key, kind in kinds.items() if kind == "weight"]
+
+
 def _sum(terms):
     if not terms:
         return None
@@ -102,8 +107,8 @@ def _sum(terms):
 
 
 def per_example(while_op, grads, plans, batch):
-    """{i: [B] + shape} per-example gradients of the While's resource
-    inputs i of ``plans`` (i -> (the variable's shape, dtype, {id(op):
+    """{i: [B] + shape per-example gradients, or their Factors} of the
+    While's resource inputs i of ``plans`` (i -> (the variable's shape, dtype, {id(op):
     "weight" or "meet"} of the body ops it flows through)), from ``grads``
     of its outputs (the pass of the losses to them)."""
     body = while_op._body_graph  # pylint: disable=protected-access
@@ -146,92 +151,63 @@ def per_example(while_op, grads, plans, batch):
         out = while_v2._WhileGrad(while_op, *grads)  # pylint: disable=protected-access
     if not stacked:
         return {i: out[i] for i in plans}
-    rows = {i: list_ops.tensor_list_stack(out[i], plans[i][1],
-                                          element_shape=[batch, width])
-            for i, width in layout["width"].items() if width}
+    # the iterations' rows, batch-major: [B, T, width] (T known while
+    # tracing where the loop's bound is: the list padded to it with zero
+    # rows, which add nothing to any term)
+    bound = tensor_util.constant_value(while_op.inputs[1])
+    bound = int(bound) if bound is not None and bound >= 0 else None
+    rows = {}
+    for i, width in layout["width"].items():
+        if not width:
+            continue
+        handle = out[i]
+        if bound is not None:
+            handle = list_ops.tensor_list_resize(handle, bound)
+        rows[i] = array_ops.transpose(list_ops.tensor_list_stack(
+            handle, plans[i][1], element_shape=[batch, width],
+            num_elements=-1 if bound is None else bound), [1, 0, 2])
     result = {}
     for i, (shape, dtype, kinds) in plans.items():
-        terms = {}
+        terms, factors = {}, None
         for op, w in slots[i]:
             k = int(op.inputs[0].shape[1]) if op.type == "MatMul" else 0
             at = layout.get(op)
             if at is None:      # no gradient reached it
-                a = array_ops.zeros([1, batch, k], dtype)
-                g = array_ops.zeros([1, batch, w - k], dtype)
+                a = array_ops.zeros([batch, 1, k], dtype)
+                g = array_ops.zeros([batch, 1, w - k], dtype)
             else:
                 g = _columns(rows, at[1], w - k)
                 a = _columns(rows, at[0], k) if k else None
             if op.type == "MatMul":
-                factors = (a, g, op.get_attr("transpose_b"))
+                factors = Factors(a, g, op.get_attr("transpose_b"))
                 term = _term(op, a, g)
             else:
                 term = _term(op, None, array_ops.reshape(
-                    g, [-1, batch] + op.outputs[0].shape.as_list()[1:]))
+                    g, [batch, -1] + op.outputs[0].shape.as_list()[1:]))
             terms.setdefault(op.inputs[1]._id, []).append(term)  # pylint: disable=protected-access
+        if (len(slots[i]) == 1 and factors is not None
+                and [o.type for o in _weight_ops(kinds, by_id)] == ["ReadVariableOp"]):
+            # the variable's gradient is this one product's, sum_t a_t g_t^T
+            result[i] = factors
+            continue
         result[i] = next(iter(_back_to_variable(kinds, terms, by_id, batch).values()))
-        if (len(slots[i]) == 1 and slots[i][0][0].type == "MatMul"
-                and result[i] is term and _ghost_pays(*factors[:2])):
-            # (the variable's gradient is this one product's: see FACTORS)
-            setattr(result[i], FACTORS, factors)
     return result
 
 
+class Factors(collections.namedtuple("Factors", "a g transpose_b")):
+    """A loop variable's per-example gradient that is one MatMul's terms
+    summed over the iterations, sum_t a_t g_t^T (its transpose with
+    transpose_b), as its factors: a [B, T, K], g [B, T, N] (T unknown while
+    tracing where the loop's bound is). The caller applies the rule of a
+    batched product A W to them (norms by the ghost norm, the clipped sum
+    by one product), so the per-example gradients need never be built."""
+
+
 def _columns(rows, at, width):
-    """[T, B, width] of the stacked lists ``rows`` at ``at``: (list, first
+    """[B, T, width] of the stacked lists ``rows`` at ``at``: (list, first
     column)."""
     i, first = at
     return rows[i][:, :, first:first + width]
-
-
-# The attribute of a traced per-example gradient [B, K, N] that is one
-# MatMul's terms summed over the iterations, sum_t a_t g_t^T: its factors
-# (a [T, B, K], g [T, B, N], transpose_b), from which dp_gradient's
-# post-pass takes each example's squared norm by the ghost norm (T x T per
-# example) and the weighted sum by one K x T B x N product, so that the
-# per-example gradients are never built (the traced function drops them).
-FACTORS = "_fasttape_loop_factors"
-
-
-def _ghost_pays(a, g):
-    """Whether the factors serve: K and N known while tracing, and T^2 < K N
-    where T (the iterations) is too (else sq_norms chooses at run time)."""
-    t, k, n = a.shape[0], a.shape[2], g.shape[2]
-    return None not in (k, n) and (t is None or t * t < k * n)
-
-
-def sq_norms(factors):
-    """[B] squared norms of sum_t a_t g_t^T: by the ghost norm (T x T per
-    example) where T^2 < K N, else of the per-example gradients built
-    (decided at run time where T is unknown while tracing)."""
-    a, g, _ = factors
-    a = array_ops.transpose(a, [1, 0, 2])
-    g = array_ops.transpose(g, [1, 0, 2])
-
-    def ghost():
-        aa = math_ops.matmul(a, a, transpose_b=True)
-        gg = math_ops.matmul(g, g, transpose_b=True)
-        return math_ops.reduce_sum(aa * gg, axis=[1, 2])
-
-    def built():
-        return math_ops.reduce_sum(math_ops.square(
-            math_ops.matmul(a, g, transpose_a=True)), axis=[1, 2])
-
-    t, kn = a.shape[1], a.shape[2] * g.shape[2]
-    if t is not None:
-        return ghost()
-    t = array_ops.shape(a)[1]
-    return cond.cond(t * t < kn, ghost, built)
-
-
-def weighted(factors, w):
-    """sum_b w_b sum_t a_tb g_tb^T (transposed for transpose_b), one
-    product over the iterations and the batch."""
-    a, g, transpose_b = factors
-    a2 = array_ops.reshape(a, [-1, a.shape[2]])
-    gw = array_ops.reshape(g * array_ops.reshape(w, [1, -1, 1]), [-1, g.shape[2]])
-    if transpose_b:
-        return math_ops.matmul(gw, a2, transpose_a=True)
-    return math_ops.matmul(a2, gw, transpose_a=True)
 
 
 def _width(op):
