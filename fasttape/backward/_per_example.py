@@ -2023,13 +2023,15 @@ def _body_axes(entries, body, start, batch):
             at = [p for p, tid in enumerate(entry.input_ids) if tid in weight]
             others = [a for p, a in enumerate(ins) if p not in at]
             if (kind in _while_grads.WEIGHT_OPS and at == [1 if kind == "Split" else 0]
-                    and not any(a is _OFF or a >= 0 for a in others)):
+                    and not any(a is _OFF or a >= 0 for a in others)
+                    and _while_grads.weight_op_proven(op)):
                 if kind == "ReadVariableOp":
                     shape = tuple(op.outputs[0].shape.as_list()) if (
                         op.outputs[0].shape.rank is not None) else None
-                    if shape is None or None in shape or i in plans:
-                        return None     # (one read a variable: its gradient's)
-                    plans[i] = (shape, op.outputs[0].dtype, {})
+                    if shape is None or None in shape or (
+                            i in plans and plans[i][0] != shape):
+                        return None
+                    plans.setdefault(i, (shape, op.outputs[0].dtype, {}))
                 elif i not in plans:
                     return None
                 plans[i][2][id(op)] = "weight"

@@ -42,7 +42,10 @@ from fasttape.recording import _recording
 # ops on a weight's values alone (no batch), by how a per-example gradient
 # goes back through them: their batch axis in front
 WEIGHT_OPS = frozenset({"ReadVariableOp", "Identity", "Squeeze", "Reshape",
-                        "ExpandDims", "Split", "SplitV", "Unpack"})
+                        "ExpandDims", "Split", "SplitV", "Unpack",
+                        "StridedSlice"})
+_MASKS = ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
+          "shrink_axis_mask")
 # ops meeting a weight (at input 1) and the batch (input 0, axis 0)
 MEETS = frozenset({"MatMul", "BiasAdd", "Add", "AddV2"})
 
@@ -60,12 +63,57 @@ def _back(op, pieces, batch):
         return pieces[0]
     if kind in ("Squeeze", "Reshape", "ExpandDims"):
         return array_ops.reshape(pieces[0], [batch] + op.inputs[0].shape.as_list())
+    if kind == "StridedSlice":
+        # the slice's gradient, one axis more in front (taken whole)
+        begin, end, strides = _slice_spec(op)
+        masks = {m: int(op.get_attr(m)) << 1 for m in _MASKS}
+        masks["begin_mask"] |= 1
+        masks["end_mask"] |= 1
+        return array_ops.strided_slice_grad(
+            [batch] + op.inputs[0].shape.as_list(), [0] + begin, [0] + end,
+            [1] + strides, pieces[0], **masks)
     if kind == "Unpack":
         return array_ops_stack.stack(pieces, axis=int(op.get_attr("axis")) % (
             op.inputs[0].shape.rank) + 1)
     rank = op.inputs[0 if kind == "SplitV" else 1].shape.rank
     axis = int(tensor_util.constant_value(op.inputs[2 if kind == "SplitV" else 0])) % rank
     return array_ops.concat(pieces, axis + 1)
+
+
+def _slice_spec(op):
+    """A StridedSlice's begin, end and strides, as lists; None where one is
+    not a constant while tracing."""
+    spec = [tensor_util.constant_value(t) for t in op.inputs[1:4]]
+    return None if any(v is None for v in spec) else [list(map(int, v)) for v in spec]
+
+
+def weight_op_proven(op):
+    """Whether a weight-side op's per-example gradient can be carried back
+    (_back): a StridedSlice's spec must be known while tracing."""
+    return op.type != "StridedSlice" or _slice_spec(op) is not None
+
+
+def _ranges(op):
+    """A StridedSlice of a 2-D weight that is a range of rows and one of
+    columns (stride 1, no axis added or dropped): ((first row, last + 1),
+    (first column, last + 1)); else None."""
+    spec = _slice_spec(op)
+    shape = op.inputs[0].shape
+    if (spec is None or shape.rank != 2 or any(op.get_attr(m) for m in _MASKS[2:])
+            or len(spec[0]) > 2):
+        return None
+    out = []
+    for d in range(2):
+        if d >= len(spec[0]):
+            out.append((0, int(shape[d])))
+            continue
+        first = None if op.get_attr("begin_mask") >> d & 1 else spec[0][d]
+        last = None if op.get_attr("end_mask") >> d & 1 else spec[1][d]
+        start, stop, step = slice(first, last, spec[2][d]).indices(int(shape[d]))
+        if step != 1 or stop <= start:
+            return None
+        out.append((start, stop))
+    return tuple(out)
 
 
 def _term(op, a, g):
@@ -141,16 +189,22 @@ def per_example(while_op, grads, plans, batch):
             handed = {}    # meet op -> its term this iteration
         reads = [by_id[key] for key, kind in kinds.items()
                  if kind == "weight" and by_id[key].type == "ReadVariableOp"]
+        if stacked and len(reads) > 1:
+            _fix_layout(i, slots[i], layout)
         for op in meets:
             overrides[op] = _hand_over(op, handed, batch, stacked)
         for op in reads:
             overrides[op] = _collect(
                 None if not stacked else (i, slots[i], layout),
-                kinds, by_id, handed, batch)
+                kinds, by_id, handed, batch,
+                _downstream(op, kinds) if len(reads) > 1 else None)
     with _recording.gradient_functions_of(overrides):
         out = while_v2._WhileGrad(while_op, *grads)  # pylint: disable=protected-access
     if not stacked:
         return {i: out[i] for i in plans}
+    for op in [op for op in layout if isinstance(op, ops.Operation)]:
+        if op not in handed:
+            layout[op] = None   # (a fixed layout's meet no gradient reached)
     # the iterations' rows, batch-major: [B, T, width] (T known while
     # tracing where the loop's bound is: the list padded to it with zero
     # rows, which add nothing to any term)
@@ -168,7 +222,11 @@ def per_example(while_op, grads, plans, batch):
             num_elements=-1 if bound is None else bound), [1, 0, 2])
     result = {}
     for i, (shape, dtype, kinds) in plans.items():
-        terms, factors = {}, None
+        blocks = _blocks(slots[i], kinds, by_id, shape)
+        if blocks is not None:
+            result[i] = _factors(blocks, layout, rows, batch, dtype, shape)
+            continue
+        terms = {}
         for op, w in slots[i]:
             k = int(op.inputs[0].shape[1]) if op.type == "MatMul" else 0
             at = layout.get(op)
@@ -179,19 +237,111 @@ def per_example(while_op, grads, plans, batch):
                 g = _columns(rows, at[1], w - k)
                 a = _columns(rows, at[0], k) if k else None
             if op.type == "MatMul":
-                factors = Factors(a, g, op.get_attr("transpose_b"))
                 term = _term(op, a, g)
             else:
                 term = _term(op, None, array_ops.reshape(
                     g, [batch, -1] + op.outputs[0].shape.as_list()[1:]))
             terms.setdefault(op.inputs[1]._id, []).append(term)  # pylint: disable=protected-access
-        if (len(slots[i]) == 1 and factors is not None
-                and [o.type for o in _weight_ops(kinds, by_id)] == ["ReadVariableOp"]):
-            # the variable's gradient is this one product's, sum_t a_t g_t^T
-            result[i] = factors
-            continue
-        result[i] = next(iter(_back_to_variable(kinds, terms, by_id, batch).values()))
+        result[i] = _sum(list(_back_to_variable(kinds, terms, by_id, batch).values()))
     return result
+
+
+def _downstream(read, kinds):
+    """The meets of one read of a variable (of several in the body): the
+    ops of ``kinds`` its value reaches."""
+    out, stack = set(), [read]
+    while stack:
+        op = stack.pop()
+        for t in op.outputs:
+            for c in t.consumers():
+                kind = kinds.get(id(c))
+                if kind == "meet":
+                    out.add(c)
+                elif kind == "weight" and c not in out:
+                    out.add(c)
+                    stack.append(c)
+    return out
+
+
+def _fix_layout(i, slots, layout):
+    """The columns of variable i's list where the body reads it more than
+    once: each meet's a and g at columns fixed in advance, no tensor shared
+    with another list (each read writes its own meets' columns, zeros in
+    the others', and TF's pass adds the reads' lists: the rows of all)."""
+    width = 0
+    for op, w in slots:
+        k = int(op.inputs[0].shape[1]) if op.type == "MatMul" else 0
+        layout[op] = ((i, width) if k else None, (i, width + k))
+        width += w
+    layout["width"][i] = width
+    layout.setdefault("fixed", set()).add(i)
+
+
+def _blocks(slots, kinds, by_id, shape):
+    """Where a variable is read by MatMuls alone: by one, of the whole
+    read ([(meet, None)]), or by several, each of a range of its rows and
+    columns (a Keras GRU's gates; transpose_b unset): [(meet, ((first
+    row, end), (first column, end)))]; else None."""
+    weight_ops = _weight_ops(kinds, by_id)
+    if not slots or any(op.type != "MatMul" for op, _ in slots):
+        return None
+    if len(slots) == 1 and [o.type for o in weight_ops] == ["ReadVariableOp"]:
+        return [(slots[0][0], None)]
+    out, slices = [], set()
+    for op, _ in slots:
+        w = op.inputs[1].op
+        ranges = _ranges(w) if w.type == "StridedSlice" else None
+        if (ranges is None or op.get_attr("transpose_b")
+                or w.inputs[0].op.type != "ReadVariableOp"):
+            return None
+        out.append((op, ranges))
+        slices.add(id(w))
+    if any(o.type != "ReadVariableOp" and id(o) not in slices for o in weight_ops):
+        return None     # (another op on the weight: the general way)
+    return out
+
+
+def _factors(blocks, layout, rows, batch, dtype, shape):
+    """The Factors of a variable read by the MatMuls of ``blocks``
+    (_blocks): each block's a and g padded to the weight's rows and
+    columns (zero rows and columns add nothing); the blocks whose a is one
+    tensor and one range of rows summed (their columns are disjoint), the
+    others concatenated along the iterations (the sum over all the
+    iterations is then the sum of the blocks' products)."""
+    if blocks[0][1] is None:
+        op = blocks[0][0]
+        transpose_b = op.get_attr("transpose_b")
+        k, n = int(op.inputs[0].shape[1]), int(op.outputs[0].shape[1])
+        at = layout.get(op)
+        if at is None:      # no gradient reached it
+            return Factors(array_ops.zeros([batch, 1, k], dtype),
+                           array_ops.zeros([batch, 1, n], dtype), transpose_b)
+        return Factors(_columns(rows, at[0], k), _columns(rows, at[1], n),
+                       transpose_b)
+    groups = {}
+    for op, ((r0, r1), (c0, c1)) in blocks:
+        at = layout.get(op)
+        if at is None:
+            continue        # no gradient reached it
+        g = _columns(rows, at[1], c1 - c0)
+        if (c0, c1) != (0, shape[1]):
+            g = array_ops.pad(g, [[0, 0], [0, 0], [c0, shape[1] - c1]])
+        key = (op.inputs[0].ref(), r0, r1)
+        if key in groups:
+            groups[key][1].append(g)
+            continue
+        a = _columns(rows, at[0], r1 - r0)
+        if (r0, r1) != (0, shape[0]):
+            a = array_ops.pad(a, [[0, 0], [0, 0], [r0, shape[0] - r1]])
+        groups[key] = (a, [g])
+    if not groups:
+        return Factors(array_ops.zeros([batch, 1, shape[0]], dtype),
+                       array_ops.zeros([batch, 1, shape[1]], dtype), False)
+    a = [a for a, _ in groups.values()]
+    g = [_sum(gs) for _, gs in groups.values()]
+    if len(a) == 1:
+        return Factors(a[0], g[0], False)
+    return Factors(array_ops.concat(a, 1), array_ops.concat(g, 1), False)
 
 
 class Factors(collections.namedtuple("Factors", "a g transpose_b")):
@@ -217,6 +367,26 @@ def _width(op):
     return out + (int(op.inputs[0].shape[1]) if op.type == "MatMul" else 0)
 
 
+def _fixed_row(read, slots, handed, mine, batch):
+    """_collect's list for one of several reads of a variable: its meets'
+    a and g at their fixed columns (_fix_layout), zeros in the others'."""
+    graph = ops.get_default_graph()
+    counter, total = graph.inputs[0], graph.inputs[2]
+    dtype = read.outputs[0].dtype
+    pieces = []
+    for op, w in slots:
+        if op in mine and op in handed:
+            a, g = handed[op]
+            if a is not None:
+                pieces.append(array_ops.reshape(a, [batch, -1]))
+            pieces.append(array_ops.reshape(g, [batch, -1]))
+        else:
+            pieces.append(array_ops.zeros([batch, w], dtype))
+    row = pieces[0] if len(pieces) == 1 else array_ops.concat(pieces, 1)
+    return list_ops.tensor_list_set_item(
+        list_ops.tensor_list_reserve(None, total, dtype), counter, row)
+
+
 def _hand_over(op, handed, batch, stacked):
     """A meeting op's gradient: TF's for its batch input; for the weight,
     zeros to TF's pass (it checks each gradient's shape against its
@@ -235,7 +405,7 @@ def _hand_over(op, handed, batch, stacked):
     return grad
 
 
-def _collect(stacked, kinds, by_id, handed, batch):
+def _collect(stacked, kinds, by_id, handed, batch, mine=None):
     """The variable read's gradient, which TF's loop carries for the
     resource (TF checks no resource gradient's shape): the per-example
     gradient; or (``stacked``: the variable's plan index i, its slots and
@@ -244,15 +414,21 @@ def _collect(stacked, kinds, by_id, handed, batch):
     holds it): the tensors its meets handed over that no other variable's
     list holds (where each went in layout, by meet op: (list, column) of a
     and of g; None where no gradient reached the meet), the list left
-    unset where there are none."""
+    unset where there are none. ``mine``: where the body reads the
+    variable more than once, this read's meets (_downstream): its share
+    alone (TF's pass adds the reads'), at the list's fixed columns
+    (_fix_layout)."""
 
     def grad(read, _):
         if stacked is None:
             terms = {}
             for op, term in handed.items():
-                terms.setdefault(op.inputs[1]._id, []).append(term)  # pylint: disable=protected-access
+                if mine is None or op in mine:
+                    terms.setdefault(op.inputs[1]._id, []).append(term)  # pylint: disable=protected-access
             return _back_to_variable(kinds, terms, by_id, batch)[read]
         i, slots, layout = stacked
+        if mine is not None:
+            return _fixed_row(read, slots, handed, mine, batch)
         placed = layout["placed"]       # id(tensor) -> (tensor, (list, column))
         graph = ops.get_default_graph()
         counter, total = graph.inputs[0], graph.inputs[2]

@@ -30,6 +30,7 @@ from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import array_ops_stack
+from tensorflow.python.ops import cond
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gen_nn_ops
 from tensorflow.python.ops import linalg_ops_impl
@@ -256,10 +257,19 @@ class _BatchMatMul:
     def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
         a, g = self._flat(payload, g, src_shape, pos)
         t, k, n = a.shape[1], a.shape[2], g.shape[2]
-        if t is not None and t * t < k * n and self._ghost(a.shape[0], t, k, n, a.dtype):
+
+        def ghost():
             aa = math_ops.matmul(a, a, transpose_b=True)
             gg = math_ops.matmul(g, g, transpose_b=True)
             return math_ops.reduce_sum(aa * gg, axis=[1, 2])
+        if t is not None and t * t < k * n and self._ghost(a.shape[0], t, k, n, a.dtype):
+            return ghost()
+        if t is None and None not in (k, n) and type(self)._ghost is _BatchMatMul._ghost:
+            # T unknown while tracing (a loop's iterations): the choice at
+            # run time (weighted() is then one product either way)
+            return cond.cond(
+                math_ops.square(array_ops.shape(a)[1]) < k * n, ghost,
+                lambda: sq_rows(math_ops.matmul(a, g, transpose_a=True)))
         grads = math_ops.matmul(a, g, transpose_a=True)
         if memo is not None:
             # weighted() sums these (B x K x N, no larger than the saved
