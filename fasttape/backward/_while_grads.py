@@ -5,18 +5,19 @@ While over the body's gradient). Inside the body each op that meets the
 weight and the batch (``plan``: a MatMul, a BiasAdd, a broadcast Add of a
 bias) hands over what each example's term needs (a_t and g_t; g_t), in
 place of their sum over the batch, through the loop variable TF carries
-the variable's gradient in:
-
-- a TensorList, one element per iteration (set at the backward loop's
-  counter), stacked after the loop: a MatMul's terms are then one batched
-  product over the iterations, [B, in, T] x [B, T, out]; a tensor the
-  meets of several variables read (an LSTM's gate gradient) goes to one
-  of their lists only; a variable one MatMul alone reads is handed back
-  as its factors (Factors), the caller's rule of a batched product then
-  taking its norms by the ghost norm and its clipped sum by one product;
-- under XLA (whose lists are dense buffers, so that adding one to another
-  costs the whole list), a [B] + shape accumulator, each iteration's terms
-  added to it.
+the variable's gradient in: a TensorList, one element per iteration (set
+at the backward loop's counter), stacked after the loop, batch-major.
+A tensor the meets of several variables read (an LSTM's gate gradient)
+goes to one of their lists only; where the body reads a variable more
+than once (a Keras GRU's gate slices of a kernel), and under XLA (whose
+lists are buffers of a size and element shape fixed while compiling: the
+loop's bound), each list's columns are fixed in advance, each read
+writing its own meets' (TF's pass adds the reads' lists). A variable
+read by MatMuls alone, of the whole of it or of ranges of its rows and
+columns, comes back as its factors (Factors: the iterations' inputs and
+output gradients), whose norms and clipped sum the caller's rule of a
+batched product takes (the ghost norm, one product): no per-example
+gradient is built; the others' terms are summed over the iterations.
 
 The weight's own ops between its read and those (a Split, Squeeze or
 Unpack of GRU's two biases) then carry the terms back to the variable,
@@ -118,12 +119,10 @@ def _ranges(op):
 
 def _term(op, a, g):
     """A meeting op's per-example term for its weight, [B] + the weight's
-    shape, from its input a and output gradient g; [B, T, ...] of each
-    (stacked iterations) give the sum over them."""
+    shape, summed over the iterations: from its inputs a and output
+    gradients g, [B, T, ...] each."""
     if op.type == "MatMul":
-        eq = "bi,bo->boi" if op.get_attr("transpose_b") else "bi,bo->bio"
-        if g.shape.rank == 3:
-            eq = eq.replace("i,", "ti,").replace("o-", "to-")
+        eq = "bti,bto->boi" if op.get_attr("transpose_b") else "bti,bto->bio"
         return special_math_ops.einsum(eq, a, g)
     axes = list(range(1, g.shape.rank - op.inputs[1].shape.rank))
     return math_ops.reduce_sum(g, axes) if axes else g
@@ -161,7 +160,7 @@ def per_example(while_op, grads, plans, batch):
     of its outputs (the pass of the losses to them)."""
     body = while_op._body_graph  # pylint: disable=protected-access
     by_id = {id(op): op for op in body.get_operations()}
-    stacked = not control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
+    xla = control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
     # A loop variable none of the losses reads gets zeros, as TF's pass
     # gives it (with None, _WhileGrad leaves it out of the backward loop,
     # and so the gradient its later steps carry back through it: a
@@ -172,36 +171,36 @@ def per_example(while_op, grads, plans, batch):
     grads += [None] * (len(while_op.outputs) - len(grads))
     slots = {}        # i -> meets, in order: [(op, width of its columns)]
     overrides = {}
-    # (stacked) the loop's one set of what the meets handed over, and where
-    # each tensor of it went: the meets of a loop's variables read the same
+    # the loop's one set of what the meets handed over, and where each
+    # tensor of it went: the meets of a loop's variables read the same
     # tensors (an LSTM's gate gradient, for its kernel, recurrent kernel and
-    # bias), each written to one list only
-    handed, layout = {}, {"placed": {}, "width": {}}
+    # bias), each written to one list only (not under XLA: there each list's
+    # columns are fixed in advance, its element shape known at its reserve).
+    # The lists hold the forward loop's iterations (under XLA, its bound:
+    # XLA sizes a list while compiling; the rows past the last iteration
+    # stay zeros). size: the backward loop's input holding their number.
+    handed = {}
+    layout = {"placed": {}, "width": {}, "size": 1 if xla else 2}
     for i, (shape, dtype, kinds) in plans.items():
         meets = [by_id[key] for key, kind in kinds.items() if kind == "meet"]
         meets.sort(key=lambda o: o._id)  # pylint: disable=protected-access
-        if stacked:
-            slots[i] = [(op, _width(op)) for op in meets]
-            grads[i] = list_ops.tensor_list_reserve(
-                None, while_op.outputs[0], dtype)
-        else:
-            grads[i] = array_ops.zeros([batch] + list(shape), dtype)
-            handed = {}    # meet op -> its term this iteration
         reads = [by_id[key] for key, kind in kinds.items()
                  if kind == "weight" and by_id[key].type == "ReadVariableOp"]
-        if stacked and len(reads) > 1:
-            _fix_layout(i, slots[i], layout)
+        slots[i] = [(op, _width(op)) for op in meets]
+        element = None
+        if len(reads) > 1 or xla:
+            element = [batch, _fix_layout(i, slots[i], layout)]
+        grads[i] = list_ops.tensor_list_reserve(
+            element, while_op.inputs[1] if xla else while_op.outputs[0], dtype)
         for op in meets:
-            overrides[op] = _hand_over(op, handed, batch, stacked)
+            overrides[op] = _hand_over(op, handed)
         for op in reads:
             overrides[op] = _collect(
-                None if not stacked else (i, slots[i], layout),
-                kinds, by_id, handed, batch,
-                _downstream(op, kinds) if len(reads) > 1 else None)
+                i, slots[i], layout, handed, batch,
+                _downstream(op, kinds) if len(reads) > 1 else (
+                    set(meets) if element else None))
     with _recording.gradient_functions_of(overrides):
         out = while_v2._WhileGrad(while_op, *grads)  # pylint: disable=protected-access
-    if not stacked:
-        return {i: out[i] for i in plans}
     for op in [op for op in layout if isinstance(op, ops.Operation)]:
         if op not in handed:
             layout[op] = None   # (a fixed layout's meet no gradient reached)
@@ -274,7 +273,7 @@ def _fix_layout(i, slots, layout):
         layout[op] = ((i, width) if k else None, (i, width + k))
         width += w
     layout["width"][i] = width
-    layout.setdefault("fixed", set()).add(i)
+    return width
 
 
 def _blocks(slots, kinds, by_id, shape):
@@ -367,11 +366,11 @@ def _width(op):
     return out + (int(op.inputs[0].shape[1]) if op.type == "MatMul" else 0)
 
 
-def _fixed_row(read, slots, handed, mine, batch):
-    """_collect's list for one of several reads of a variable: its meets'
-    a and g at their fixed columns (_fix_layout), zeros in the others'."""
+def _fixed_row(read, slots, layout, handed, mine, batch):
+    """_collect's list at fixed columns (_fix_layout): the meets ``mine``
+    of this read hand over their a and g, zeros in the others' columns."""
     graph = ops.get_default_graph()
-    counter, total = graph.inputs[0], graph.inputs[2]
+    counter, total = graph.inputs[0], graph.inputs[layout["size"]]
     dtype = read.outputs[0].dtype
     pieces = []
     for op, w in slots:
@@ -384,54 +383,42 @@ def _fixed_row(read, slots, handed, mine, batch):
             pieces.append(array_ops.zeros([batch, w], dtype))
     row = pieces[0] if len(pieces) == 1 else array_ops.concat(pieces, 1)
     return list_ops.tensor_list_set_item(
-        list_ops.tensor_list_reserve(None, total, dtype), counter, row)
+        list_ops.tensor_list_reserve(row.shape, total, dtype), counter, row)
 
 
-def _hand_over(op, handed, batch, stacked):
+def _hand_over(op, handed):
     """A meeting op's gradient: TF's for its batch input; for the weight,
     zeros to TF's pass (it checks each gradient's shape against its
-    input's), and what its per-example term needs to ``handed``: [B, width]
-    columns (stacked), or the term."""
+    input's), and what its per-example term needs to ``handed``: its a
+    (a MatMul's) and g."""
     original = ops.get_gradient_function(op)
 
     def grad(_, g):
         first = original(op, g)[0]
-        if stacked:
-            handed[op] = (op.inputs[0] if op.type == "MatMul" else None, g)
-        else:
-            handed[op] = _term(op, op.inputs[0], g)
+        handed[op] = (op.inputs[0] if op.type == "MatMul" else None, g)
         w = op.inputs[1]
         return [first, array_ops.zeros(w.shape, w.dtype)]
     return grad
 
 
-def _collect(stacked, kinds, by_id, handed, batch, mine=None):
-    """The variable read's gradient, which TF's loop carries for the
-    resource (TF checks no resource gradient's shape): the per-example
-    gradient; or (``stacked``: the variable's plan index i, its slots and
-    the loop's layout) this iteration's columns in a list with only the
-    counter's element set (adding lists takes each element from the one that
-    holds it): the tensors its meets handed over that no other variable's
-    list holds (where each went in layout, by meet op: (list, column) of a
-    and of g; None where no gradient reached the meet), the list left
-    unset where there are none. ``mine``: where the body reads the
-    variable more than once, this read's meets (_downstream): its share
-    alone (TF's pass adds the reads'), at the list's fixed columns
-    (_fix_layout)."""
+def _collect(i, slots, layout, handed, batch, mine=None):
+    """The gradient of variable i's read, which TF's loop carries for the
+    resource (TF checks no resource gradient's shape): this iteration's
+    columns in a list with only the counter's element set (adding lists
+    takes each element from the one that holds it): the tensors its meets
+    handed over that no other variable's list holds (where each went in
+    layout, by meet op: (list, column) of a and of g; None where no
+    gradient reached the meet), the list left unset where there are none.
+    ``mine``: the meets of this read, at the list's columns fixed in
+    advance (_fix_layout: the body reads the variable more than once, each
+    read's share added by TF's pass, or under XLA)."""
 
     def grad(read, _):
-        if stacked is None:
-            terms = {}
-            for op, term in handed.items():
-                if mine is None or op in mine:
-                    terms.setdefault(op.inputs[1]._id, []).append(term)  # pylint: disable=protected-access
-            return _back_to_variable(kinds, terms, by_id, batch)[read]
-        i, slots, layout = stacked
         if mine is not None:
-            return _fixed_row(read, slots, handed, mine, batch)
+            return _fixed_row(read, slots, layout, handed, mine, batch)
         placed = layout["placed"]       # id(tensor) -> (tensor, (list, column))
         graph = ops.get_default_graph()
-        counter, total = graph.inputs[0], graph.inputs[2]
+        counter, total = graph.inputs[0], graph.inputs[layout["size"]]
         dtype = read.outputs[0].dtype
         pieces, width = [], 0
 
