@@ -759,7 +759,8 @@ def _loop_case(body_kind):
         steps = tf.TensorArray(tf.float32, size=4).unstack(tf.transpose(x, [1, 0, 2]))
 
         def body(t, h):
-            z = steps.read(t) @ w + h
+            x_t = steps.read(t)
+            z = x_t @ w + h
             if body_kind == "mixes_rows":           # each row reads its neighbour's
                 z = z + 0.5 * tf.roll(h, 1, axis=0)
             elif body_kind == "squares_the_weight":
@@ -768,6 +769,8 @@ def _loop_case(body_kind):
                 z = z * w[0]
             elif body_kind == "read_twice":             # two reads of w
                 z = z + h @ w
+            elif body_kind == "row_slices":     # w's rows in two products
+                z = x_t[:, :2] @ w[:2] + x_t[:, 2:] @ w[2:] + h @ w[:, 1:2]
             return t + 1, tf.tanh(z)
         _, h = tf.while_loop(lambda t, h: t < 4, body,
                              [tf.constant(0), tf.zeros([tf.shape(x)[0], 3])])
@@ -791,7 +794,8 @@ def _traced_step_and_its_rules(loss, variables, **function_kwargs):
 
 
 @pytest.mark.parametrize("body_kind", ["matmul", "mixes_rows", "squares_the_weight",
-                                       "weight_elementwise", "read_twice"])
+                                       "weight_elementwise", "read_twice",
+                                       "row_slices"])
 def test_a_loop_the_rule_does_not_prove_takes_rows(body_kind):
     """Only a body the analysis proves (each example's rows its own, the
     variable read, once or more, by batch-major MatMul, BiasAdd or Add)
@@ -805,7 +809,8 @@ def test_a_loop_the_rule_does_not_prove_takes_rows(body_kind):
     for g, r in zip(step(x), ref):
         _close(g, r, tf.float32)
     expected = ("While: the rules of its body's MatMul, summed over its iterations"
-                if body_kind in ("matmul", "read_twice") else "per-example rows")
+                if body_kind in ("matmul", "read_twice", "row_slices")
+                else "per-example rows")
     assert [how for _, how in rules[-1]] == [expected, "MatMul"]
 
 
