@@ -207,14 +207,13 @@ def per_example(while_op, grads, plans, batch):
     # the iterations' rows, batch-major: [B, T, width] (T known while
     # tracing where the loop's bound is: the list padded to it with zero
     # rows, which add nothing to any term)
-    bound = tensor_util.constant_value(while_op.inputs[1])
-    bound = int(bound) if bound is not None and bound >= 0 else None
-    rows = {}
+    bound = _constant_bound(while_op.inputs[1])
+    rows = {"columns": {}}
     for i, width in layout["width"].items():
         if not width:
             continue
         handle = out[i]
-        if bound is not None:
+        if bound is not None and not xla:     # (under XLA: its size)
             handle = list_ops.tensor_list_resize(handle, bound)
         rows[i] = array_ops.transpose(list_ops.tensor_list_stack(
             handle, plans[i][1], element_shape=[batch, width],
@@ -354,9 +353,25 @@ class Factors(collections.namedtuple("Factors", "a g transpose_b")):
 
 def _columns(rows, at, width):
     """[B, T, width] of the stacked lists ``rows`` at ``at``: (list, first
-    column)."""
-    i, first = at
-    return rows[i][:, :, first:first + width]
+    column); one tensor for each (an LSTM's gate gradient, read by its
+    kernel's and recurrent kernel's Factors: the rule's memo shares what
+    it computes of it)."""
+    key = (at, width)
+    got = rows["columns"].get(key)
+    if got is None:
+        i, first = at
+        got = rows["columns"][key] = rows[i][:, :, first:first + width]
+    return got
+
+
+def _constant_bound(bound):
+    """The loop's bound on its iterations where known while tracing (a
+    constant, or the Max of one: a Keras RNN's), else None."""
+    value = tensor_util.constant_value(bound)
+    if value is None and bound.op.type == "Max":
+        value = tensor_util.constant_value(bound.op.inputs[0])
+        value = None if value is None or value.size == 0 else value.max()
+    return int(value) if value is not None and value >= 0 else None
 
 
 def _width(op):
