@@ -37,7 +37,8 @@ extensions = [
         extra_compile_args=compile_args,
         define_macros=macros,
     )
-    for name in ("_core", "gradients._payloads", "recording._callback")
+    for name in ("_core", "gradients._payloads", "recording._callback",
+                 "recording._budget_core")
 ]
 
 setup(

@@ -44,6 +44,14 @@ def _keras_model(kind, name):
                                     dtype=name),
                            L.Conv2D(2, 3, strides=2, dtype=name),
                            L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "conv_groups":
+        # Keras 3 runs a grouped convolution as a call of a jit_compile
+        # function: its kernel takes rows, built while tracing by a loop of
+        # backward passes (pfor's grouped kernel gradient mixes the
+        # examples with the groups)
+        return (6, 6, 4), [L.Conv2D(4, 3, groups=2, activation="tanh",
+                                    dtype=name),
+                           L.Flatten(dtype=name), L.Dense(2, dtype=name)]
     if kind == "conv1d_dilated":        # WaveNet-style, causal
         return (11, 2), [L.Conv1D(3, 2, dilation_rate=2, padding="causal",
                                   activation="tanh", dtype=name),
@@ -198,13 +206,15 @@ CASES = {
     "keras_conv_dilated": _keras_case("conv_dilated"),
     "keras_conv_dilated_wide": _keras_case("conv_dilated_wide"),
     "keras_conv_many_inputs": _keras_case("conv_many_inputs"),
+    "keras_conv_groups": _keras_case("conv_groups"),
     "keras_conv1d_dilated": _keras_case("conv1d_dilated"),
     "keras_depthwise_dilated": _keras_case("depthwise_dilated"),
     "keras_depthwise_wide": _keras_case("depthwise_wide"),
     "tf_keras_layernorm": _tf_keras_layernorm,
 }
-# Sources that still take rows (none).
-ROWS = {}
+# Sources that still take rows: a grouped convolution's kernel (its op a
+# function call).
+ROWS = {"keras_conv_groups": ("kernel (3, 3, 2, 4)",)}
 # Keras 3's RNNs in a tf.function are one While op (its steps inside it,
 # unseen by the tape): the variables its body reads take the loop's rule
 # (the body's MatMul, BiasAdd and Add rules, summed over its iterations),
@@ -303,7 +313,7 @@ def _same_rules(case, traced, eager):
 def test_per_example_gradients_and_norms(case, dtype, mode):
     methods = [("per_example_gradients",), ("per_example_norms",)]
     got, summaries, traced, (xs, loss, variables) = _calls(case, dtype, mode, methods)
-    ref = _reference(loss, xs, variables)
+    ref = _reference(loss, xs, variables, key=("rules", case))
     for g, r, v in zip(got["per_example_gradients"], ref, variables):
         assert g.shape == [B] + v.shape
         _close(g, r, dtype)
@@ -322,7 +332,7 @@ def test_per_example_gradients_and_norms(case, dtype, mode):
 @pytest.mark.parametrize("case,dtype,mode", PAIRS + TRACED)
 def test_dp_gradient(case, dtype, mode):
     xs, loss, variables = CASES[case](dtype)
-    ref = _reference(loss, xs, variables)
+    ref = _reference(loss, xs, variables, key=("rules", case))
     norms = _ref_norms(ref)
     clip = float(np.median(norms.numpy()))     # some clipped, some not
     scale = clip / tf.maximum(norms, clip)
@@ -494,6 +504,148 @@ def test_kernel_gradients_from_the_output_gradients_shifts(kernel, padding, tran
     expected = tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B
     _close(tape.dp_gradient(losses, [w], clip, 0.0)[0], expected, tf.float64)
     assert shifted and set(shifted) == {(kh, kw, 8 if transposed else 9, 2)}
+
+
+def _assert_loops_values(mode, loss, x, w):
+    """Per-example gradients, norms and the clipped sum of w (float64),
+    from one tape each in ``mode``, equal the loop of single-example
+    tapes'."""
+    ref = _reference(loss, [x], [w])[0]
+    norms = _ref_norms([ref])
+    clip = float(np.median(norms.numpy()))
+
+    def step(x):
+        with fasttape.GradientTape(persistent=True) as tape:
+            losses = loss(x)
+        return (tape.per_example_gradients(losses, [w])[0],
+                tape.per_example_norms(losses, [w]),
+                tape.dp_gradient(losses, [w], clip, 0.0)[0])
+    got, got_norms, clipped = _run(mode, step, x)
+    _close(got, ref, tf.float64)
+    _close(got_norms, norms, tf.float64)
+    _close(clipped, tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B, tf.float64)
+
+
+@pytest.mark.parametrize("kernel,padding,transposed", [
+    ((3, 2, 2), "SAME", False), ((2, 3, 1), "VALID", False), ((3, 3, 2), "SAME", True)])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_volume_patches_from_slices(kernel, padding, transposed, mode, monkeypatch):
+    """A Conv3D at stride 1 over 8 channels or more (a Conv3DTranspose's
+    forward convolution: its output gradient of 8 channels), its patches
+    copied from kd kh kw slices (_volume_slices; even kernels: SAME pads
+    one more after); per-example gradients, norms and the clipped sum
+    equal the loop's (float64), eagerly and in a tf.function."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    original, sliced = _norm_rules._volume_slices, []  # pylint: disable=protected-access
+
+    def spy(x, *args):
+        sliced.append(tuple(x.shape))
+        return original(x, *args)
+    monkeypatch.setattr(_norm_rules, "_volume_slices", spy)
+    rng = np.random.default_rng(sum(kernel))
+    x = tf.constant(rng.normal(size=(B, 4, 5, 3, 2 if transposed else 8)), tf.float64)
+    w = tf.Variable(rng.normal(size=kernel + ((8, 2) if transposed else (8, 3))) * 0.3,
+                    dtype=tf.float64)
+
+    def loss(x):
+        if transposed:
+            y = tf.nn.conv3d_transpose(x, w, [x.shape[0], 4, 5, 3, 8], 1, padding)
+        else:
+            y = tf.nn.conv3d(x, w, [1] * 5, padding)
+        return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3, 4])
+    _assert_loops_values(mode, loss, x, w)
+    assert sliced and set(sliced) == {(B, 4, 5, 3, 8)}
+
+
+@pytest.mark.parametrize("kernel,dilation,padding", [
+    ((3, 2), 2, "SAME"), ((2, 2), (3, 2), "VALID")])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_dilated_kernel_gradients_from_the_output_gradients_shifts(kernel, dilation, padding,
+                                                                   mode, monkeypatch):
+    """A dilated convolution of many input channels to few outputs
+    (float64), as TF runs it on SpaceToBatchND's blocks: each block's
+    kernel gradient from its output gradient's shifts (_shifted), summed
+    over each example's blocks; per-example gradients, norms and the
+    clipped sum equal the loop's, eagerly and in a tf.function."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    shifted = _spy_taken(monkeypatch, _norm_rules._Conv2DBlocks, "_shifted")  # pylint: disable=protected-access
+    rng = np.random.default_rng(kernel[0] * 10 + kernel[1])
+    x = tf.constant(rng.normal(size=(B, 9, 10, 9)), tf.float64)
+    w = tf.Variable(rng.normal(size=kernel + (9, 2)) * 0.3, dtype=tf.float64)
+
+    def loss(x):
+        y = tf.nn.convolution(x, w, padding=padding, dilations=dilation)
+        return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+    _assert_loops_values(mode, loss, x, w)
+    assert shifted and set(shifted) == {kernel + (9, 2)}
+
+
+@pytest.mark.parametrize("kernel,strides,mult,dilation,padding,chunk", [
+    (5, 1, 1, 1, "SAME", 2), (3, 2, 2, 1, "VALID", 3), (2, 1, 2, 2, "SAME", 2),
+    (1, 1, 1, 1, "SAME", 1), (4, 2, 1, 1, "SAME", 6)])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_depthwise_kernel_gradients_by_chunks_of_examples(kernel, strides, mult, dilation,
+                                                          padding, chunk, mode, monkeypatch):
+    """Where every example's depthwise kernels take more than
+    _MAX_GROUPED_DW_BYTES_SLOW (float64; 0 here), each example's kernel
+    gradient by TF's kernel gradient of ``chunk`` examples side by side in
+    the channels (_chunked): a 5x5 kernel in float64 (no correlation: float32 only), a
+    depth multiplier and a stride, VALID, a dilated one's blocks, 1x1, an
+    even kernel at stride 2 with all examples in one chunk; per-example
+    gradients, norms and the clipped sum equal the loop's (float64, eagerly
+    and in a tf.function)."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    blocks = _norm_rules._DepthwiseBlocks  # pylint: disable=protected-access
+    chunked = _spy_taken(monkeypatch, blocks, "_chunked")
+    correlated = _spy_taken(monkeypatch, blocks, "_correlated")
+    monkeypatch.setattr(_norm_rules, "_MAX_GROUPED_DW_BYTES_SLOW", 0)
+    monkeypatch.setattr(_norm_rules, "_DW_CHUNK_BYTES", chunk * kernel * kernel * 3 * mult * 8)
+    rng = np.random.default_rng(kernel * 10 + strides)
+    x = tf.constant(rng.normal(size=(B, 7, 8, 3)), tf.float64)
+    w = tf.Variable(rng.normal(size=(kernel, kernel, 3, mult)) * 0.5, dtype=tf.float64)
+
+    def loss(x):
+        y = tf.nn.depthwise_conv2d(x, w, [1, strides, strides, 1], padding,
+                                   dilations=[dilation, dilation])
+        return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+    _assert_loops_values(mode, loss, x, w)
+    assert chunked and set(chunked) == {(kernel, kernel, 3, mult)} and not correlated
+
+
+@pytest.mark.parametrize("dtype,kernel,mult,path", [
+    (tf.float32, 3, 1, "_grouped"), (tf.float32, 5, 1, "_correlated"),
+    (tf.float32, 5, 2, "_chunked"), (tf.float64, 3, 1, "_chunked"),
+    (tf.float64, 5, 1, "_chunked"), (tf.float64, 1, 1, "_grouped")])
+def test_depthwise_paths_by_dtype_and_size(dtype, kernel, mult, path, monkeypatch):
+    """At the default sizes, B 32 over 40 channels: float32 with fewer than
+    16 taps (46 KiB of kernels, at most 640) one grouped kernel gradient; 16
+    taps or more a correlation, or chunks with a depth multiplier; float64
+    chunks (its correlation and its grouped kernel gradient over many
+    channels are slow), but for 1x1 kernels (10 KiB); each the loop's."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    blocks = _norm_rules._DepthwiseBlocks  # pylint: disable=protected-access
+    if path == "_correlated" and not _norm_rules._groups_run():  # pylint: disable=protected-access
+        pytest.skip("the correlation runs where TF's oneDNN kernels do")
+    taken = {name: _spy_taken(monkeypatch, blocks, name)
+             for name in ("_correlated", "_chunked", "_grouped")}
+    n = 32
+    rng = np.random.default_rng(kernel)
+    x = tf.constant(rng.normal(size=(n, 6, 6, 40)), dtype)
+    w = tf.Variable(rng.normal(size=(kernel, kernel, 40, mult)) * 0.3, dtype=dtype)
+
+    def loss(x):
+        return tf.reduce_sum(tf.tanh(tf.nn.depthwise_conv2d(x, w, [1, 1, 1, 1], "SAME")) ** 2,
+                             axis=[1, 2, 3])
+    with fasttape.GradientTape() as tape:
+        losses = loss(x)
+    got = tape.per_example_gradients(losses, [w])[0]
+    ref = []
+    for i in range(n):
+        with tf.GradientTape() as t:
+            li = loss(x[i:i + 1])[0]
+        ref.append(t.gradient(li, w))
+    _close(got, tf.stack(ref), dtype)
+    assert {name for name, shapes in taken.items() if shapes} == {path}
 
 
 @pytest.mark.parametrize("case", ["keras_conv_dilated_wide", "keras_conv1d_dilated"])
@@ -857,3 +1009,46 @@ def test_summed_rules_share_the_ruled_ops_backward_pass(method, monkeypatch):
     assert len(passes) == 1, passes
     rules = dict(tape.summary().per_example_rules[1])
     assert sum("summed" in how for how in rules.values()) == 2, rules
+
+
+@pytest.mark.parametrize("dtype,mode", [(tf.float64, "eager"), (tf.float32, "eager"),
+                                        (tf.float32, "function")], ids=str)
+def test_per_example_gradients_larger_than_the_activations_take_the_ghost_norm(
+        dtype, mode, monkeypatch):
+    """A convolution whose per-example kernel gradients (144 x 96 values an
+    example) outgrow its input and output gradient (7 x 7 x 16 and
+    5 x 5 x 96) and the ghost norm's products (2 x 25 x 25) takes the
+    ghost norm, though it costs more products: no route that builds them
+    runs, so the step's peak stays near the plain step's; per-example
+    gradients, norms and the clipped sum equal the loop's."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    blocks = _norm_rules._Conv2DBlocks  # pylint: disable=protected-access
+    taken = [_spy_taken(monkeypatch, blocks, name)
+             for name in ("_grouped", "_shifted", "_looped")]
+    chosen, original = [], _norm_rules._Conv2D._ghost  # pylint: disable=protected-access
+
+    def spy(self, *args):
+        chosen.append(original(self, *args))
+        return chosen[-1]
+    monkeypatch.setattr(_norm_rules._Conv2D, "_ghost", spy)  # pylint: disable=protected-access
+    rng = np.random.default_rng(5)
+    x = tf.constant(rng.normal(size=(B, 7, 7, 16)), dtype)
+    w = tf.Variable(rng.normal(size=(3, 3, 16, 96)) * 0.1, dtype=dtype)
+
+    def loss(x):
+        return tf.reduce_sum(tf.tanh(tf.nn.conv2d(x, w, 1, "VALID")) ** 2, axis=[1, 2, 3])
+    ref = _reference(loss, [x], [w])[0]
+    norms = _ref_norms([ref])
+    clip = float(np.median(norms.numpy()))
+
+    def step(x, method, *args):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        return getattr(tape, method)(losses, [w], *args)
+    got_norms = _run(mode, lambda x: step(x, "per_example_norms"), x)
+    got_dp = _run(mode, lambda x: step(x, "dp_gradient", clip, 0.0), x)
+    assert chosen and all(chosen), chosen
+    assert taken == [[], [], []]
+    _close(got_norms, norms, dtype)
+    _close(got_dp[0], tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B, dtype)
+    _close(_run(mode, lambda x: step(x, "per_example_gradients"), x)[0], ref, dtype)

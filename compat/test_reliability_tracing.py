@@ -459,6 +459,26 @@ def test_jacobian_variable_and_handle_sources_in_function(pfor):
 
     harness.assert_parity(case, allow_tf_error=False)
 
+
+def test_jacobian_loop_of_a_keras_variable_in_function():
+    """A Keras 3 variable as the source of a loop jacobian in a tf.function
+    (its dtype is a str): the same values as TF (fasttape raised
+    AttributeError there)."""
+    import keras  # noqa: PLC0415 - Keras 3
+
+    def case(Tape):
+        layer = keras.layers.Dense(3, dtype="float64")
+        layer.build((2, 4))
+
+        @tf.function
+        def f(x):
+            with Tape() as t:
+                y = layer(x)
+            return t.jacobian(y, layer.kernel, experimental_use_pfor=False)
+        return f(tf.constant(np.arange(8.).reshape(2, 4) / 7, tf.float64))
+
+    harness.assert_parity(case, allow_tf_error=False)
+
 # -- issue 14 item 5: more or fewer output_gradients than targets -------------
 
 def _two_targets(Tape, seeds):

@@ -356,3 +356,77 @@ def test_reverse_over_forward_of_a_while_loop_inside_tf_function():
         return f(tf.constant(2.0, tf.float64))
     tf_result, _ = fd.tf_wrong_here(case, oracle)
     assert tf_result == [None]
+
+
+# -- pfor and grouped convolutions ----------------------------------------------
+#
+# A grouped convolution (its kernel has fewer input channels than its input:
+# Keras 3's Conv2D(groups=2), which Keras runs in a jit_compile function, or
+# tf.nn.conv2d with a [kh, kw, cin / groups, cout] kernel): pfor's converters
+# for its gradients fold the Jacobian's rows into the kernel's output
+# channels, which a grouped kernel gradient splits by group. TF's pfor
+# jacobian of the kernel is silently wrong (float32) or raises
+# InvalidArgumentError (float64, the kernel's and the input's); fasttape
+# builds these rows by a loop.
+
+@tf.function(jit_compile=True)
+def _grouped_conv(x, k):
+    return tf.nn.conv2d(x, k, 1, "VALID")
+
+
+def _grouped_conv_case(dtype, wrt, where, keras_layer, size=5, batch=2):
+    """(case, oracle): the jacobian (wrt "kernel") or batch_jacobian (wrt
+    "input") of a 4 -> 4 channel, 2-group 3x3 convolution."""
+    rng = np.random.default_rng(7)
+    x0 = rng.normal(size=(batch, size, size, 4))
+    k0 = rng.normal(size=(3, 3, 2, 4))
+    if keras_layer:
+        import keras  # noqa: PLC0415 - Keras 3 only for these cases
+        layer = keras.layers.Conv2D(4, 3, groups=2, use_bias=False,
+                                    dtype=dtype)
+        layer.build(x0.shape)
+        layer.kernel.assign(k0)
+        kernel, conv = layer.kernel, lambda x: layer(x)
+    else:
+        kernel = tf.Variable(k0, dtype=dtype)
+        conv = lambda x: _grouped_conv(x, kernel)  # noqa: E731
+
+    def body(GT, x):
+        with GT() as tape:
+            tape.watch(x)
+            y = conv(x)
+        if wrt == "kernel":
+            return tape.jacobian(y, kernel)
+        return tape.batch_jacobian(y, x)
+
+    def case(FA, GT):
+        x = tf.constant(x0, dtype)
+        if where == "function":
+            return tf.function(lambda x: body(GT, x))(x)
+        return body(GT, x)
+
+    f = lambda x, k: _grouped_conv(  # noqa: E731
+        tf.constant(x), tf.constant(k)).numpy()
+    if wrt == "kernel":
+        [oracle] = fd.central_difference(lambda k: f(x0, k), [k0])
+    else:
+        [full] = fd.central_difference(lambda x: f(x, k0), [x0])
+        oracle = np.stack([full[b, ..., b, :, :, :] for b in range(batch)])
+    return case, oracle
+
+
+@pytest.mark.parametrize("dtype,wrt,where,keras_layer,size,tf_raises", [
+    ("float32", "kernel", "function", False, 5, None),
+    ("float32", "kernel", "eager", True, 12, None),   # 1600 rows: pfor
+    ("float64", "kernel", "function", True, 5, tf.errors.InvalidArgumentError),
+    ("float64", "input", "function", True, 5, tf.errors.InvalidArgumentError),
+], ids=["conv2d-kernel-function-f32", "keras-kernel-eager-1600rows-f32",
+        "keras-kernel-function-f64", "keras-input-function-f64"])
+def test_jacobian_of_a_grouped_convolution(dtype, wrt, where, keras_layer,
+                                           size, tf_raises):
+    """TF's pfor jacobian/batch_jacobian through a grouped convolution is
+    wrong; fasttape's equals the finite differences."""
+    case, oracle = _grouped_conv_case(dtype, wrt, where, keras_layer,
+                                      size=size, batch=4 if size > 5 else 2)
+    fd.tf_wrong_here(case, [oracle], tf_raises=tf_raises, rtol=1e-4,
+                     atol=1e-3 if dtype == "float32" else 1e-6)

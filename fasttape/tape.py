@@ -465,7 +465,8 @@ class GradientTape:
         recorded trace instead of tracing a pfor function on each call (no
         tracing; the same results, and right ones where TF's pfor fails or
         gives wrong zeros); errors are raised as TF's traced pfor raises
-        them. See docs/differences.md.
+        them. Through a grouped convolution, where TF's pfor is wrong, the
+        rows run as a loop (eagerly at any size). See docs/differences.md.
         """
         return _jacobians.jacobian(self, target, sources, unconnected_gradients,
                                    parallel_iterations, experimental_use_pfor)
@@ -512,7 +513,8 @@ class GradientTape:
             first dimension of `target` and `source` do not match.
 
         Differences from TF: as jacobian(), eager batch jacobians of up to
-        1024 rows run one backward pass per row instead of tracing pfor.
+        1024 rows run one backward pass per row instead of tracing pfor,
+        and through a grouped convolution a loop (TF's pfor is wrong there).
         """
         return _jacobians.batch_jacobian(self, target, source, unconnected_gradients,
                                          parallel_iterations, experimental_use_pfor)

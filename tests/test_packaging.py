@@ -75,7 +75,8 @@ def test_sdist_wheel_and_install_into_a_clean_venv(tmp_path):
         names = [n.split("/", 1)[1] for n in tar.getnames() if "/" in n]
     for required in ("LICENSE", "pyproject.toml", "setup.py", "MANIFEST.in",
                      "fasttape/_core.pyx", "fasttape/_core.pxd",
-                     "fasttape/recording/_callback.pyx", "fasttape/gradients/_payloads.pyx",
+                     "fasttape/recording/_callback.pyx", "fasttape/recording/_budget_core.pyx",
+                     "fasttape/gradients/_payloads.pyx",
                      "fasttape/gradients/_payloads.pxd", "fasttape/__init__.py"):
         assert required in names, f"{required} missing from the sdist"
     generated = [n for n in names if n.endswith((".cpp", ".c", ".so", ".o", ".pyc"))]
@@ -88,7 +89,8 @@ def test_sdist_wheel_and_install_into_a_clean_venv(tmp_path):
     (wheel,) = wheel_dir.glob("fasttape-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
-    for ext in ("_core", "gradients/_payloads", "recording/_callback"):
+    for ext in ("_core", "gradients/_payloads", "recording/_callback",
+                "recording/_budget_core"):
         assert any(n.startswith(f"fasttape/{ext}.") and n.endswith((".so", ".pyd"))
                    for n in names), f"compiled {ext} missing from the wheel"
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)

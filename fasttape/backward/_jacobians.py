@@ -14,6 +14,7 @@ from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import errors_impl
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor_shape
+from tensorflow.python.framework import tensor_util
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import array_ops_stack
 from tensorflow.python.ops import check_ops
@@ -101,7 +102,9 @@ def jacobian(tape, target, sources,
     if tape._tape is None:
         raise RuntimeError(_gradient.CONSUMED)
     flat_sources = nest.flatten(sources)
-    if _use_loop(target):
+    grouped = _pfor_wrong(tape, target, flat_sources, experimental_use_pfor,
+                          _use_loop(target))
+    if _use_loop(target, grouped=grouped):
         if not experimental_use_pfor:
             _needs_persistent(tape, "jacobian")
         with _errors_as_traced(experimental_use_pfor, "jacobian"):
@@ -127,10 +130,10 @@ def jacobian(tape, target, sources,
     except TypeError:
         target_size = array_ops.shape(target)[0]
 
-    if experimental_use_pfor:
+    if experimental_use_pfor and not grouped:
         output = _pfor(loop_fn, target_size, parallel_iterations, "jacobian")
     else:
-        if context.executing_eagerly():
+        if context.executing_eagerly() and not grouped:
             _needs_persistent(tape, "jacobian")
         # Each row's gradient has its source's dtype (TF declares the
         # target's, and its TensorArray then fails for a float32 source
@@ -160,7 +163,9 @@ def batch_jacobian(tape, target, source,
                            "compute one set of gradients (or jacobians)"
                            + _gradient.USE_PERSISTENT)
     target_shape = target.shape
-    loop = _use_loop(target, batch=True)
+    grouped = _pfor_wrong(tape, target, nest.flatten(source),
+                          experimental_use_pfor, _use_loop(target, batch=True))
+    loop = _use_loop(target, batch=True, grouped=grouped)
     nested = nest.is_nested(source)
     if not (loop and nested):   # TF's check, its errors and messages
         dim = (tensor_shape.Dimension(None) if target_shape.rank is None
@@ -220,11 +225,11 @@ def batch_jacobian(tape, target, source,
         return tape.gradient(y, source,
                              unconnected_gradients=unconnected_gradients)
 
-    if experimental_use_pfor:
+    if experimental_use_pfor and not grouped:
         output = _pfor(loop_fn, target_row_size, parallel_iterations,
                        "batch_jacobian")
     else:
-        if context.executing_eagerly():
+        if context.executing_eagerly() and not grouped:
             _needs_persistent(tape, "batch_jacobian")
         output = pfor_ops.for_loop(
             loop_fn, _source_dtype(source, target.dtype), target_row_size,
@@ -310,13 +315,16 @@ def _source_dtype(source, target_dtype):
             return dtypes.as_dtype(default_gradient.get_zeros_dtype(source))
         except ValueError:
             return target_dtype
-    return dtype.base_dtype
+    return dtypes.as_dtype(dtype).base_dtype   # (a Keras 3 variable's is a str)
 
 
-def _use_loop(target, batch=False):
+def _use_loop(target, batch=False, grouped=False):
     """Eager Jacobians of up to _LOOP_MAX_ROWS rows run as that many backward
     passes over the recorded trace: no tracing, no pfor rewrite, a fixed cost
-    per row. Larger or symbolic ones go through TF's pfor, as in TF."""
+    per row. Larger or symbolic ones go through TF's pfor, as in TF, but
+    where a grouped convolution is on the path (grouped_conv_on_path), where
+    pfor is wrong: eagerly they run as backward passes at any size, while
+    tracing as TF's while loop (experimental_use_pfor=False's)."""
     if not context.executing_eagerly() or not isinstance(target, ops.EagerTensor):
         return False
     shape = target.shape
@@ -325,4 +333,133 @@ def _use_loop(target, batch=False):
     rows = shape.num_elements()
     if batch:
         rows //= max(shape[0], 1)
-    return 0 < rows <= _LOOP_MAX_ROWS
+    return 0 < rows and (grouped or rows <= _LOOP_MAX_ROWS)
+
+
+# Grouped convolutions (a kernel with fewer input channels than its input):
+# pfor's converters for their gradients fold the vectorized rows into the
+# kernel's output channels, which a grouped kernel gradient splits by group,
+# not by row. The Jacobian or per-example rows come out silently wrong (or
+# pfor's op raises), so where one is on the path they run as a loop.
+_CONVOLUTIONS = frozenset({"Conv2D", "Conv3D"})
+# The gradients' ops: (input channels, kernel input channels) read from
+# their inputs (input, filter_sizes, ...) and (input_sizes, filter, ...).
+_FILTER_GRADS = frozenset({"Conv2DBackpropFilter", "Conv3DBackpropFilterV2"})
+_INPUT_GRADS = frozenset({"Conv2DBackpropInput", "Conv3DBackpropInputV2"})
+_CALLS = ("f", "then_branch", "else_branch", "body", "cond")
+
+
+def _channels(fmt):
+    if isinstance(fmt, bytes):
+        fmt = fmt.decode()
+    return 1 if fmt in ("NCHW", "NCDHW") else -1
+
+
+def _dims(value):
+    """The static shape of a tensor, or the constant value of a shape
+    tensor, as a list (None: unknown)."""
+    if value is None:
+        return None
+    shape = tensor_shape.TensorShape(value.shape)
+    return None if shape.rank is None else shape.as_list()
+
+
+def _const(value):
+    try:
+        v = tensor_util.constant_value(value)
+    except (TypeError, ValueError):
+        return None
+    return None if v is None else list(v)
+
+
+def _is_grouped(op_type, inputs, fmt):
+    """Whether a (graph or eager) convolution or convolution-gradient op is
+    grouped; True where it cannot tell (the loop is always right)."""
+    axis = _channels(fmt)
+    if op_type in _CONVOLUTIONS:
+        x, k = _dims(inputs[0]), _dims(inputs[1])
+    elif op_type in _FILTER_GRADS:
+        x, k = _dims(inputs[0]), _const(inputs[1])
+    else:
+        x, k = _const(inputs[0]), _dims(inputs[1])
+    if x is None or k is None or x[axis] is None or k[-2] is None:
+        return True
+    return x[axis] != k[-2]
+
+
+def _backward_body(payload):
+    """The graph of the backward function TF recorded with an eager
+    function call (its closure holds it), or None."""
+    fn = getattr(payload, "fn", None)
+    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    for name, cell in zip(names, getattr(fn, "__closure__", None) or ()):
+        if name == "backward":
+            return getattr(cell.cell_contents, "graph", None)
+    return None
+
+
+def grouped_conv_on_path(tape_state, target, sources):
+    """Whether a grouped convolution is on the path from ``sources`` to
+    ``target``: recorded directly, inside a recorded function call (Keras 3
+    runs one in a jit_compile function), traced or eager (there, its
+    backward function's body). Then rows are built by a loop, not pfor."""
+    ids = [t._id for t in sources if hasattr(t, "_id")]  # pylint: disable=protected-access
+    if not hasattr(target, "_id"):
+        return False
+    plan = tape_state.core.plan([target._id], ids)  # pylint: disable=protected-access
+    if plan is None:
+        return False
+    graph = ops.get_default_graph()
+    seen = set()
+    todo = []
+    for e in plan[1]:
+        payload = e.payload
+        op = getattr(payload, "op", None)
+        if op is not None:
+            todo.append(op)
+            continue
+        if e.op_type in _CONVOLUTIONS and hasattr(payload, "attrs"):
+            attrs = payload.attrs
+            fmt = dict(zip(attrs[::2], attrs[1::2])).get("data_format", "NHWC")
+            if _is_grouped(e.op_type, payload.inputs, fmt):
+                return True
+        body = _backward_body(payload)
+        if body is not None:
+            todo.extend(body.get_operations())
+        if e.op_type not in seen:
+            seen.add(e.op_type)
+            body = getattr(graph._get_function(e.op_type), "graph", None)  # pylint: disable=protected-access
+            if body is not None:
+                todo.extend(body.get_operations())
+    while todo:
+        op = todo.pop()
+        kind = op.type
+        if ((kind in _CONVOLUTIONS or kind in _FILTER_GRADS
+             or kind in _INPUT_GRADS) and len(op.inputs) > 1
+                and _is_grouped(kind, op.inputs, op.get_attr("data_format"))):
+            return True
+        for name in _CALLS:
+            try:
+                fname = op.get_attr(name).name
+            except (ValueError, AttributeError):
+                continue
+            if fname not in seen:
+                seen.add(fname)
+                fn = op.graph._get_function(fname) or graph._get_function(fname)  # pylint: disable=protected-access
+                body = getattr(fn, "graph", None)
+                if body is not None:
+                    todo.extend(body.get_operations())
+    return False
+
+
+def _pfor_wrong(tape, target, flat_raw, use_pfor, loop):
+    """Whether pfor would build these Jacobian rows and be wrong there (a
+    grouped convolution on the path): then they run as a loop."""
+    if not use_pfor or loop or not hasattr(target, "_id"):
+        return False
+    try:
+        flat = composite_tensor_gradient.get_flat_tensors_for_gradients(
+            [_gradient.handle_or_self(t) for t in flat_raw])
+    except (TypeError, ValueError, AttributeError):
+        return False   # not sources: TF's error comes from gradient()
+    return grouped_conv_on_path(tape._tape, target, flat)  # pylint: disable=protected-access

@@ -276,7 +276,8 @@ class _BatchMatMul:
             share = share and memo is not None and type(self) is _BatchMatMul
             return math_ops.reduce_sum(
                 gram(a, given[0], share) * gram(g, given[1], share), axis=[1, 2])
-        if t is not None and t * t < k * n and self._ghost(a.shape[0], t, k, n, a.dtype):
+        if t is not None and t * t < k * n and self._ghost(a.shape[0], t, k, n, a.dtype,
+                                                           payload):
             return ghost(share=True)
         if t is None and None not in (k, n) and type(self)._ghost is _BatchMatMul._ghost:
             # T unknown while tracing (a loop's iterations): the choice at
@@ -291,7 +292,7 @@ class _BatchMatMul:
             memo[("per_example", id(payload), pos)] = (payload, grads)
         return sq_rows(grads)
 
-    def _ghost(self, b, t, k, n, dtype):
+    def _ghost(self, b, t, k, n, dtype, payload=None):
         """Whether the ghost norm (where T^2 < K N) serves over the
         per-example gradients: for a product, always (its clipped sum is one
         K x B T x N product either way)."""
@@ -366,6 +367,30 @@ def _slices(x, kh, kw, out_hw, strides, dilations, padding):
          for i in range(kh) for j in range(kw)], axis=3)
 
 
+# Per-example kernel gradients (K N values an example, built from the
+# patches) where the ghost norm also serves (T^2 < K N) only up to this
+# many times the values the op's input and output gradient hold an
+# example: beyond, and where they hold more than the ghost norm's two
+# T x T products (both routes hold the patches), they would raise the DP
+# step's peak memory over the plain step's, whose largest tensors are such
+# activations (dpc_conv's second convolution, 144 x 32 values an example
+# against 784 + 800 and 2 x 25 x 25: the step's extra peak over the plain
+# step's 5.2-6.2 MB with them, 3.6-4.4 with the ghost norm).
+_PER_EXAMPLE_HELD = 1
+
+
+def _over_held(payload, t, k, n):
+    """Whether an example's gradient (k n values) outgrows both the op's
+    input and output gradient (t n values) times _PER_EXAMPLE_HELD and
+    the ghost norm's two t x t products (t: the positions over every
+    space-to-batch block)."""
+    x = None if payload is None else payload.inputs[0]
+    if x is None or x.shape.rank is None or None in x.shape[1:]:
+        return False
+    held = _blocks(payload) * x.shape[1:].num_elements() + t * n
+    return k * n > _PER_EXAMPLE_HELD * held and k * n > 2 * t * t
+
+
 @norm_rule("Conv2D")
 class _Conv2D(_BatchMatMul):
     """z = conv2d(x, K), NHWC, SAME or VALID: example i's gradient of K is
@@ -418,17 +443,20 @@ class _Conv2D(_BatchMatMul):
         return (array_ops.reshape(patches, [b, -1, patches.shape[-1]]),
                 array_ops.reshape(g, [b, -1, g.shape[-1]]))
 
-    def _ghost(self, b, t, k, n, dtype):
+    def _ghost(self, b, t, k, n, dtype, payload=None):
         """The ghost norm where its B T^2 (K + N) products are few (at most
-        4 B K N), or where the per-example gradients would take more than
-        _MAX_SLICED_BYTES (or B is unknown); else the per-example gradients,
+        4 B K N), where the per-example gradients would take more than
+        _MAX_SLICED_BYTES (or B is unknown), or more than the op's input
+        and output gradient hold and than the ghost norm's products
+        (_over_held: they would raise the step's peak over the plain
+        one's); else the per-example gradients,
         built by one batched product of the patches (B T K N, as the plain
         step's kernel gradient), whose weighted sum is the clipped sum (a
         1 x B x K N product) where the ghost norm is followed by TF's kernel
         gradient of w * g (B T K N again). (A Conv2D of 7x7x16 to 32
         channels, batch 64: its norms and clipped sum with sliced patches
         took 0.65x the time of the ghost norm's on identity-kernel ones.)"""
-        if t * t * (k + n) <= 4 * k * n:
+        if t * t * (k + n) <= 4 * k * n or _over_held(payload, t, k, n):
             return True
         return b is None or b * k * n * dtype.size > _MAX_SLICED_BYTES
 
@@ -859,6 +887,21 @@ _GROUPS_RUN = []
 # depthwise convolution of an output of 3x3 per channel), with 1x1 kernels
 # or a depth multiplier more.
 _MIN_CORRELATED_TAPS = 16
+# Up to this size in bytes of every example's depthwise kernel (B kh kw
+# cin m), its kernel gradients by one grouped kernel gradient
+# (_DepthwiseBlocks._grouped); above, TF's CPU kernel gradient of one image
+# of B cin channels copies a patch of kh kw B cin values per position and
+# falls out of the cache (float64, B 128, 32x32, 32 channels, 5x5: 8.6x the
+# plain step's kernel gradient in CPU time), and chunks of a few examples
+# (_chunked) do: up to _DW_CHUNK_BYTES of kernel (kh kw e cin m) each. In
+# CPU time on 19 shapes (B 16-128, 8x8 to 32x32, 8-256 channels, 1x1 to
+# 5x5, depth multipliers 1-2, strides 1-2): in float32 (oneDNN) with fewer
+# than 16 taps grouped took 0.6-1.1x chunked's up to 590 KiB; with 16 taps
+# or more (a depth multiplier: no correlation) 2.6-3.4x from 410 KiB; in
+# float64 0.8-1.1x up to 147 KiB, 1.1-2.5x from 295 KiB (and 1.6x at 74).
+_MAX_GROUPED_DW_BYTES = 640 << 10
+_MAX_GROUPED_DW_BYTES_SLOW = 64 << 10
+_DW_CHUNK_BYTES = 32 << 10
 # Up to this size in bytes of its patches (B T K values), such a
 # convolution at stride 1 builds them from slices (_Conv2DBlocks._sliced).
 _MAX_SLICED_BYTES = 1 << 26
@@ -942,8 +985,11 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         if grouped is not None:
             if memo is not None:
                 memo[("grouped", id(payload), pos)] = (payload, grouped)
-            return _ex("Sum", _ex("Square", grouped), _const((0, 2), dtypes.int32),
-                       "keep_dims", False)
+            # (the channels' sums, then the taps': one reduction over
+            # axes (0, 2) took 2-4x as long, [K, B, cout] float32)
+            return _ex("Sum", _ex("Sum", _ex("Square", grouped), _const(2, dtypes.int32),
+                                  "keep_dims", False),
+                       _const(0, dtypes.int32), "keep_dims", False)
         shifted = self._shifted(payload, g, src_shape)
         if shifted is not None:
             if memo is not None:
@@ -1055,17 +1101,20 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         one batched product of X_i^T by the kh kw shifts of G_i side by
         side (kh kw slices of G_i padded by kh - 1, kw - 1 on each side),
         no patches of the input. Its products are the patches' times
-        (ho + kh - 1)(wo + kw - 1) / (ho wo)."""
+        (ho + kh - 1)(wo + kw - 1) / (ho wo). On a dilated convolution's
+        blocks (BLOCKS_ATTR), each block's, summed over an example's."""
         x = payload.inputs[0]
-        if (_blocks(payload) != 1 or len(src_shape) != 4 or x.shape.rank != 4
+        if (len(src_shape) != 4 or x.shape.rank != 4
                 or None in x.shape or None in g.shape
                 or list(attr(payload, "strides")) != [1] * 4
                 or list(attr(payload, "dilations") or [1] * 4) != [1] * 4):
             return None
         kh, kw, cin, cout = src_shape
+        nb = _blocks(payload)
         b, ho, wo = x.shape[0], g.shape[1], g.shape[2]
         t, k, hp, wp = ho * wo, kh * kw * cin, ho + kh - 1, wo + kw - 1
-        if t * t < k * cout and self._ghost(b, t, k, cout, x.dtype):
+        if (nb * t) ** 2 < k * cout and self._ghost(b // nb, nb * t, k, cout, x.dtype,
+                                                    payload):
             return None
         # a copied value costs about as many as _COPY_MACS products
         if (hp * wp * kh * kw * cout * (_COPY_MACS + cin)
@@ -1088,10 +1137,15 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         shifts = array_ops_stack.stack(
             [g[:, kh - 1 - r:kh - 1 - r + hp, kw - 1 - c:kw - 1 - c + wp, :]
              for r in range(kh) for c in range(kw)], axis=3)
-        return math_ops.matmul(
+        grads = math_ops.matmul(
             _ex("Reshape", x, _const((b, hp * wp, cin), dtypes.int32)),
             _ex("Reshape", shifts, _const((b, hp * wp, kh * kw * cout), dtypes.int32)),
             adjoint_a=True)
+        if nb == 1:
+            return grads
+        return _ex("Sum", _ex("Reshape", grads, _const((nb, b // nb, cin, kh * kw * cout),
+                                                       dtypes.int32)),
+                   _const(0, dtypes.int32), "keep_dims", False)
 
     def _looped(self, payload, g, src_shape):
         """Each example's kernel gradient where many input channels go to
@@ -1156,6 +1210,8 @@ class _DepthwiseBlocks(_Blocked, _DepthwiseConv2D):
     def per_example(self, payload, pos, g, src_shape=None):
         grouped = self._correlated(payload, g, src_shape)
         if grouped is None:
+            grouped = self._chunked(payload, g, src_shape)
+        if grouped is None:
             grouped = self._grouped(payload, g, src_shape)
         if grouped is not None:
             return grouped
@@ -1174,9 +1230,10 @@ class _DepthwiseBlocks(_Blocked, _DepthwiseConv2D):
         the kernel reads), by g as its kernel [Ho, Wo, nb B cin, 1],
         dilated by the op's strides, summed over the blocks; its output
         [1, kh, kw, nb B cin]. Where the kernel has at least
-        _MIN_CORRELATED_TAPS taps and no depth multiplier (a stride only
-        where TF's oneDNN kernels run a dilated depthwise convolution,
-        float32), not under XLA; else None. The same products as the
+        _MIN_CORRELATED_TAPS taps and no depth multiplier, in float32
+        (_GROUPED_DTYPES: TF's oneDNN kernels; float64's Eigen kernel of a
+        32x32 kernel over 4096 channels took 9x the CPU time of _chunked's),
+        not under XLA; else None. The same products as the
         kernel gradient; TF's CPU kernel gradient of one image of B cin
         channels holds a [kh kw, B cin] buffer per position, which a 5x5
         kernel over 1024 channels takes out of the cache."""
@@ -1184,6 +1241,7 @@ class _DepthwiseBlocks(_Blocked, _DepthwiseConv2D):
         kh, kw, cin, mult = src_shape
         strides = list(attr(payload, "strides"))
         if (mult != 1 or kh * kw < _MIN_CORRELATED_TAPS or x.shape.rank != 4
+                or x.dtype not in _GROUPED_DTYPES
                 or None in x.shape or None in g.shape
                 or list(attr(payload, "dilations") or [1] * 4) != [1] * 4
                 or (strides != [1, 1, 1, 1] and (
@@ -1216,6 +1274,54 @@ class _DepthwiseBlocks(_Blocked, _DepthwiseConv2D):
             out = _ex("Reshape", out, _const((kh, kw, n, cin, 1), dtypes.int32))
         return _ex("Transpose", out, _const((2, 0, 1, 3, 4), dtypes.int32))
 
+    def _chunked(self, payload, g, src_shape):
+        """[B] + src_shape by TF's depthwise kernel gradient of chunks of e
+        examples side by side in the channels (x's blocks [nb, H, W, e
+        cin] against g's [nb, Ho, Wo, e cin m], e the largest divisor of B
+        whose kernels take at most _DW_CHUNK_BYTES), with the op's strides
+        and padding: B / e ops of the plain step's products, each one
+        image's patches in the cache. Where every example's kernels take
+        more than _MAX_GROUPED_DW_BYTES (float32, fewer than 16 taps), else
+        _MAX_GROUPED_DW_BYTES_SLOW (one group of all of them would not stay
+        in the cache: _grouped), the sizes are known and the op does not
+        dilate; else None."""
+        x = payload.inputs[0]
+        kh, kw, cin, mult = src_shape
+        if (x.shape.rank != 4 or None in x.shape or None in g.shape
+                or list(attr(payload, "dilations") or [1] * 4) != [1] * 4):
+            return None
+        nb = _blocks(payload)
+        b = x.shape[0] // nb
+        per = kh * kw * cin * mult * x.dtype.size
+        fast = x.dtype in _GROUPED_DTYPES and kh * kw < _MIN_CORRELATED_TAPS
+        if b * per <= (_MAX_GROUPED_DW_BYTES if fast else _MAX_GROUPED_DW_BYTES_SLOW):
+            return None
+        e = max(1, min(b, _DW_CHUNK_BYTES // per))
+        while b % e:
+            e -= 1
+        q = b // e
+
+        def chunks(t):      # [nb B, h, w, c] -> q of [nb, h, w, e c]
+            h, w, c = t.shape[1], t.shape[2], t.shape[3]
+            if e > 1 or nb > 1:
+                t = _ex("Transpose", _ex("Reshape", t, _const((nb, q, e, h, w, c), dtypes.int32)),
+                        _const((1, 0, 3, 4, 2, 5), dtypes.int32))
+            return array_ops_stack.unstack(
+                _ex("Reshape", t, _const((q, nb, h, w, e * c), dtypes.int32)), num=q)
+
+        sizes = _const((kh, kw, e * cin, mult), dtypes.int32)
+        strides = list(attr(payload, "strides"))
+        padding = _decoded(payload, "padding")
+        out = array_ops_stack.stack([
+            gen_nn_ops.depthwise_conv2d_native_backprop_filter(
+                xi, sizes, gi, strides=strides, padding=padding, data_format="NHWC")
+            for xi, gi in zip(chunks(x), chunks(g))])
+        if e == 1:
+            return _ex("Reshape", out, _const((b, kh, kw, cin, mult), dtypes.int32))
+        return _ex("Reshape", _ex("Transpose", _ex(
+            "Reshape", out, _const((q, kh, kw, e, cin, mult), dtypes.int32)),
+            _const((0, 3, 1, 2, 4, 5), dtypes.int32)), _const((b, kh, kw, cin, mult), dtypes.int32))
+
     def _grouped(self, payload, g, src_shape):
         """[B] + src_shape by one depthwise kernel gradient with the
         examples' channels side by side: x's blocks [nb, H, W, B cin]
@@ -1244,6 +1350,22 @@ class _DepthwiseBlocks(_Blocked, _DepthwiseConv2D):
 
 # -- 3-D and transposed convolutions, batch norm in inference -----------------
 
+def _volume_slices(x, ksize, out_sizes, padding):
+    """[N, do, ho, wo, kd kh kw cin]: each output position's patch of x
+    [N, D, H, W, cin] (sizes known) under a kd x kh x kw convolution at
+    stride 1, no dilation, in the kernel's (kd, kh, kw, cin) order: kd kh
+    kw slices of x (padded as TF pads SAME), copies, no products."""
+    if padding == "SAME":
+        pads = [[0, 0]] + [[(k - 1) // 2, k - 1 - (k - 1) // 2] for k in ksize] + [[0, 0]]
+        if any(p != [0, 0] for p in pads):
+            x = array_ops.pad(x, pads)
+    (kd, kh, kw), (do, ho, wo) = ksize, out_sizes
+    return array_ops.reshape(array_ops_stack.stack(
+        [x[:, i:i + do, j:j + ho, l:l + wo, :]
+         for i in range(kd) for j in range(kh) for l in range(kw)], axis=4),
+        [-1, do, ho, wo, kd * kh * kw * x.shape[-1]])
+
+
 @norm_rule("Conv3D")
 class _Conv3D(_Conv2DBlocks):
     """z = conv3d(x, K), NDHWC, SAME or VALID: the Conv2D rule on volume
@@ -1265,7 +1387,14 @@ class _Conv3D(_Conv2DBlocks):
         strides = list(attr(payload, "strides"))
         dilations = list(attr(payload, "dilations") or [1] * 5)
         padding = _decoded(payload, "padding")
-        if k * k * x.dtype.size > _MAX_PATCH_KERNEL_BYTES and dilations == [1] * 5:
+        if (cin >= _SLICED_MIN_CHANNELS and strides == [1] * 5 and dilations == [1] * 5
+                and None not in x.shape[1:4] and None not in g.shape[1:4]):
+            # copied from kd kh kw slices, no products (a Conv3DTranspose
+            # of 16 channels to 8, 3x3x3, B 16, 8^3: DP/plain 1.77x -> 1.22x
+            # in float32, 1.67x -> 1.40x in float64; strided slices took
+            # longer than the identity kernel's products)
+            patches = _volume_slices(x, (kd, kh, kw), g.shape[1:4], padding)
+        elif k * k * x.dtype.size > _MAX_PATCH_KERNEL_BYTES and dilations == [1] * 5:
             patches = array_ops.extract_volume_patches(
                 x, [1, kd, kh, kw, 1], strides, padding)
         else:

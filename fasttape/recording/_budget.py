@@ -12,16 +12,18 @@ Terms:
            (the slot then is the marker that says how to recompute it).
   held     bytes of resident tensors that only the tape holds: a tensor the
            program still references frees nothing when the tape drops it,
-           so it is neither counted nor dropped (sys.getrefcount tells).
+           so it is neither counted nor dropped (sys.getrefcount tells);
+           leaves that share one buffer (reshapes of one input, made where
+           the tape records nothing) count it once.
 
 While recording, after each op, when the resident bytes pass the budget the
 store counts what it alone holds and, while that is over the budget, drops
 the candidate with the lowest ``h = cost / (bytes * staleness)``: cost is
 the op's own estimate plus that of re-making its dropped inputs (DTR's
 evicted neighbourhood, upstream), or 0 for a tensor that gradients read
-only for its shape (_SHAPE_ONLY: they get zeros of that shape) and that no
-needed recomputation reads. Only what can be recomputed exactly is
-dropped: outputs of ops whose OpDef is stateless, that take and make no
+only for its shape (_budget_core._SHAPE_ONLY: they get zeros of that
+shape) and that no needed recomputation reads. Only what can be
+recomputed exactly is dropped: outputs of ops whose OpDef is stateless, that take and make no
 resource or variant, carry no function attr and are not random; never a
 watched tensor, and never a leaf (a tensor no recipe makes: a variable
 read, a random op's output, a constant, what a tf.function or
@@ -48,7 +50,6 @@ from tensorflow.python.eager import context
 from tensorflow.python.eager import core
 from tensorflow.python.eager import execute
 from tensorflow.python.eager import record
-from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import tensor as tensor_lib
 from tensorflow.python.ops import array_ops
@@ -57,7 +58,8 @@ from fasttape._core import VSpace
 from fasttape.gradients._graph_ops import graph_op
 from fasttape.gradients._payloads import EagerOp
 from fasttape.gradients._tf_vspace import _tf_zeros
-from fasttape.gradients._tf_vspace import element_size as _element_size
+from fasttape.recording._budget_core import Slot, StoreCore
+from fasttape.recording._budget_core import recomputable, shape_only  # noqa: F401
 
 ENV_VAR = "FASTTAPE_MEMORY_BUDGET"
 
@@ -133,170 +135,14 @@ user_line = None
 
 _quick_execute = execute.quick_execute
 
-_DT_RESOURCE = 20
-_DT_VARIANT = 21
-# Stateless by their OpDef yet not to be re-run: reads of state, host-side
-# effects, and anything random (seeded stateless ops too: kept out, to be
-# conservative).
-_NEVER = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
-                    "VarHandleOp", "VarIsInitializedOp", "Const", "Placeholder",
-                    "EagerPyFunc", "PyFunc", "PyFuncStateless", "Timestamp",
-                    "Print", "PrintV2", "DebugIdentity", "DebugIdentityV2",
-                    "DebugIdentityV3", "CheckNumerics", "CheckNumericsV2"})
-_recomputable_cache = {}
-
-
-def recomputable(op_type):
-    """Can an op of this type be re-run to give the same values (bit for
-    bit on CPU)? From its OpDef: not stateful, no resource or variant
-    argument, no function attr, not random, not on the deny list."""
-    ok = _recomputable_cache.get(op_type)
-    if ok is None:
-        ok = _recomputable(op_type)
-        _recomputable_cache[op_type] = ok
-    return ok
-
-
-def _recomputable(op_type):
-    if op_type in _NEVER or "Random" in op_type or op_type.startswith(
-            ("Stateless", "Stateful")):
-        return False
-    op_def = op_def_registry.get(op_type)
-    if op_def is None or op_def.is_stateful:
-        return False
-    for arg in list(op_def.input_arg) + list(op_def.output_arg):
-        if arg.type in (_DT_RESOURCE, _DT_VARIANT):
-            return False
-    for attr in op_def.attr:
-        if "func" in attr.type:
-            return False
-    return True
-
-
+# (The rules of which ops can be re-run exactly, which saved inputs their
+# gradients read for their shapes only, and what re-running one costs, are
+# _budget_core's, beside the per-op path that reads them.)
 _EagerTensor = ops.EagerTensor
-_UNPLAIN = (_DT_RESOURCE, _DT_VARIANT)   # no recipe takes or makes these
 
-
-def _plain(tensors):
-    """Eager tensors, none a resource or variant (checked per op: a type
-    attr may make them so)."""
-    for t in tensors:
-        if type(t) is not _EagerTensor or \
-                t._datatype_enum() in _UNPLAIN:  # pylint: disable=protected-access
-            return False
-    return True
-
-
-# Inputs that an op's gradient function reads for their shapes only, never
-# their values (TF's registered gradients and fasttape's fast rules for
-# them): a dropped tensor such a gradient reads there is not recomputed for
-# it; it gets zeros of the same shape and dtype (one per shape, dtype and
-# device in a pass), and the gradient is the same bit for bit. A tensor
-# that only such reads keep (a matmul's output before its bias add) costs
-# nothing to drop. (ConcatV2: every input but the axis, whose value the
-# gradient reads. A slice's, a reduction's, a broadcast's, a cast's, a pad's
-# and an average pool's input, and a select's branches: shapes (and dtypes)
-# only, in TF's gradients and the fast rules.)
-_SHAPE_ONLY = {"Add": (0, 1), "AddV2": (0, 1), "Sub": (0, 1),
-               "Reshape": (0,), "ExpandDims": (0,), "Squeeze": (0,),
-               "ConcatV2": None,
-               # (Saved positions count the inputs, then the outputs.)
-               "StridedSlice": (0,), "Slice": (0, 3), "Sum": (0,),
-               "Mean": (0, 2), "Tile": (0,), "BroadcastTo": (0,),
-               "Cast": (0,), "AvgPool": (0,), "Pad": (0,), "PadV2": (0,),
-               "SelectV2": (1, 2, 3)}
-
-
-def shape_only(op_type, num_inputs):
-    """The positions of an op's saved inputs its gradient reads for their
-    shapes only (empty: none)."""
-    got = _SHAPE_ONLY.get(op_type, ())
-    return range(num_inputs - 1) if got is None else got
-
-_INNER_DIM_OPS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
-                  "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv1D")
-
-
-# Costs are in elements touched (read or written by an elementwise kernel:
-# about 0.3 ns each on this CPU). Re-running an op through the budget's
-# Python path (rematerialize, dispatch, bookkeeping) costs about 30 us,
-# what touching this many elements does: a cheap elementwise op is not free
-# to re-run.
-_DISPATCH = 100000
-# A multiply-add of a matmul or convolution (MKL/oneDNN, vectorized and
-# threaded) costs about a twenty-fifth of an element touched: a 64x320 by
-# 320x1024 matmul, 21M multiply-adds, runs in about 0.3 ms, some 7 times a
-# 16K-element sigmoid re-run, not 340.
-_MACS_PER_ELEMENT = 25
-
-
-def _macs(op_type, inputs, n_out):
-    """A matmul's or convolution's multiply-adds (outputs times the
-    contracted dimension), in elements touched. A recipe's cost estimate
-    is the dispatch, the elements read and written, and these."""
-    macs = 0
-    if op_type in _INNER_DIM_OPS and inputs:
-        shape = inputs[-1]._shape_tuple() if op_type.startswith(("Conv", "Depth")) \
-            else inputs[0]._shape_tuple()  # pylint: disable=protected-access
-        if shape:
-            factor = max(1, math.prod(d or 1 for d in shape[:-1])
-                         if op_type.startswith(("Conv", "Depth")) else shape[-1] or 1)
-            macs = n_out * factor // _MACS_PER_ELEMENT
-    return macs
 
 
 # -- the store ------------------------------------------------------------------
-
-
-class Recipe:
-    """One recorded op that can be re-run: what re-running it needs."""
-    __slots__ = ("op_type", "attrs", "inputs", "outputs", "device", "cost")
-
-    def __init__(self, op_type, attrs, inputs, device, cost):
-        self.op_type = op_type
-        self.attrs = attrs
-        self.inputs = inputs        # input Slots
-        self.outputs = []           # output tensor ids (not Slots: a slot names
-                                    # its recipe, and no cycle may form)
-        self.device = device
-        self.cost = cost
-
-    def __repr__(self):
-        return f"<Recipe {self.op_type} on {self.device}>"
-
-
-class Slot:
-    """One tensor the budget knows. In a payload's ``saved`` tuple in place
-    of a dropped tensor, it is the marker that says how to recompute it."""
-    __slots__ = ("tid", "tensor", "wref", "recipe", "nbytes", "nelem", "holders",
-                 "refs", "payloads", "last", "pinned", "closure_ok", "aliased",
-                 "readers", "valued", "shape_holders", "shape", "dtype",
-                 "__weakref__")
-
-    def __init__(self, t, recipe):
-        self.tid = t._id  # pylint: disable=protected-access
-        self.tensor = None          # the tensor, while this store holds it
-        self.wref = weakref.ref(t)  # the original, while anyone holds it
-        self.recipe = recipe        # Recipe, or None for a leaf
-        self.nelem = t._num_elements()  # pylint: disable=protected-access
-        self.nbytes = _element_size(t) * self.nelem
-        self.holders = {}           # payload weakref -> occurrences of the tensor in its saved
-        self.refs = 0               # sum of holders' values: the tape's references to the tensor
-        self.payloads = 0           # live payloads that save it (the tensor or this slot)
-        self.last = 0               # clock of the last use
-        self.pinned = False         # a leaf some dropped tensor's recipe needs
-        self.closure_ok = False     # every leaf it is recomputed from is pinned
-        self.aliased = False        # a variable's value: shares its buffer, frees nothing
-        self.readers = None         # ids of the tensors whose recipes read it (or None)
-        self.valued = 0             # live payloads that save it for its values, not only its shape
-        self.shape_holders = None   # (or a set) payload weakrefs that save it for its shape only
-        self.shape = None           # (once dropped) its shape and dtype: what a
-        self.dtype = None           # shape-only reader is given in its place
-
-    def __repr__(self):
-        what = self.recipe.op_type if self.recipe is not None else "leaf"
-        state = "resident" if self.tensor is not None else "dropped"
-        return f"<fasttape dropped-tensor slot {self.tid}: {what}, {state}>"
 
 
 # How many recomputation steps _next_use follows from a tensor to the
@@ -318,7 +164,7 @@ LOW_WATER = 0.9
 _FEW = 32
 
 
-class Store:
+class Store(StoreCore):
     """A tape's memory budget: its slots, recipes and counters.
 
     The resident tensors that can free memory are split, incrementally, into
@@ -373,120 +219,9 @@ class Store:
         # walked again at each (a 100-layer chain under a tight budget:
         # half of its recording time).
         self._chain = {}
+        self._buffers = {}
 
     # -- recording ----------------------------------------------------------
-
-    def recorded(self, op_id, op_type, inputs, outputs, payload):
-        """Called by the recorder after it recorded an op on the tape."""
-        # (Called for every recorded op: written for speed; a known
-        # tensor's slot is looked up inline, a new one made by _slot.)
-        if type(payload) is not EagerOp:
-            return
-        slots = self.slots
-        if op_type == "ReadVariableOp":
-            for t in outputs:
-                self._slot(t).aliased = True
-        self.clock += 1
-        clock = self.clock
-        if not outputs:
-            pass
-        elif not (recomputable(op_type) and _plain(outputs) and _plain(inputs)):
-            # (A leaf: what made it is named if it is ever why the budget
-            # cannot be kept.)
-            made_by = self.made_by
-            for t in outputs:
-                made_by[t._id] = op_type  # pylint: disable=protected-access
-        else:
-            in_slots = []
-            n_in = 0
-            for t in inputs:
-                x = slots.get(t._id)  # pylint: disable=protected-access
-                if x is None:
-                    x = self._slot(t)
-                if x.recipe is None and not x.pinned:
-                    # A leaf a recipe reads (a variable's value, a constant,
-                    # a random op's output) is kept: by the backward pass
-                    # it may be gone, or the variable changed.
-                    x.pinned = True
-                    self._hold(x, t)
-                n_in += x.nelem
-                in_slots.append(x)
-            attrs = payload.attrs
-            if any([v is None for v in attrs[1::2]]):
-                # (None: the default, as the fast path passes it.)
-                attrs = tuple([v for k in range(0, len(attrs), 2)
-                               if attrs[k + 1] is not None
-                               for v in attrs[k:k + 2]])
-            recipe = Recipe(op_type, attrs, in_slots, outputs[0].device, 0)
-            out_ids = recipe.outputs
-            n_out = 0
-            for t in outputs:
-                x = Slot(t, recipe)
-                x.last = clock
-                slots[x.tid] = x          # last writer wins, as in the core
-                out_ids.append(x.tid)
-                n_out += x.nelem
-            # (The cost estimate: _DISPATCH, the elements the slots counted,
-            # and a matmul's or convolution's multiply-adds.)
-            recipe.cost = _DISPATCH + n_in + n_out + (
-                _macs(op_type, inputs, n_out) if op_type in _INNER_DIM_OPS else 0)
-            for x in in_slots:
-                if x.readers is None:
-                    x.readers = list(out_ids)
-                else:
-                    x.readers.extend(out_ids)
-        ref = None
-        mine = None
-        shape_pos = shape_only(op_type, payload.num_inputs)
-        k = -1
-        for t in payload.saved:
-            k += 1
-            if type(t) is not _EagerTensor:
-                continue
-            s = slots.get(t._id)  # pylint: disable=protected-access
-            if s is None:
-                s = self._slot(t)
-            if s.tensor is None:
-                self._hold(s, t)
-            if s.nbytes > self.largest:
-                self.largest = s.nbytes
-            if ref is None:
-                ref = weakref.ref(payload, self._on_death)
-                mine = []
-            holders = s.holders
-            n = holders.get(ref)
-            if n is None:
-                holders[ref] = 1
-                s.payloads += 1
-                if k in shape_pos:
-                    if s.shape_holders is None:
-                        s.shape_holders = {ref}
-                    else:
-                        s.shape_holders.add(ref)
-                else:
-                    s.valued += 1
-                mine.append(s)
-            else:
-                holders[ref] = n + 1
-                if k not in shape_pos and s.shape_holders is not None \
-                        and ref in s.shape_holders:
-                    # (Also read for its values by the same gradient.)
-                    s.shape_holders.discard(ref)
-                    s.valued += 1
-            s.refs += 1
-            s.last = clock
-        if ref is not None:
-            self._saved_by[ref] = mine
-            self._when[ref] = clock
-        if self.sole_bytes + self.shared_bytes > self.budget or self.debug:
-            self._check()
-
-    def _slot(self, t):
-        s = self.slots.get(t._id)  # pylint: disable=protected-access
-        if s is None:
-            s = Slot(t, None)
-            self.slots[s.tid] = s
-        return s
 
     def _payload_died(self, ref):
         # (A weakref callback: may run inside the garbage collector; it only
@@ -516,17 +251,8 @@ class Store:
             elif self.sole.get(tid) is s:
                 del self.sole[tid]
                 self.sole_bytes -= s.nbytes
-
-    def _hold(self, s, t):
-        if s.tensor is None:
-            s.tensor = t
-            if self._chain and (s.readers is not None or s.tid in self._chain):
-                self._forget_chains(s)
-            self.resident[s.tid] = s
-            self.resident_bytes += s.nbytes
-            if not s.aliased:
-                self.shared[s.tid] = s
-                self.shared_bytes += s.nbytes
+            if s.buf:
+                self._unview(s)
 
     def _forget_chains(self, s):
         """s was dropped or made resident: forget the chain costs that
@@ -557,7 +283,7 @@ class Store:
     def _sole(s):
         # References: the slot's, one per holder's saved entry while they
         # hold the tensor itself, and getrefcount's argument.
-        if s.aliased:
+        if s.aliased or s.view:
             return False
         return sys.getrefcount(s.tensor) <= 2 + s.refs
 
