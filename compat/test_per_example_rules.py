@@ -826,7 +826,13 @@ def _rnn_model(kind, sequences, mask, stacked, dense_first, backwards):
     import keras  # pylint: disable=import-outside-toplevel
     L = keras.layers
     keras.utils.set_random_seed(0)
-    rnn = {"lstm": L.LSTM, "gru": L.GRU, "simple_rnn": L.SimpleRNN}[kind]
+    rnn = {"lstm": L.LSTM, "gru": L.GRU, "simple_rnn": L.SimpleRNN,
+           # the kernels read through slices, one per gate, in the body
+           # (the recurrent one by two products of different inputs when
+           # the reset gate comes first)
+           "gru_reset_before": lambda *a, **k: L.GRU(*a, reset_after=False, **k),
+           "gru_implementation_1": lambda *a, **k: L.GRU(*a, implementation=1, **k),
+           }[kind]
     layers = [L.Masking(0.0)] if mask else []
     if dense_first:
         layers.append(L.Dense(3, activation="tanh"))
@@ -850,13 +856,16 @@ RNNS = {
     "lstm_sequences": ("lstm", True, False, False, False, False),
     "lstm_masked": ("lstm", False, True, False, False, False),
     "gru_masked_stacked": ("gru", False, True, True, False, False),
+    "gru_reset_before": ("gru_reset_before", True, False, False, False, False),
+    "gru_implementation_1_masked": ("gru_implementation_1", False, True, False, False, False),
     "simple_rnn_dense_first_masked": ("simple_rnn", True, True, False, True, False),
     "simple_rnn_stacked_backwards": ("simple_rnn", False, False, True, False, True),
 }
 
 
 @pytest.mark.parametrize("case,mode", [(c, "function") for c in sorted(RNNS)]
-                         + [("lstm_masked", "jit")])
+                         + [("lstm_masked", "jit"), ("gru_reset_before", "jit"),
+                            ("gru_implementation_1_masked", "jit")])
 def test_keras_rnn_variables_take_the_loop_rule(case, mode):
     xs, loss, variables = _rnn_model(*RNNS[case])
     ref = _reference(loss, xs, variables)
@@ -902,7 +911,8 @@ def _loop_case(body_kind):
         steps = tf.TensorArray(tf.float32, size=4).unstack(tf.transpose(x, [1, 0, 2]))
 
         def body(t, h):
-            z = steps.read(t) @ w + h
+            x_t = steps.read(t)
+            z = x_t @ w + h
             if body_kind == "mixes_rows":           # each row reads its neighbour's
                 z = z + 0.5 * tf.roll(h, 1, axis=0)
             elif body_kind == "squares_the_weight":
@@ -911,6 +921,8 @@ def _loop_case(body_kind):
                 z = z * w[0]
             elif body_kind == "read_twice":             # two reads of w
                 z = z + h @ w
+            elif body_kind == "row_slices":     # w's rows in two products
+                z = x_t[:, :2] @ w[:2] + x_t[:, 2:] @ w[2:] + h @ w[:, 1:2]
             return t + 1, tf.tanh(z)
         _, h = tf.while_loop(lambda t, h: t < 4, body,
                              [tf.constant(0), tf.zeros([tf.shape(x)[0], 3])])
@@ -934,11 +946,12 @@ def _traced_step_and_its_rules(loss, variables, **function_kwargs):
 
 
 @pytest.mark.parametrize("body_kind", ["matmul", "mixes_rows", "squares_the_weight",
-                                       "weight_elementwise", "read_twice"])
+                                       "weight_elementwise", "read_twice",
+                                       "row_slices"])
 def test_a_loop_the_rule_does_not_prove_takes_rows(body_kind):
     """Only a body the analysis proves (each example's rows its own, the
-    variable read by batch-major MatMul, BiasAdd or Add) takes the loop's
-    rule: any other loop's variable takes the exact rows."""
+    variable read, once or more, by batch-major MatMul, BiasAdd or Add)
+    takes the loop's rule: any other loop's variable takes the exact rows."""
     x, loss, variables = _loop_case(body_kind)
     if body_kind == "mixes_rows":
         ref = _full_batch_reference(loss, [x], variables)
@@ -948,7 +961,8 @@ def test_a_loop_the_rule_does_not_prove_takes_rows(body_kind):
     for g, r in zip(step(x), ref):
         _close(g, r, tf.float32)
     expected = ("While: the rules of its body's MatMul, summed over its iterations"
-                if body_kind == "matmul" else "per-example rows")
+                if body_kind in ("matmul", "read_twice", "row_slices")
+                else "per-example rows")
     assert [how for _, how in rules[-1]] == [expected, "MatMul"]
 
 

@@ -679,17 +679,31 @@ def _ruled_pass(what, tape_state, losses, flat, analysis, use_grads=None):
     return captured
 
 
-def _rows(tape, losses, flat_raw, keys, basis=None, uses=None, grads=None):
+def _rows(tape, losses, flat_raw, keys, basis=None, uses=None, grads=None,
+          ruled=None):
     """{k: per-example (or per-basis-row) gradients of source k, or None}.
     ``uses``: the analysis' sources read by several ruled ops (_uses), whose
     per-example gradients come from one pass to those ops' outputs (or from
-    ``grads``, their gradients by output id, where _ruled_pass's had them)."""
+    ``grads``, their gradients by output id, where _ruled_pass's had them).
+    A loop's variable read by one MatMul alone comes as its factors
+    (_while_grads.Factors): added to ``ruled`` (k -> _ruled_pass's item,
+    under the rule of a batched product, LOOP_RULE) and left out of the
+    rows; without ``ruled``, its per-example gradients by that rule."""
     if uses and basis is None:
         got = _per_example_of_uses(tape._tape, losses, {  # pylint: disable=protected-access
             k: uses[k] for k in keys if k in uses},
             {k: tuple(flat_raw[k].shape.as_list()) for k in keys}, grads)
         for k in [k for k in uses if k not in got]:
             del uses[k]     # a rule declined: rows (and so in the summary)
+        for k, v in list(got.items()):
+            if isinstance(v, _while_grads.Factors):
+                item = _factored(v, tuple(flat_raw[k].shape.as_list()))
+                if ruled is None:
+                    got[k] = item[2].per_example(*item[:2], item[4], src_shape=item[3])
+                else:
+                    ruled[k] = item
+                    del got[k]
+                    keys = [j for j in keys if j != k]
         rest = _rows(tape, losses, flat_raw, [k for k in keys if k not in got])
         return {k: got[k] if k in got else rest.get(k) for k in keys}
     if not keys:
@@ -700,6 +714,26 @@ def _rows(tape, losses, flat_raw, keys, basis=None, uses=None, grads=None):
                                     UnconnectedGradients.NONE, batch=False,
                                     basis=basis, release=False)
     return dict(zip(keys, rows))
+
+
+# The rule a loop variable's factors take: Z = A W over [B, T, K] inputs.
+LOOP_RULE = "BatchMatMulV2"
+
+
+def _factored(factors, shape):
+    """_ruled_pass's item (payload, pos, rule, src_shape, g) of a loop
+    variable's factors (_while_grads.Factors): the variable as the W of A
+    W, A the iterations' inputs, g their output gradients."""
+    payload = EagerOp(("adj_x", False, "adj_y", bool(factors.transpose_b)),
+                      (factors.a, None), 2)
+    return payload, 1, _norm_rules.NORM_RULES[LOOP_RULE], shape, factors.g
+
+
+def _op_types(analysis, ruled):
+    """The op type of each ruled source's rule: the analysis', LOOP_RULE
+    for a loop variable's factors (_rows)."""
+    return {k: analysis.op_types[k] if k in analysis.ruled else LOOP_RULE
+            for k in ruled}
 
 
 def _graph_rows(tape, losses, flat_raw, keys, basis=None):
@@ -766,16 +800,17 @@ def per_example_gradients(tape, losses, sources):
                             flat_raw, batch)
         out = [None] * len(flat)
         use_grads = {}
-        for k, (payload, pos, rule, src_shape, g) in _ruled_pass(
-                "per_example_gradients", tape_state, losses, flat, analysis,
-                use_grads).items():
+        ruled = _ruled_pass("per_example_gradients", tape_state, losses, flat,
+                            analysis, use_grads)
+        _note_fallback("per_example_gradients", tape, flat_raw, analysis)
+        for k, rows in _rows(tape, losses, flat_raw, list(analysis.fallback),
+                             uses=analysis.uses, grads=use_grads,
+                             ruled=ruled).items():
+            out[k] = rows
+        for k, (payload, pos, rule, src_shape, g) in ruled.items():
             out[k] = array_ops.reshape(
                 rule.per_example(payload, pos, g, src_shape=src_shape),
                 [batch] + flat_raw[k].shape.as_list())
-        _note_fallback("per_example_gradients", tape, flat_raw, analysis)
-        for k, rows in _rows(tape, losses, flat_raw, list(analysis.fallback),
-                             uses=analysis.uses, grads=use_grads).items():
-            out[k] = rows
     finally:
         _end(tape, tape_state)
     return _pack(sources, flat_raw, out)
@@ -788,7 +823,7 @@ def _sq_norms(what, tape, tape_state, losses, flat, flat_raw, analysis):
     ruled = _ruled_pass(what, tape_state, losses, flat, analysis, use_grads)
     _note_fallback(what, tape, flat_raw, analysis)
     rows = _rows(tape, losses, flat_raw, list(analysis.fallback),
-                 uses=analysis.uses, grads=use_grads)
+                 uses=analysis.uses, grads=use_grads, ruled=ruled)
     total = None
     memo = {}
     for payload, pos, rule, src_shape, g in ruled.values():
@@ -1205,9 +1240,7 @@ def _post_pass(spec, *tensors, payloads=None, sparse=False):
             "AddV2", total, math_ops.cast(sq, total.dtype))
         items.append((k, payload, pos, rule, src_shape, g))
     for _, r_i in rows_spec:
-        factors = getattr(tensors[r_i], _while_grads.FACTORS, None)
-        sq = (_norm_rules.sq_rows(tensors[r_i]) if factors is None
-              else _while_grads.sq_norms(factors))
+        sq = _norm_rules.sq_rows(tensors[r_i])
         total = sq if total is None else _norm_rules._ex(
             "AddV2", total, math_ops.cast(sq, total.dtype))
     clip = math_ops.cast(clip, total.dtype)
@@ -1221,10 +1254,7 @@ def _post_pass(spec, *tensors, payloads=None, sparse=False):
                                memo=memo)
     for k, r_i in rows_spec:
         r = tensors[r_i]
-        factors = getattr(r, _while_grads.FACTORS, None)
-        out[k] = (math_ops.tensordot(math_ops.cast(weights, r.dtype), r, 1)
-                  if factors is None else
-                  _while_grads.weighted(factors, math_ops.cast(weights, r.dtype)))
+        out[k] = math_ops.tensordot(math_ops.cast(weights, r.dtype), r, 1)
     noise_of = {k: (offset, n) for k, offset, n in noised}
     result = []
     for k, shape in shapes:
@@ -1384,7 +1414,7 @@ def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
         # (a source read by several ruled ops or through a chain: their
         # rules summed, as eagerly; the summary says so)
         rows = _rows(tape, losses, flat_raw, list(analysis.fallback),
-                     uses=analysis.uses, grads=use_grads)
+                     uses=analysis.uses, grads=use_grads, ruled=ruled)
     else:
         # (as eagerly: a microbatch's gradient goes through rows)
         analysis = _analyse("dp_gradient", tape_state, losses, flat, flat_raw,
@@ -1395,7 +1425,8 @@ def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
         ruled, rows = {}, _rows(tape, losses, flat_raw,
                                 list(analysis.fallback), basis)
     _note_fallback("dp_gradient", tape, flat_raw, analysis)
-    spec, feeds, _ = _post_plan(ruled, rows, flat_raw, {}, analysis.op_types)
+    spec, feeds, _ = _post_plan(ruled, rows, flat_raw, {},
+                                _op_types(analysis, ruled))
     out = [None] * len(flat)
     if not spec[3]:
         return out
@@ -2027,13 +2058,15 @@ def _body_axes(entries, body, start, batch):
             at = [p for p, tid in enumerate(entry.input_ids) if tid in weight]
             others = [a for p, a in enumerate(ins) if p not in at]
             if (kind in _while_grads.WEIGHT_OPS and at == [1 if kind == "Split" else 0]
-                    and not any(a is _OFF or a >= 0 for a in others)):
+                    and not any(a is _OFF or a >= 0 for a in others)
+                    and _while_grads.weight_op_proven(op)):
                 if kind == "ReadVariableOp":
                     shape = tuple(op.outputs[0].shape.as_list()) if (
                         op.outputs[0].shape.rank is not None) else None
-                    if shape is None or None in shape or i in plans:
-                        return None     # (one read a variable: its gradient's)
-                    plans[i] = (shape, op.outputs[0].dtype, {})
+                    if shape is None or None in shape or (
+                            i in plans and plans[i][0] != shape):
+                        return None
+                    plans.setdefault(i, (shape, op.outputs[0].dtype, {}))
                 elif i not in plans:
                     return None
                 plans[i][2][id(op)] = "weight"

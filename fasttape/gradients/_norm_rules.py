@@ -30,6 +30,7 @@ from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import array_ops_stack
+from tensorflow.python.ops import cond
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gen_nn_ops
 from tensorflow.python.ops import linalg_ops_impl
@@ -254,13 +255,36 @@ class _BatchMatMul:
                 array_ops.reshape(g, [b, -1, n]))
 
     def sq_norms(self, payload, pos, g, src_shape=None, memo=None):
+        given = (payload.inputs[0], g)
         a, g = self._flat(payload, g, src_shape, pos)
         t, k, n = a.shape[1], a.shape[2], g.shape[2]
+
+        def gram(x, x_given, share):
+            # (shared by the products reading one tensor: a loop's gate
+            # gradient, for its kernel and recurrent kernel)
+            key = ("gram", id(x_given), tuple(x.shape.as_list()))
+            hit = memo.get(key) if share else None
+            if hit is not None and hit[0] is x_given:
+                return hit[1]
+            out = math_ops.matmul(x, x, transpose_b=True)
+            if share:
+                memo[key] = (x_given, out)
+            return out
+
+        def ghost(share=False):
+            # (not a convolution's: its a, the patches, is its own)
+            share = share and memo is not None and type(self) is _BatchMatMul
+            return math_ops.reduce_sum(
+                gram(a, given[0], share) * gram(g, given[1], share), axis=[1, 2])
         if t is not None and t * t < k * n and self._ghost(a.shape[0], t, k, n, a.dtype,
                                                            payload):
-            aa = math_ops.matmul(a, a, transpose_b=True)
-            gg = math_ops.matmul(g, g, transpose_b=True)
-            return math_ops.reduce_sum(aa * gg, axis=[1, 2])
+            return ghost(share=True)
+        if t is None and None not in (k, n) and type(self)._ghost is _BatchMatMul._ghost:
+            # T unknown while tracing (a loop's iterations): the choice at
+            # run time (weighted() is then one product either way)
+            return cond.cond(
+                math_ops.square(array_ops.shape(a)[1]) < k * n, ghost,
+                lambda: sq_rows(math_ops.matmul(a, g, transpose_a=True)))
         grads = math_ops.matmul(a, g, transpose_a=True)
         if memo is not None:
             # weighted() sums these (B x K x N, no larger than the saved
