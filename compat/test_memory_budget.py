@@ -813,14 +813,17 @@ def test_refused_compiled_pass_starts_lower_next_time():
 def test_lower_start_counts_from_what_the_pass_started_with():
     """The lower start is counted down from what the refused pass held
     when it started, not from the usual level: a one-block attention model
-    under 50% starts its backward pass well below the usual level, and a
-    start lowered from that level by the excess dropped nothing more,
-    signed the same pass, found it refused for good, and ran every later
-    step eagerly."""
+    feeding a dense block under 20% starts its backward pass well below
+    the usual level, and a start lowered from that level by the excess
+    dropped nothing more, signed the same pass, found it refused for good,
+    and ran every later step eagerly. (Under 50%, the model with the
+    attention block alone was refused while the compiled pass counted what
+    a call reads as alive during the call; counted as the eager pass
+    counts, after each op, it fits there.)"""
     stores = _compiled_steps(*family.build(tf, {
-        "dtype": "float32", "batch": 128, "width": 32, "seed": 257,
-        "image": None, "stem": [], "tokens": (4, 8), "blocks": ["attention"],
-        "activation": "relu"}), 0.5, 4)
+        "dtype": "float32", "batch": 32, "width": 32, "seed": 257,
+        "image": None, "stem": [], "tokens": (4, 8),
+        "blocks": ["attention", "dense"], "activation": "gelu"}), 0.2, 4)
     assert stores[0].compiled_passes == 0
     assert stores[1].dropped > stores[0].dropped    # (it started lower)
     assert stores[-1].compiled_passes == 1
