@@ -830,11 +830,36 @@ def test_lower_start_counts_from_what_the_pass_started_with():
     fasttape.clear_caches()
 
 
-def test_pass_that_never_fits_starts_from_the_usual_level_again():
+def test_compiled_pass_counts_what_the_tape_holds_after_each_op():
+    """A compiled pass counts a recomputed tensor alive from the op that
+    re-made it up to, not during, the step that reads it (an op re-run
+    from it, or a gradient call): as the eager pass counts what the tape
+    holds after each op. A one-block attention model under 50%, whose
+    calls read tensors re-made one from another, was refused for holding
+    them all during the call, and started its next pass lower; its replay
+    now runs from the first level, within the budget plus the largest
+    saved tensor (what the tape holds, _compiled_steps checks), with the
+    unbudgeted gradients bit for bit."""
+    stores = _compiled_steps(*family.build(tf, {
+        "dtype": "float32", "batch": 128, "width": 32, "seed": 257,
+        "image": None, "stem": [], "tokens": (4, 8), "blocks": ["attention"],
+        "activation": "relu"}), 0.5, 4)
+    assert [s.compiled_passes for s in stores[1:]] == [1, 1, 1]
+    assert not _budget._PASS_WATER  # (never started lower)  # pylint: disable=protected-access
+    assert all(0 < s.max_held <= s.budget + s.largest for s in stores)
+    fasttape.clear_caches()
+
+
+def test_pass_that_never_fits_starts_from_the_usual_level_again(monkeypatch):
     """A budgeted pass whose compiled replay is refused from every lower
     start tried (a convnet feeding LSTMs under 25%) runs eagerly from the
     usual level again, not from the last and lowest, where its eager pass
-    re-made 20 times as many ops."""
+    re-made 20 times as many ops. (Its replay fits since the compiled pass
+    counts what the tape holds after each op, as the eager pass does: each
+    is refused here as if it held the budget more than it counts.)"""
+    refuse = _budget.GraphRecompute.refuse
+    monkeypatch.setattr(_budget.GraphRecompute, "refuse", lambda self, peak:
+                        refuse(self, peak + self.store.budget))
     stores = _compiled_steps(*family.build(tf, {
         "dtype": "float32", "batch": 4, "width": 64, "seed": 562,
         "image": (24, 24, 1), "stem": ["conv", "conv"], "tokens": None,
