@@ -1195,7 +1195,9 @@ class GraphRecompute:
         store = self.store
         # What recomputations may hold at once, re-running rather than
         # keeping alive beyond it (the largest saved tensor's slack, that
-        # refuse() allows, is left for what a call must read at once).
+        # refuse() allows, is left for what one op re-made holds beyond
+        # it: as the eager pass, what a call reads is not the tape's
+        # while the call runs, see _extend).
         self._cap = store.budget - self._held_at_start
 
     def resolve(self, stand_in, out_grads):
