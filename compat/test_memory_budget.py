@@ -850,6 +850,25 @@ def test_compiled_pass_counts_what_the_tape_holds_after_each_op():
     fasttape.clear_caches()
 
 
+def test_a_recomputed_tensor_read_twice_counts_at_its_first_read():
+    """The compiled pass's count of a re-made tensor read at two steps: alive
+    from the step after it was made through the step before its last read,
+    its first read included (after that op the tape still holds it for the
+    second), and the room check of a later read looks at that step too."""
+    rec = object.__new__(_budget.GraphRecompute)
+    rec._alive = [10, 0, 0, 0, 0, 0]       # made at step 0 (10 bytes)  # pylint: disable=protected-access
+    rec._memo = {0: [(), 0]}               # pylint: disable=protected-access
+    rec._recipe_bytes = {0: 10}            # pylint: disable=protected-access
+    rec._extend(0, 2)                      # pylint: disable=protected-access
+    assert rec._alive == [10, 10, 0, 0, 0, 0]   # pylint: disable=protected-access
+    rec._extend(0, 5)                      # pylint: disable=protected-access
+    assert rec._alive == [10, 10, 10, 10, 10, 0]   # pylint: disable=protected-access
+    rec._alive[2] = 5                      # pylint: disable=protected-access
+    rec._cap = 14                          # pylint: disable=protected-access
+    rec._memo = {0: [(), 1]}               # pylint: disable=protected-access
+    assert not rec._fits(0, 4)             # (step 2 is full)  # pylint: disable=protected-access
+
+
 def test_pass_that_never_fits_starts_from_the_usual_level_again(monkeypatch):
     """A budgeted pass whose compiled replay is refused from every lower
     start tried (a convnet feeding LSTMs under 25%) runs eagerly from the

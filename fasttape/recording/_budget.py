@@ -1049,7 +1049,7 @@ class GraphRecompute:
         self.n_tensors = 0      # dropped tensors its gradients read ...
         self.n_bytes = 0        # ... and their bytes
         self._fed = None        # (trace) local number -> placeholder
-        self._memo = None       # (trace) recipe number -> [outputs, last step reading them]
+        self._memo = None       # (trace) recipe number -> [outputs, last step counted alive]
         self._alive = None      # (trace) per step (an op re-run, a call reading
                                 # what was): recomputed bytes alive
         self._cap = 0           # (trace) what the budget leaves for them
@@ -1289,7 +1289,9 @@ class GraphRecompute:
         for g in range(m[1] + 1, step):
             alive[g] += nbytes
         if step > m[1]:
-            m[1] = step
+            # counted through step - 1: read again later, r is the tape's
+            # after this step too, and a later extension counts it here
+            m[1] = step - 1
 
     def _made(self, top):
         """(trace) Recipe top's outputs in the graph: made earlier and still
