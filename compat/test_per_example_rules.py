@@ -526,6 +526,48 @@ def _assert_loops_values(mode, loss, x, w):
     _close(clipped, tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B, tf.float64)
 
 
+@pytest.mark.parametrize("kernel,strides,padding,transposed", [
+    ((3, 3), (2, 2), "SAME", False), ((2, 4), (2, 3), "SAME", False),
+    ((3, 2), (2, 1), "VALID", False), ((4, 4), (1, 1), "SAME", True),
+    ((1, 3), (1, 2), "VALID", False)])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_patches_gathered_at_any_stride(kernel, strides, padding, transposed, mode,
+                                        monkeypatch):
+    """Float64 patches over 8 channels or more, taken by one gather of the
+    padded input's positions (_slices): strided (the ghost norm's or the
+    batched product's patches, _Conv2D._flat: 3x3 at stride 2, an even kernel with
+    unequal strides, SAME padding one more after), VALID, one row, and a
+    transposed convolution's at stride 1 (its forward convolution 16 -> 4
+    channels: _sliced); per-example gradients, norms and the clipped sum
+    equal the loop's (float64, eagerly and in a tf.function)."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    original, sliced = _norm_rules._slices, []  # pylint: disable=protected-access
+
+    def spy(x, *args):
+        sliced.append(tuple(x.shape))
+        return original(x, *args)
+    monkeypatch.setattr(_norm_rules, "_slices", spy)
+    kh, kw = kernel
+    rng = np.random.default_rng(kh * 10 + kw)
+    if transposed:      # K [kh, kw, cy 16, cx 4]
+        x = tf.constant(rng.normal(size=(B, 6, 5, 4)), tf.float64)
+        w = tf.Variable(rng.normal(size=(kh, kw, 16, 4)) * 0.2, dtype=tf.float64)
+
+        def loss(x):
+            y = tf.nn.conv2d_transpose(x, w, [x.shape[0], 6, 5, 16], 1, padding)
+            return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+    else:
+        # (K = 8 kh kw at most 2 N: the patches, not the loop's (_looped))
+        x = tf.constant(rng.normal(size=(B, 9, 8, 8)), tf.float64)
+        w = tf.Variable(rng.normal(size=(kh, kw, 8, 4 * kh * kw)) * 0.2, dtype=tf.float64)
+
+        def loss(x):
+            y = tf.nn.conv2d(x, w, [1, strides[0], strides[1], 1], padding)
+            return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+    _assert_loops_values(mode, loss, x, w)
+    assert sliced and set(sliced) == {(B, 6, 5, 16) if transposed else (B, 9, 8, 8)}
+
+
 @pytest.mark.parametrize("kernel,padding,transposed", [
     ((3, 2, 2), "SAME", False), ((2, 3, 1), "VALID", False), ((3, 3, 2), "SAME", True)])
 @pytest.mark.parametrize("mode", ["eager", "function"])

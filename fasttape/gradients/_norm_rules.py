@@ -350,21 +350,37 @@ _SLICED_MIN_CHANNELS = 8
 def _slices(x, kh, kw, out_hw, strides, dilations, padding):
     """[N, ho, wo, kh kw, cin]: each output position's patch of x [N, H,
     W, cin] (NHWC, H and W known) under a kh x kw convolution, in the
-    kernel's (kh, kw, cin) order, by kh kw strided slices of x (padded as
-    TF pads SAME): copies, no products."""
+    kernel's (kh, kw, cin) order: one gather of x's positions (padded as
+    TF pads SAME, flattened), copies, no products. (One GatherV2 by cached
+    indices, not kh kw strided slices and their stack: float64, B 16-64,
+    8x8 to 32x32, 16-64 channels, 3x3 to 5x5, it took 0.15-0.5x their time,
+    eagerly and traced; 0.15x at stride 2, whose slices TF copies value by
+    value.)"""
     ho, wo = out_hw
     sh, sw = strides[1], strides[2]
     dh, dw = dilations[1], dilations[2]
+    size_h, size_w, cin = x.shape[1], x.shape[2], x.shape[3]
     if padding == "SAME":
         pads = [[0, 0]]
-        for size, out, k, s, d in ((x.shape[1], ho, kh, sh, dh), (x.shape[2], wo, kw, sw, dw)):
+        for size, out, k, s, d in ((size_h, ho, kh, sh, dh), (size_w, wo, kw, sw, dw)):
             total = max((out - 1) * s + (k - 1) * d + 1 - size, 0)
             pads.append([total // 2, total - total // 2])
         if any(p != [0, 0] for p in pads):
-            x = array_ops.pad(x, pads + [[0, 0]])
-    return array_ops_stack.stack(
-        [x[:, i * dh:i * dh + (ho - 1) * sh + 1:sh, j * dw:j * dw + (wo - 1) * sw + 1:sw, :]
-         for i in range(kh) for j in range(kw)], axis=3)
+            x = _ex("Pad", x, _const(tuple(tuple(p) for p in pads) + ((0, 0),),
+                                     dtypes.int32))
+            size_h += sum(pads[1])
+            size_w += sum(pads[2])
+
+    def indices():
+        # position (p, q), tap (i, j) reads row p sh + i dh, column q sw + j dw
+        rows = (np.arange(ho)[:, None] * sh + np.arange(kh)[None, :] * dh)   # [ho, kh]
+        cols = (np.arange(wo)[:, None] * sw + np.arange(kw)[None, :] * dw)   # [wo, kw]
+        flat = (rows[:, None, :, None] * size_w + cols[None, :, None, :])      # [ho, wo, kh, kw]
+        return constant_op.constant(flat.reshape(-1).astype(np.int32))
+    idx = _cached(("slices", ho, wo, kh, kw, sh, sw, dh, dw, size_w), indices)
+    flat = _ex("Reshape", x, _const((-1, size_h * size_w, cin), dtypes.int32))
+    patches = _ex("GatherV2", flat, idx, _const(1, dtypes.int32), "batch_dims", 0)
+    return _ex("Reshape", patches, _const((-1, ho, wo, kh * kw, cin), dtypes.int32))
 
 
 # Per-example kernel gradients (K N values an example, built from the
