@@ -435,8 +435,9 @@ def test_the_sliced_patches_keep_to_their_cap(cap, monkeypatch):
     (float64: float32 takes the grouped convolution) builds each example's
     kernel gradient from the output gradient's shifts where they are fewer
     values to copy than the patches (8 channels to 2: _shifted), else from
-    patches of slices, while they take at most _MAX_SLICED_BYTES (B T K
-    values); beyond, by TF's kernel gradient of one example at a time. All
+    gathered patches (eagerly at any stride), while they take at most
+    _MAX_SLICED_BYTES (B T K values); beyond, by TF's kernel gradient of
+    one example at a time. All
     equal the loop of single-example tapes."""
     from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
     if cap == "small":      # (the two stride-1 kernels' patches: 18.8 and 2.4 KB)
@@ -457,10 +458,11 @@ def test_the_sliced_patches_keep_to_their_cap(cap, monkeypatch):
     for g, r in zip(got, _reference(loss, xs, variables)):
         _close(g, r, tf.float64)
     # the 3x3 and 2x2 kernels at stride 1, and the 3x3 one at stride 2
+    # (eagerly gathered too, traced TF's kernel gradient of each example)
     if cap == "default":
         assert shifted == [(3, 3, 8, 2)]
         assert sorted(looped) == [(2, 2, 2, 2), (3, 3, 2, 2)]
-        assert len(sliced) == 1
+        assert len(sliced) == 2
     else:
         assert not shifted and not sliced
         assert sorted(looped) == [(2, 2, 2, 2), (3, 3, 2, 2), (3, 3, 8, 2)]
@@ -504,6 +506,41 @@ def test_kernel_gradients_from_the_output_gradients_shifts(kernel, padding, tran
     expected = tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B
     _close(tape.dp_gradient(losses, [w], clip, 0.0)[0], expected, tf.float64)
     assert shifted and set(shifted) == {(kh, kw, 8 if transposed else 9, 2)}
+
+
+@pytest.mark.parametrize("strides,padding", [((2, 2), "SAME"), ((2, 3), "VALID"),
+                                            ((3, 2), "SAME")])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_strided_many_inputs_gathered_eagerly(strides, padding, mode, monkeypatch):
+    """A strided convolution of many input channels to few outputs over
+    many positions (float64: no grouped kernel gradient), eagerly: each
+    example's kernel gradient from gathered patches and one batched product
+    (_sliced at the op's strides, not B kernel gradients dispatched one by
+    one); traced, TF's kernel gradient of each example. Per-example
+    gradients, norms and the clipped sum equal the loop's."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    blocks = _norm_rules._Conv2DBlocks  # pylint: disable=protected-access
+    sliced, original_sliced = [], blocks._sliced  # pylint: disable=protected-access
+
+    def spy_sliced(self, x, g, src_shape, nb, padding, strides=(1, 1, 1, 1)):
+        sliced.append(tuple(strides))
+        return original_sliced(self, x, g, src_shape, nb, padding, strides)
+    monkeypatch.setattr(blocks, "_sliced", spy_sliced)
+    looped = _spy_taken(monkeypatch, blocks, "_looped")
+    rng = np.random.default_rng(strides[0] * 10 + strides[1])
+    # T 24 to 49 positions: T^2 >= K N 288 (no ghost norm), K 144 > 2 N
+    x = tf.constant(rng.normal(size=(B, 13, 14, 16)), tf.float64)
+    w = tf.Variable(rng.normal(size=(3, 3, 16, 2)) * 0.2, dtype=tf.float64)
+
+    def loss(x):
+        y = tf.nn.conv2d(x, w, [1, strides[0], strides[1], 1], padding)
+        return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+    _assert_loops_values(mode, loss, x, w)
+    assert looped and set(looped) == {(3, 3, 16, 2)}
+    if mode == "eager":
+        assert sliced and set(sliced) == {(1, strides[0], strides[1], 1)}
+    else:
+        assert not sliced
 
 
 def _assert_loops_values(mode, loss, x, w):

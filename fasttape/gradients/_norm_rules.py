@@ -338,9 +338,10 @@ class _BatchMatMul:
 
 # The identity kernel that extracts a convolution's patches is used up to
 # this size (kh kw cin)^2 in bytes and below _SLICED_MIN_CHANNELS input
-# channels; else the patches are kh kw slices of the input (_slices).
+# channels; else the patches are gathered from the input (_slices).
 _MAX_PATCH_KERNEL_BYTES = 1 << 18
-# From this many input channels, the patches are copied from slices: an
+# From this many input channels, the patches are copied (_slices: then kh
+# kw strided slices, now one gather, faster still): an
 # identity-kernel convolution does K = kh kw cin products per value copied,
 # and took 1.3-6x the slices' time from 8 channels (3x3 kernels, 7x7 to
 # 28x28 images, batches 16-128), as long below.
@@ -919,7 +920,7 @@ _MAX_GROUPED_DW_BYTES = 640 << 10
 _MAX_GROUPED_DW_BYTES_SLOW = 64 << 10
 _DW_CHUNK_BYTES = 32 << 10
 # Up to this size in bytes of its patches (B T K values), such a
-# convolution at stride 1 builds them from slices (_Conv2DBlocks._sliced).
+# convolution at stride 1 (eagerly at any) gathers them (_Conv2DBlocks._sliced).
 _MAX_SLICED_BYTES = 1 << 26
 # Copying one value of a convolution's patches (a strided slice, then the
 # stack) took about the time of this many products of their batched product
@@ -1167,8 +1168,8 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         """Each example's kernel gradient where many input channels go to
         few outputs (_many_inputs), over many positions (no ghost norm),
         with no dilation, in a dtype TF groups no convolution of. At
-        stride 1, from patches built by
-        kh kw slices of x (copies, no products: _sliced) where they take
+        stride 1, or eagerly at any stride, from patches built by
+        one gather of x's positions (copies, no products: _sliced) where they take
         at most _MAX_SLICED_BYTES; else by TF's own
         kernel gradient of each example's rows (of every block), for a
         batch of at most _MAX_LOOPED examples; else None."""
@@ -1183,9 +1184,14 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
             return None
         strides = list(attr(payload, "strides"))
         padding = _decoded(payload, "padding")
-        if (strides == [1, 1, 1, 1] and None not in x.shape[1:3]
+        # (eagerly at any stride: the loop's B kernel gradients dispatched
+        # one by one took 1.8-12x the gather and product's time, float64,
+        # B 16-128, 8x8 to 16x16, 32-64 channels to 8-16, stride 2; traced
+        # they took 0.6-0.9x)
+        if ((strides == [1, 1, 1, 1] or context.executing_eagerly())
+                and None not in x.shape[1:3]
                 and b * t * k * x.dtype.size <= _MAX_SLICED_BYTES):
-            return self._sliced(x, g, src_shape, nb, padding)
+            return self._sliced(x, g, src_shape, nb, padding, strides)
         if b > _MAX_LOOPED:
             return None
         xs = array_ops.reshape(x, [nb, b] + x.shape.as_list()[1:])
@@ -1197,14 +1203,14 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
                                    array_ops_stack.unstack(gs, axis=1))]
         return array_ops_stack.stack(grads)
 
-    def _sliced(self, x, g, src_shape, nb, padding):
-        """[B] + src_shape: each example's kernel gradient at stride 1 and
-        no dilation, sum over its blocks of P^T G, P its patches
-        [T, kh kw cin] stacked from kh kw slices of x (padded as TF pads
+    def _sliced(self, x, g, src_shape, nb, padding, strides=(1, 1, 1, 1)):
+        """[B] + src_shape: each example's kernel gradient with no
+        dilation (at ``strides``), sum over its blocks of P^T G, P its patches
+        [T, kh kw cin] gathered from x (_slices, padded as TF pads
         SAME), one batched product of every block's rows."""
         kh, kw, cin, cout = src_shape
         ho, wo = g.shape[1], g.shape[2]
-        patches = _slices(x, kh, kw, (ho, wo), [1] * 4, [1] * 4, padding)
+        patches = _slices(x, kh, kw, (ho, wo), list(strides), [1] * 4, padding)
         b = -1 if x.shape[0] is None else x.shape[0] // nb
         patches = array_ops.reshape(patches, [nb, b, ho * wo, kh * kw * cin])
         grads = math_ops.matmul(patches, array_ops.reshape(g, [nb, b, ho * wo, cout]),
