@@ -468,6 +468,23 @@ def test_the_sliced_patches_keep_to_their_cap(cap, monkeypatch):
         assert sorted(looped) == [(2, 2, 2, 2), (3, 3, 2, 2), (3, 3, 8, 2)]
 
 
+def _conv_case(rng, x_shape, w_shape, scale, strides=(1, 1), padding="SAME",
+               transposed_to=None):
+    """x (float64), the kernel w, and each example's loss sum(tanh(y)^2)
+    of y = conv2d(x, w) at ``strides``, or conv2d_transpose(x, w) at
+    stride 1 to an output of ``transposed_to`` [H, W, C]."""
+    x = tf.constant(rng.normal(size=x_shape), tf.float64)
+    w = tf.Variable(rng.normal(size=w_shape) * scale, dtype=tf.float64)
+
+    def loss(x):
+        if transposed_to is not None:
+            y = tf.nn.conv2d_transpose(x, w, [x.shape[0], *transposed_to], 1, padding)
+        else:
+            y = tf.nn.conv2d(x, w, [1, strides[0], strides[1], 1], padding)
+        return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+    return x, w, loss
+
+
 @pytest.mark.parametrize("kernel,padding,transposed", [
     ((2, 4), "SAME", False), ((3, 2), "VALID", False), ((1, 5), "SAME", False),
     ((2, 3), "SAME", True)])
@@ -484,19 +501,10 @@ def test_kernel_gradients_from_the_output_gradients_shifts(kernel, padding, tran
     kh, kw = kernel
     rng = np.random.default_rng(kh * 10 + kw)
     if transposed:      # K [kh, kw, cy 8, cx 2]: its forward convolution 8 -> 2
-        x = tf.constant(rng.normal(size=(B, 5, 6, 2)), tf.float64)
-        w = tf.Variable(rng.normal(size=(kh, kw, 8, 2)) * 0.3, dtype=tf.float64)
-
-        def loss(x):
-            y = tf.nn.conv2d_transpose(x, w, [x.shape[0], 5, 6, 8], 1, padding)
-            return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+        x, w, loss = _conv_case(rng, (B, 5, 6, 2), (kh, kw, 8, 2), 0.3, padding=padding,
+                                transposed_to=(5, 6, 8))
     else:
-        x = tf.constant(rng.normal(size=(B, 5, 7, 9)), tf.float64)
-        w = tf.Variable(rng.normal(size=(kh, kw, 9, 2)) * 0.3, dtype=tf.float64)
-
-        def loss(x):
-            y = tf.nn.conv2d(x, w, 1, padding)
-            return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+        x, w, loss = _conv_case(rng, (B, 5, 7, 9), (kh, kw, 9, 2), 0.3, padding=padding)
     ref = _reference(loss, [x], [w])[0]
     with fasttape.GradientTape(persistent=True) as tape:
         losses = loss(x)
@@ -529,12 +537,7 @@ def test_strided_many_inputs_gathered_eagerly(strides, padding, mode, monkeypatc
     looped = _spy_taken(monkeypatch, blocks, "_looped")
     rng = np.random.default_rng(strides[0] * 10 + strides[1])
     # T 24 to 49 positions: T^2 >= K N 288 (no ghost norm), K 144 > 2 N
-    x = tf.constant(rng.normal(size=(B, 13, 14, 16)), tf.float64)
-    w = tf.Variable(rng.normal(size=(3, 3, 16, 2)) * 0.2, dtype=tf.float64)
-
-    def loss(x):
-        y = tf.nn.conv2d(x, w, [1, strides[0], strides[1], 1], padding)
-        return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+    x, w, loss = _conv_case(rng, (B, 13, 14, 16), (3, 3, 16, 2), 0.2, strides, padding)
     _assert_loops_values(mode, loss, x, w)
     assert looped and set(looped) == {(3, 3, 16, 2)}
     if mode == "eager":
@@ -587,20 +590,11 @@ def test_patches_gathered_at_any_stride(kernel, strides, padding, transposed, mo
     kh, kw = kernel
     rng = np.random.default_rng(kh * 10 + kw)
     if transposed:      # K [kh, kw, cy 16, cx 4]
-        x = tf.constant(rng.normal(size=(B, 6, 5, 4)), tf.float64)
-        w = tf.Variable(rng.normal(size=(kh, kw, 16, 4)) * 0.2, dtype=tf.float64)
-
-        def loss(x):
-            y = tf.nn.conv2d_transpose(x, w, [x.shape[0], 6, 5, 16], 1, padding)
-            return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
-    else:
-        # (K = 8 kh kw at most 2 N: the patches, not the loop's (_looped))
-        x = tf.constant(rng.normal(size=(B, 9, 8, 8)), tf.float64)
-        w = tf.Variable(rng.normal(size=(kh, kw, 8, 4 * kh * kw)) * 0.2, dtype=tf.float64)
-
-        def loss(x):
-            y = tf.nn.conv2d(x, w, [1, strides[0], strides[1], 1], padding)
-            return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+        x, w, loss = _conv_case(rng, (B, 6, 5, 4), (kh, kw, 16, 4), 0.2, padding=padding,
+                                transposed_to=(6, 5, 16))
+    else:   # (K = 8 kh kw at most 2 N: the patches, not the loop's (_looped))
+        x, w, loss = _conv_case(rng, (B, 9, 8, 8), (kh, kw, 8, 4 * kh * kw), 0.2,
+                                strides, padding)
     _assert_loops_values(mode, loss, x, w)
     assert sliced and set(sliced) == {(B, 6, 5, 16) if transposed else (B, 9, 8, 8)}
 
