@@ -516,6 +516,27 @@ def test_kernel_gradients_from_the_output_gradients_shifts(kernel, padding, tran
     assert shifted and set(shifted) == {(kh, kw, 8 if transposed else 9, 2)}
 
 
+@pytest.mark.parametrize("kernel,strides,rates,padding", [
+    ((3, 2), (2, 3), (1, 1), "SAME"), ((2, 2), (1, 1), (2, 3), "SAME"),
+    ((3, 3), (3, 2), (1, 2), "VALID")])
+@pytest.mark.parametrize("channels", ["known", "unknown"])
+def test_gathered_patches_are_tfs(kernel, strides, rates, padding, channels):
+    """_slices' gather gives TF's extract_patches values (any stride and
+    dilation, SAME padding one more after), eagerly and traced with the
+    batch and, in one case, the channels unknown."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    x = tf.constant(np.random.default_rng(sum(kernel)).normal(size=(3, 7, 8, 5)), tf.float64)
+    ref = tf.image.extract_patches(x, [1, *kernel, 1], [1, *strides, 1], [1, *rates, 1],
+                                   padding)
+
+    def patches(x):
+        return _norm_rules._slices(x, *kernel, ref.shape[1:3], [1, *strides, 1],  # pylint: disable=protected-access
+                                   [1, *rates, 1], padding)
+    spec = tf.TensorSpec([None, 7, 8, None if channels == "unknown" else 5], tf.float64)
+    for got in (patches(x), tf.function(patches, input_signature=[spec])(x)):
+        np.testing.assert_array_equal(tf.reshape(got, ref.shape).numpy(), ref.numpy())
+
+
 @pytest.mark.parametrize("strides,padding", [((2, 2), "SAME"), ((2, 3), "VALID"),
                                             ((3, 2), "SAME")])
 @pytest.mark.parametrize("mode", ["eager", "function"])

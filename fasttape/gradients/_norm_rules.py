@@ -379,6 +379,11 @@ def _slices(x, kh, kw, out_hw, strides, dilations, padding):
         flat = (rows[:, None, :, None] * size_w + cols[None, :, None, :])      # [ho, wo, kh, kw]
         return constant_op.constant(flat.reshape(-1).astype(np.int32))
     idx = _cached(("slices", ho, wo, kh, kw, sh, sw, dh, dw, size_w), indices)
+    if cin is None:     # (a traced input's channels unknown: read at run time)
+        cin = array_ops.shape(x)[3]
+        return array_ops.reshape(array_ops.gather(
+            array_ops.reshape(x, [-1, size_h * size_w, cin]), idx, axis=1),
+                                 [-1, ho, wo, kh * kw, cin])
     flat = _ex("Reshape", x, _const((-1, size_h * size_w, cin), dtypes.int32))
     patches = _ex("GatherV2", flat, idx, _const(1, dtypes.int32), "batch_dims", 0)
     return _ex("Reshape", patches, _const((-1, ho, wo, kh * kw, cin), dtypes.int32))
