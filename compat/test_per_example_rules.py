@@ -435,8 +435,9 @@ def test_the_sliced_patches_keep_to_their_cap(cap, monkeypatch):
     (float64: float32 takes the grouped convolution) builds each example's
     kernel gradient from the output gradient's shifts where they are fewer
     values to copy than the patches (8 channels to 2: _shifted), else from
-    patches of slices, while they take at most _MAX_SLICED_BYTES (B T K
-    values); beyond, by TF's kernel gradient of one example at a time. All
+    gathered patches (eagerly at any stride), while they take at most
+    _MAX_SLICED_BYTES (B T K values); beyond, by TF's kernel gradient of
+    one example at a time. All
     equal the loop of single-example tapes."""
     from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
     if cap == "small":      # (the two stride-1 kernels' patches: 18.8 and 2.4 KB)
@@ -457,13 +458,31 @@ def test_the_sliced_patches_keep_to_their_cap(cap, monkeypatch):
     for g, r in zip(got, _reference(loss, xs, variables)):
         _close(g, r, tf.float64)
     # the 3x3 and 2x2 kernels at stride 1, and the 3x3 one at stride 2
+    # (eagerly gathered too, traced TF's kernel gradient of each example)
     if cap == "default":
         assert shifted == [(3, 3, 8, 2)]
         assert sorted(looped) == [(2, 2, 2, 2), (3, 3, 2, 2)]
-        assert len(sliced) == 1
+        assert len(sliced) == 2
     else:
         assert not shifted and not sliced
         assert sorted(looped) == [(2, 2, 2, 2), (3, 3, 2, 2), (3, 3, 8, 2)]
+
+
+def _conv_case(rng, x_shape, w_shape, scale, strides=(1, 1), padding="SAME",
+               transposed_to=None):
+    """x (float64), the kernel w, and each example's loss sum(tanh(y)^2)
+    of y = conv2d(x, w) at ``strides``, or conv2d_transpose(x, w) at
+    stride 1 to an output of ``transposed_to`` [H, W, C]."""
+    x = tf.constant(rng.normal(size=x_shape), tf.float64)
+    w = tf.Variable(rng.normal(size=w_shape) * scale, dtype=tf.float64)
+
+    def loss(x):
+        if transposed_to is not None:
+            y = tf.nn.conv2d_transpose(x, w, [x.shape[0], *transposed_to], 1, padding)
+        else:
+            y = tf.nn.conv2d(x, w, [1, strides[0], strides[1], 1], padding)
+        return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+    return x, w, loss
 
 
 @pytest.mark.parametrize("kernel,padding,transposed", [
@@ -482,19 +501,10 @@ def test_kernel_gradients_from_the_output_gradients_shifts(kernel, padding, tran
     kh, kw = kernel
     rng = np.random.default_rng(kh * 10 + kw)
     if transposed:      # K [kh, kw, cy 8, cx 2]: its forward convolution 8 -> 2
-        x = tf.constant(rng.normal(size=(B, 5, 6, 2)), tf.float64)
-        w = tf.Variable(rng.normal(size=(kh, kw, 8, 2)) * 0.3, dtype=tf.float64)
-
-        def loss(x):
-            y = tf.nn.conv2d_transpose(x, w, [x.shape[0], 5, 6, 8], 1, padding)
-            return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+        x, w, loss = _conv_case(rng, (B, 5, 6, 2), (kh, kw, 8, 2), 0.3, padding=padding,
+                                transposed_to=(5, 6, 8))
     else:
-        x = tf.constant(rng.normal(size=(B, 5, 7, 9)), tf.float64)
-        w = tf.Variable(rng.normal(size=(kh, kw, 9, 2)) * 0.3, dtype=tf.float64)
-
-        def loss(x):
-            y = tf.nn.conv2d(x, w, 1, padding)
-            return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+        x, w, loss = _conv_case(rng, (B, 5, 7, 9), (kh, kw, 9, 2), 0.3, padding=padding)
     ref = _reference(loss, [x], [w])[0]
     with fasttape.GradientTape(persistent=True) as tape:
         losses = loss(x)
@@ -504,6 +514,57 @@ def test_kernel_gradients_from_the_output_gradients_shifts(kernel, padding, tran
     expected = tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B
     _close(tape.dp_gradient(losses, [w], clip, 0.0)[0], expected, tf.float64)
     assert shifted and set(shifted) == {(kh, kw, 8 if transposed else 9, 2)}
+
+
+@pytest.mark.parametrize("kernel,strides,rates,padding", [
+    ((3, 2), (2, 3), (1, 1), "SAME"), ((2, 2), (1, 1), (2, 3), "SAME"),
+    ((3, 3), (3, 2), (1, 2), "VALID")])
+@pytest.mark.parametrize("channels", ["known", "unknown"])
+def test_gathered_patches_are_tfs(kernel, strides, rates, padding, channels):
+    """_slices' gather gives TF's extract_patches values (any stride and
+    dilation, SAME padding one more after), eagerly and traced with the
+    batch and, in one case, the channels unknown."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    x = tf.constant(np.random.default_rng(sum(kernel)).normal(size=(3, 7, 8, 5)), tf.float64)
+    ref = tf.image.extract_patches(x, [1, *kernel, 1], [1, *strides, 1], [1, *rates, 1],
+                                   padding)
+
+    def patches(x):
+        return _norm_rules._slices(x, *kernel, ref.shape[1:3], [1, *strides, 1],  # pylint: disable=protected-access
+                                   [1, *rates, 1], padding)
+    spec = tf.TensorSpec([None, 7, 8, None if channels == "unknown" else 5], tf.float64)
+    for got in (patches(x), tf.function(patches, input_signature=[spec])(x)):
+        np.testing.assert_array_equal(tf.reshape(got, ref.shape).numpy(), ref.numpy())
+
+
+@pytest.mark.parametrize("strides,padding", [((2, 2), "SAME"), ((2, 3), "VALID"),
+                                            ((3, 2), "SAME")])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_strided_many_inputs_gathered_eagerly(strides, padding, mode, monkeypatch):
+    """A strided convolution of many input channels to few outputs over
+    many positions (float64: no grouped kernel gradient), eagerly: each
+    example's kernel gradient from gathered patches and one batched product
+    (_sliced at the op's strides, not B kernel gradients dispatched one by
+    one); traced, TF's kernel gradient of each example. Per-example
+    gradients, norms and the clipped sum equal the loop's."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    blocks = _norm_rules._Conv2DBlocks  # pylint: disable=protected-access
+    sliced, original_sliced = [], blocks._sliced  # pylint: disable=protected-access
+
+    def spy_sliced(self, x, g, src_shape, nb, padding, strides=(1, 1, 1, 1)):
+        sliced.append(tuple(strides))
+        return original_sliced(self, x, g, src_shape, nb, padding, strides)
+    monkeypatch.setattr(blocks, "_sliced", spy_sliced)
+    looped = _spy_taken(monkeypatch, blocks, "_looped")
+    rng = np.random.default_rng(strides[0] * 10 + strides[1])
+    # T 24 to 49 positions: T^2 >= K N 288 (no ghost norm), K 144 > 2 N
+    x, w, loss = _conv_case(rng, (B, 13, 14, 16), (3, 3, 16, 2), 0.2, strides, padding)
+    _assert_loops_values(mode, loss, x, w)
+    assert looped and set(looped) == {(3, 3, 16, 2)}
+    if mode == "eager":
+        assert sliced and set(sliced) == {(1, strides[0], strides[1], 1)}
+    else:
+        assert not sliced
 
 
 def _assert_loops_values(mode, loss, x, w):
@@ -524,6 +585,39 @@ def _assert_loops_values(mode, loss, x, w):
     _close(got, ref, tf.float64)
     _close(got_norms, norms, tf.float64)
     _close(clipped, tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B, tf.float64)
+
+
+@pytest.mark.parametrize("kernel,strides,padding,transposed", [
+    ((3, 3), (2, 2), "SAME", False), ((2, 4), (2, 3), "SAME", False),
+    ((3, 2), (2, 1), "VALID", False), ((4, 4), (1, 1), "SAME", True),
+    ((1, 3), (1, 2), "VALID", False)])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_patches_gathered_at_any_stride(kernel, strides, padding, transposed, mode,
+                                        monkeypatch):
+    """Float64 patches over 8 channels or more, taken by one gather of the
+    padded input's positions (_slices): strided (the ghost norm's or the
+    batched product's patches, _Conv2D._flat: 3x3 at stride 2, an even kernel with
+    unequal strides, SAME padding one more after), VALID, one row, and a
+    transposed convolution's at stride 1 (its forward convolution 16 -> 4
+    channels: _sliced); per-example gradients, norms and the clipped sum
+    equal the loop's (float64, eagerly and in a tf.function)."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    original, sliced = _norm_rules._slices, []  # pylint: disable=protected-access
+
+    def spy(x, *args):
+        sliced.append(tuple(x.shape))
+        return original(x, *args)
+    monkeypatch.setattr(_norm_rules, "_slices", spy)
+    kh, kw = kernel
+    rng = np.random.default_rng(kh * 10 + kw)
+    if transposed:      # K [kh, kw, cy 16, cx 4]
+        x, w, loss = _conv_case(rng, (B, 6, 5, 4), (kh, kw, 16, 4), 0.2, padding=padding,
+                                transposed_to=(6, 5, 16))
+    else:   # (K = 8 kh kw at most 2 N: the patches, not the loop's (_looped))
+        x, w, loss = _conv_case(rng, (B, 9, 8, 8), (kh, kw, 8, 4 * kh * kw), 0.2,
+                                strides, padding)
+    _assert_loops_values(mode, loss, x, w)
+    assert sliced and set(sliced) == {(B, 6, 5, 16) if transposed else (B, 9, 8, 8)}
 
 
 @pytest.mark.parametrize("kernel,padding,transposed", [

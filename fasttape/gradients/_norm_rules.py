@@ -338,9 +338,10 @@ class _BatchMatMul:
 
 # The identity kernel that extracts a convolution's patches is used up to
 # this size (kh kw cin)^2 in bytes and below _SLICED_MIN_CHANNELS input
-# channels; else the patches are kh kw slices of the input (_slices).
+# channels; else the patches are gathered from the input (_slices).
 _MAX_PATCH_KERNEL_BYTES = 1 << 18
-# From this many input channels, the patches are copied from slices: an
+# From this many input channels, the patches are copied (_slices: then kh
+# kw strided slices, now one gather, faster still): an
 # identity-kernel convolution does K = kh kw cin products per value copied,
 # and took 1.3-6x the slices' time from 8 channels (3x3 kernels, 7x7 to
 # 28x28 images, batches 16-128), as long below.
@@ -350,21 +351,42 @@ _SLICED_MIN_CHANNELS = 8
 def _slices(x, kh, kw, out_hw, strides, dilations, padding):
     """[N, ho, wo, kh kw, cin]: each output position's patch of x [N, H,
     W, cin] (NHWC, H and W known) under a kh x kw convolution, in the
-    kernel's (kh, kw, cin) order, by kh kw strided slices of x (padded as
-    TF pads SAME): copies, no products."""
+    kernel's (kh, kw, cin) order: one gather of x's positions (padded as
+    TF pads SAME, flattened), copies, no products. (One GatherV2 by cached
+    indices, not kh kw strided slices and their stack: float64, B 16-64,
+    8x8 to 32x32, 16-64 channels, 3x3 to 5x5, it took 0.15-0.5x their time,
+    eagerly and traced; 0.15x at stride 2, whose slices TF copies value by
+    value.)"""
     ho, wo = out_hw
     sh, sw = strides[1], strides[2]
     dh, dw = dilations[1], dilations[2]
+    size_h, size_w, cin = x.shape[1], x.shape[2], x.shape[3]
     if padding == "SAME":
         pads = [[0, 0]]
-        for size, out, k, s, d in ((x.shape[1], ho, kh, sh, dh), (x.shape[2], wo, kw, sw, dw)):
+        for size, out, k, s, d in ((size_h, ho, kh, sh, dh), (size_w, wo, kw, sw, dw)):
             total = max((out - 1) * s + (k - 1) * d + 1 - size, 0)
             pads.append([total // 2, total - total // 2])
         if any(p != [0, 0] for p in pads):
-            x = array_ops.pad(x, pads + [[0, 0]])
-    return array_ops_stack.stack(
-        [x[:, i * dh:i * dh + (ho - 1) * sh + 1:sh, j * dw:j * dw + (wo - 1) * sw + 1:sw, :]
-         for i in range(kh) for j in range(kw)], axis=3)
+            x = _ex("Pad", x, _const(tuple(tuple(p) for p in pads) + ((0, 0),),
+                                     dtypes.int32))
+            size_h += sum(pads[1])
+            size_w += sum(pads[2])
+
+    def indices():
+        # position (p, q), tap (i, j) reads row p sh + i dh, column q sw + j dw
+        rows = (np.arange(ho)[:, None] * sh + np.arange(kh)[None, :] * dh)   # [ho, kh]
+        cols = (np.arange(wo)[:, None] * sw + np.arange(kw)[None, :] * dw)   # [wo, kw]
+        flat = (rows[:, None, :, None] * size_w + cols[None, :, None, :])      # [ho, wo, kh, kw]
+        return constant_op.constant(flat.reshape(-1).astype(np.int32))
+    idx = _cached(("slices", ho, wo, kh, kw, sh, sw, dh, dw, size_w), indices)
+    if cin is None:     # (a traced input's channels unknown: read at run time)
+        cin = array_ops.shape(x)[3]
+        return array_ops.reshape(array_ops.gather(
+            array_ops.reshape(x, [-1, size_h * size_w, cin]), idx, axis=1),
+                                 [-1, ho, wo, kh * kw, cin])
+    flat = _ex("Reshape", x, _const((-1, size_h * size_w, cin), dtypes.int32))
+    patches = _ex("GatherV2", flat, idx, _const(1, dtypes.int32), "batch_dims", 0)
+    return _ex("Reshape", patches, _const((-1, ho, wo, kh * kw, cin), dtypes.int32))
 
 
 # Per-example kernel gradients (K N values an example, built from the
@@ -903,7 +925,7 @@ _MAX_GROUPED_DW_BYTES = 640 << 10
 _MAX_GROUPED_DW_BYTES_SLOW = 64 << 10
 _DW_CHUNK_BYTES = 32 << 10
 # Up to this size in bytes of its patches (B T K values), such a
-# convolution at stride 1 builds them from slices (_Conv2DBlocks._sliced).
+# convolution at stride 1 (eagerly at any) gathers them (_Conv2DBlocks._sliced).
 _MAX_SLICED_BYTES = 1 << 26
 # Copying one value of a convolution's patches (a strided slice, then the
 # stack) took about the time of this many products of their batched product
@@ -1151,8 +1173,8 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         """Each example's kernel gradient where many input channels go to
         few outputs (_many_inputs), over many positions (no ghost norm),
         with no dilation, in a dtype TF groups no convolution of. At
-        stride 1, from patches built by
-        kh kw slices of x (copies, no products: _sliced) where they take
+        stride 1, or eagerly at any stride, from patches built by
+        one gather of x's positions (copies, no products: _sliced) where they take
         at most _MAX_SLICED_BYTES; else by TF's own
         kernel gradient of each example's rows (of every block), for a
         batch of at most _MAX_LOOPED examples; else None."""
@@ -1167,9 +1189,14 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
             return None
         strides = list(attr(payload, "strides"))
         padding = _decoded(payload, "padding")
-        if (strides == [1, 1, 1, 1] and None not in x.shape[1:3]
+        # (eagerly at any stride: the loop's B kernel gradients dispatched
+        # one by one took 1.8-12x the gather and product's time, float64,
+        # B 16-128, 8x8 to 16x16, 32-64 channels to 8-16, stride 2; traced
+        # they took 0.6-0.9x)
+        if ((strides == [1, 1, 1, 1] or context.executing_eagerly())
+                and None not in x.shape[1:3]
                 and b * t * k * x.dtype.size <= _MAX_SLICED_BYTES):
-            return self._sliced(x, g, src_shape, nb, padding)
+            return self._sliced(x, g, src_shape, nb, padding, strides)
         if b > _MAX_LOOPED:
             return None
         xs = array_ops.reshape(x, [nb, b] + x.shape.as_list()[1:])
@@ -1181,14 +1208,14 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
                                    array_ops_stack.unstack(gs, axis=1))]
         return array_ops_stack.stack(grads)
 
-    def _sliced(self, x, g, src_shape, nb, padding):
-        """[B] + src_shape: each example's kernel gradient at stride 1 and
-        no dilation, sum over its blocks of P^T G, P its patches
-        [T, kh kw cin] stacked from kh kw slices of x (padded as TF pads
+    def _sliced(self, x, g, src_shape, nb, padding, strides=(1, 1, 1, 1)):
+        """[B] + src_shape: each example's kernel gradient with no
+        dilation (at ``strides``), sum over its blocks of P^T G, P its patches
+        [T, kh kw cin] gathered from x (_slices, padded as TF pads
         SAME), one batched product of every block's rows."""
         kh, kw, cin, cout = src_shape
         ho, wo = g.shape[1], g.shape[2]
-        patches = _slices(x, kh, kw, (ho, wo), [1] * 4, [1] * 4, padding)
+        patches = _slices(x, kh, kw, (ho, wo), list(strides), [1] * 4, padding)
         b = -1 if x.shape[0] is None else x.shape[0] // nb
         patches = array_ops.reshape(patches, [nb, b, ho * wo, kh * kw * cin])
         grads = math_ops.matmul(patches, array_ops.reshape(g, [nb, b, ho * wo, cout]),
