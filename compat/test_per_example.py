@@ -804,6 +804,33 @@ def test_unconnected_source_is_none():
                                   np.zeros(B))
 
 
+@pytest.mark.parametrize("mode", ["eager", "traced"])
+def test_source_listed_twice(mode):
+    """A variable listed twice among the sources: per_example_gradients
+    gives its rows at both places, as gradient() gives its gradient (the
+    second listing came back None); per_example_norms and dp_gradient,
+    where it would count once or twice in each example's norm, raise."""
+    xs, loss, variables = _mlp(tf.float64)
+    w1, b1, w2, _ = variables
+    sources = [w1, b1, w2, w1, {"again": b1}]
+    ref = _reference(loss, xs, [w1, b1, w2], key="mlp")
+
+    def rows():
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        return tape.per_example_gradients(losses, sources)
+    got = rows() if mode == "eager" else tf.function(rows)()
+    for g, r in zip(tf.nest.flatten(got), ref + [ref[0], ref[1]]):
+        _close(g, r, tf.float64)
+    for method, args in (("per_example_norms", ()), ("dp_gradient", (1.0,))):
+        def refused(method=method, args=args):
+            with fasttape.GradientTape() as tape:
+                losses = loss(*xs)
+            return getattr(tape, method)(losses, sources, *args)
+        with pytest.raises(ValueError, match="source 3 .* is source 0 listed again"):
+            refused() if mode == "eager" else tf.function(refused)()
+
+
 def _dp_step(dtype=tf.float32, noise=1.0, case="mlp"):
     xs, loss, variables = ALL[case](dtype)
     for x in xs:

@@ -551,7 +551,8 @@ class GradientTape:
         scale broadcast over the batch, Gather on a table) give their
         sources' norms from one backward pass, without building the
         gradients; other sources take one backward pass per example. See
-        docs/privacy.md. Arguments and errors as per_example_gradients().
+        docs/privacy.md. Arguments and errors as per_example_gradients(),
+        and ValueError for a source listed twice.
 
         Returns:
           A Tensor of shape [B].
@@ -587,8 +588,8 @@ class GradientTape:
           ``optimizer.apply_gradients``.
 
         Raises:
-          ValueError: as per_example_gradients(), or for a num_microbatches
-            that does not divide B.
+          ValueError: as per_example_gradients(), for a num_microbatches
+            that does not divide B, or for a source listed twice.
           RuntimeError: as per_example_gradients().
 
         In a replica of a tf.distribute strategy (``strategy.run``), each

@@ -130,6 +130,16 @@ def _start(tape, losses, sources, what):
     flat_raw = nest.flatten(sources)
     flat = [_gradient.handle_or_self(s) for s in flat_raw]
     _gradient.check_tensors(flat, "sources")
+    repeated = _repeated(flat)
+    if repeated and what != "per_example_gradients":
+        # (the analysis keys each source by its handle: a second listing
+        # would get None; and whether it counts once or twice in each
+        # example's norm is the caller's to say)
+        k = min(repeated)
+        raise ValueError(
+            f"GradientTape.{what}: source {k} ({_source_name(flat_raw[k])}) is "
+            f"source {repeated[k]} listed again; list each source once (its "
+            "gradient would count once or twice in each example's norm).")
     batch = losses.shape[0]
     return (tape._tape, None if batch is None else int(batch), flat_raw,  # pylint: disable=protected-access
             flat)
@@ -163,6 +173,17 @@ class _GraphEntry:
         else:
             self.output_meta = entry.output_meta
         self.payload = payload
+
+
+def _repeated(flat):
+    """{k: j}: source k is source j < k listed again (the same variable
+    or tensor)."""
+    first, repeated = {}, {}
+    for k, source in enumerate(flat):
+        j = first.setdefault(source._id, k)  # pylint: disable=protected-access
+        if j != k:
+            repeated[k] = j
+    return repeated
 
 
 def _graph_entries(entries):
@@ -811,6 +832,8 @@ def per_example_gradients(tape, losses, sources):
             out[k] = array_ops.reshape(
                 rule.per_example(payload, pos, g, src_shape=src_shape),
                 [batch] + flat_raw[k].shape.as_list())
+        for k, j in _repeated(flat).items():    # (as gradient() gives them)
+            out[j] = out[k] = out[j] if out[j] is not None else out[k]
     finally:
         _end(tape, tape_state)
     return _pack(sources, flat_raw, out)
