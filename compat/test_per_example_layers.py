@@ -1,0 +1,122 @@
+"""Per-example gradients and the DP step on Keras 3 layers the other
+per-example tests do not build: PReLU, RMSNormalization, TimeDistributed,
+UpSampling, Bidirectional recurrent layers, causal attention, LoRA
+(``enable_lora``: a product of two weights before the batch), an output
+projection tied to the embedding table, and make_private with several
+steps an execution. Kept from a wider generated search (models drawn from
+these layers and the others, every mode, float32 and float64), which
+came out clean; each against a loop of single-example tf.GradientTape's."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from compat.test_per_example_programs import _check_path
+from fasttape.privacy import make_private
+
+L = keras.layers
+
+
+def _perturbed(model, rng):
+    for w in model.weights:
+        v = w.numpy()
+        w.assign((v + 0.3 * rng.normal(size=v.shape)).astype(v.dtype))
+
+
+def _text_model(dt, batch):
+    """Embedding (mask_zero) -> TimeDistributed(Dense, LoRA) ->
+    RMSNormalization -> causal attention -> logits tied to the table."""
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((4,), dtype="int32")
+    emb = L.Embedding(6, 4, mask_zero=True, dtype=dt)
+    dense = L.Dense(4, activation="tanh", dtype=dt)
+    h = L.TimeDistributed(dense, dtype=dt)(emb(inp))
+    h = L.RMSNormalization(dtype=dt)(h)
+    h = L.MultiHeadAttention(2, 2, dtype=dt)(h, h, use_causal_mask=True)
+    h = L.GlobalAveragePooling1D(dtype=dt)(h)
+    logits = keras.ops.matmul(L.Dense(4, dtype=dt)(h), keras.ops.transpose(emb.embeddings))
+    model = keras.Model(inp, logits)
+    dense.enable_lora(2)
+    rng = np.random.default_rng(3)
+    _perturbed(model, rng)
+    ids = rng.integers(0, 6, size=(batch, 4))
+    ids[0, 2:] = 0
+    return tf.constant(ids, tf.int32), model
+
+
+def _wave_model(dt, batch):
+    """PReLU -> UpSampling1D -> Bidirectional(GRU, merged by sum)."""
+    keras.utils.set_random_seed(4)
+    inp = keras.Input((3, 2), dtype=dt)
+    h = L.PReLU(shared_axes=[1], dtype=dt)(inp)
+    h = L.UpSampling1D(2, dtype=dt)(h)
+    h = L.Bidirectional(L.GRU(2, return_sequences=True, reset_after=False, dtype=dt),
+                        merge_mode="sum", dtype=dt)(h)
+    model = keras.Model(inp, L.Dense(2, dtype=dt)(L.Flatten(dtype=dt)(h)))
+    rng = np.random.default_rng(4)
+    _perturbed(model, rng)
+    return tf.constant(rng.normal(size=(batch, 3, 2)), dt), model
+
+
+@pytest.mark.parametrize("build,dt", [(_text_model, "float32"), (_wave_model, "float64")],
+                         ids=["text", "wave"])
+def test_layers_per_example(build, dt):
+    """Eagerly (traced, the wave model's two loops take rows by pfor: over
+    a minute)."""
+    x, model = build(dt, 3)
+
+    def loss(x):
+        return tf.reduce_sum(tf.sin(model(x)), axis=1)
+    _check_path(x, loss, model.trainable_variables, "eager", "some")
+    keras.backend.clear_session()
+
+
+@pytest.fixture
+def float64_keras():
+    """Keras' floatx float64 (fit's inputs and the compiled loss)."""
+    floatx = keras.config.floatx()
+    keras.config.set_floatx("float64")
+    yield
+    keras.config.set_floatx(floatx)
+
+
+def test_make_private_several_steps_an_execution(float64_keras):  # pylint: disable=unused-argument,redefined-outer-name
+    """fit with steps_per_execution=2 (the DP step inside a loop's body)
+    trains the weights a hand-written DP-SGD loop does."""
+    rng = np.random.default_rng(0)
+    batch, steps, clip, lr = 3, 4, 0.3, 0.1
+    x = rng.normal(size=(batch * steps, 5))
+    y = rng.normal(size=(batch * steps, 2))
+
+    def build():
+        keras.utils.set_random_seed(1)
+        return keras.Sequential([keras.Input((5,), dtype="float64"),
+                                 L.Dense(4, activation="tanh", dtype="float64"),
+                                 L.Dense(2, dtype="float64")])
+    model = build()
+    weights = model.trainable_variables
+    for s in range(steps):
+        rows = []
+        for i in range(s * batch, (s + 1) * batch):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x[i:i + 1]) - y[i:i + 1]))
+            rows.append([g.numpy() for g in tape.gradient(loss, weights)])
+        norms = np.array([np.sqrt(sum((g ** 2).sum() for g in r)) for r in rows])
+        scale = np.minimum(1, clip / norms)
+        assert 0 < (scale < 1).sum() < batch or s > 0   # some clipped, not all
+        for k, w in enumerate(weights):
+            w.assign(w.numpy() - lr * sum(c * r[k] for c, r in zip(scale, rows)) / batch)
+    want = [w.numpy() for w in weights]
+    model = build()
+    model.compile(keras.optimizers.SGD(lr), "mse", steps_per_execution=2)
+    make_private(model, l2_norm_clip=clip, noise_multiplier=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == steps
+    for w, expected in zip(model.trainable_variables, want):
+        np.testing.assert_allclose(w.numpy(), expected, rtol=1e-9, atol=1e-12)
+    keras.backend.clear_session()
