@@ -251,8 +251,9 @@ def make_private(model: Any, *, l2_norm_clip: float, noise_multiplier: float,
         ``noise_multiplier`` or a ``num_microbatches`` below 1; at the
         first step, for a batch ``num_microbatches`` does not divide, a
         model compiled without a loss, a loss with no value per example,
-        ``"mean_with_sample_weight"`` with sample weights, or several
-        losses on one output.
+        ``"mean_with_sample_weight"`` with sample weights, several
+        losses on one output, or a trainable ``BatchNormalization`` layer
+        (its batch statistics mix the examples).
       NotImplementedError: at the first step, with a
         ``LossScaleOptimizer`` (mixed_float16's loss scaling).
       RuntimeError: at the first step, where the Keras installed lacks or
@@ -522,6 +523,25 @@ def _wrap_losses(container, keras3):
                                                           strict=True)]
 
 
+def _refuse_batch_statistics(model, keras):
+    """ValueError for a BatchNormalization layer that trains on its batch's
+    statistics (a trainable one: Keras 3's and tf_keras' normalize a frozen
+    one by its moving statistics). dp_gradient refuses the op that mixes
+    examples where it lies on a weight's path, but statistics of the input
+    itself, taken before any weight, are ops the tape never records."""
+    for layer in model._flatten_layers(include_self=False):  # pylint: disable=protected-access
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+            raise ValueError(
+                f"make_private: layer {layer.name!r} (BatchNormalization) "
+                "normalizes each batch by the batch's own statistics in "
+                "training, so each example's gradient depends on the other "
+                "examples and clipping it does not bound one example's share "
+                "(DP-SGD's guarantee). Use LayerNormalization or "
+                "GroupNormalization, or freeze the layer "
+                "(layer.trainable = False: Keras then normalizes by its "
+                "moving statistics).")
+
+
 def _dp_train_step(model, data, dp, keras3):
     """Keras' train_step (Keras 3: keras/src/backend/tensorflow/trainer.py;
     tf_keras: engine/training.py) with dp_gradient of the per-example
@@ -540,6 +560,7 @@ def _dp_train_step(model, data, dp, keras3):
             "depends on single examples' gradients, which DP-SGD's noise does "
             "not cover. Train with the 'mixed_bfloat16' or 'float32' policy, "
             "which scale no loss.")
+    _refuse_batch_statistics(model, keras)
     container = _loss_container(model, keras3)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     weights = model.trainable_weights

@@ -336,3 +336,42 @@ def test_tf_keras_fit_equals_the_reference_dp_step():
     for a, b in zip(model.trainable_variables, ref.trainable_variables):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=2e-5, atol=2e-6)
     assert set(history) == {"loss", "accuracy"} and history["loss"][0] > 0
+
+
+@pytest.mark.parametrize("run_eagerly", [True, False])
+def test_a_batch_normalization_on_the_input_is_refused(run_eagerly):
+    """BatchNormalization in training mode normalizes by the batch's
+    statistics, so each example's gradient depends on the others and
+    clipping bounds no example's share. Placed on the input, before any
+    weight, its statistics are ops the tape never records (dp_gradient
+    cannot see them): make_private refuses the layer. Frozen, Keras
+    normalizes by its moving statistics, and the model trains."""
+    x, y = _data(_sequential)
+
+    def model(trainable):
+        bn = keras.layers.BatchNormalization(name="input_norm")
+        bn.trainable = trainable
+        m = keras.Sequential([keras.Input((6,)), bn, keras.layers.Dense(3)])
+        m.compile("sgd", _loss(_sequential), run_eagerly=run_eagerly)
+        return privacy.make_private(m, l2_norm_clip=1.0, noise_multiplier=0.0)
+
+    with pytest.raises(ValueError, match="'input_norm'.*BatchNormalization"):
+        model(True).fit(x, y, batch_size=BATCH, verbose=0)
+    frozen = model(False)
+    moving = [v.numpy() for v in frozen.layers[0].non_trainable_weights]
+    kernel = frozen.layers[1].kernel.numpy()
+    frozen.fit(x, y, batch_size=BATCH, verbose=0)
+    assert not np.allclose(frozen.layers[1].kernel.numpy(), kernel)
+    for before, v in zip(moving, frozen.layers[0].non_trainable_weights):
+        np.testing.assert_array_equal(before, v.numpy())
+
+
+def test_a_tf_keras_batch_normalization_is_refused():
+    import tf_keras
+    m = tf_keras.Sequential([tf_keras.layers.BatchNormalization(input_shape=(6,)),
+                             tf_keras.layers.Dense(3)])
+    m.compile("sgd", "mse", run_eagerly=True)
+    privacy.make_private(m, l2_norm_clip=1.0, noise_multiplier=0.0)
+    with pytest.raises(ValueError, match="BatchNormalization"):
+        m.fit(np.zeros((8, 6), "float32"), np.zeros((8, 3), "float32"),
+              batch_size=8, verbose=0)
