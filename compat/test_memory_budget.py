@@ -526,6 +526,23 @@ def test_views_of_one_buffer_counted_while_any_is_held():
     assert store.shared_bytes == 0 and not store._buffers  # pylint: disable=protected-access
 
 
+def test_small_leaves_are_not_looked_up_for_a_shared_buffer():
+    """A leaf under a kilobyte (a shape, an axis: several per recorded
+    layer) counts its own bytes, with no look-up of a buffer it may share
+    (a NumPy view of it, the recorder's costliest step per leaf); a larger
+    one is looked up, and its views count once."""
+    small = tf.constant([64, 16], tf.int32)
+    x = tf.constant(np.ones((64, 16), "float32"))
+    big = [x, tf.reshape(x, (1024,))]
+    store = _budget.Store(10 ** 6)
+    slots = [store._slot_of(t) for t in [small] + big]  # pylint: disable=protected-access
+    for s, t in zip(slots, [small] + big):
+        store._hold(s, t)  # pylint: disable=protected-access
+    assert slots[0].buf == 0 and slots[1].buf != 0, [s.buf for s in slots]
+    assert [s.view for s in slots] == [False, False, True]
+    assert store.shared_bytes == 8 + 64 * 16 * 4
+
+
 # -- what is never dropped ------------------------------------------------------------
 
 def test_never_dropped_categories():

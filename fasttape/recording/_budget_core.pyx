@@ -191,6 +191,11 @@ cdef size_t _buffer_of(t) except? 0:
     return <size_t>cnp.PyArray_DATA(a)
 
 
+# Leaves smaller than this are not looked up for a buffer they share
+# (_hold_c): each counts its own bytes.
+cdef int64_t VIEW_MIN_BYTES = 1024
+
+
 cdef dict _sizes = {}    # dtype enum -> bytes per element (_element_size's)
 
 
@@ -400,10 +405,14 @@ cdef class StoreCore:
             self.resident_bytes += s.nbytes
             if s.aliased:
                 return 0
-            if s.recipe is None:
+            if s.recipe is None and s.nbytes >= VIEW_MIN_BYTES:
                 # A leaf may be a view of another the tape holds (reshapes
                 # of one input, made before the tape recorded them: each
                 # a tensor of its own, one buffer): its bytes count once.
+                # (Not looked up for a small one, a shape or an axis: the
+                # look-up, a NumPy view of it, cost some 10 us a leaf in
+                # the recorder, several per recorded layer; counted twice,
+                # it counts less than VIEW_MIN_BYTES too many.)
                 if s.buf == 0:
                     s.buf = _buffer_of(t)
                 if s.buf != 0:
