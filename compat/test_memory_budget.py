@@ -244,6 +244,83 @@ def test_chain_tiny_budget():
     assert m["dropped_tensors"] > 60 and m["recomputed_tensors"] > 60
 
 
+def _recorded_chain(budget, n=40, debug=False, side=64, big=False):
+    """A chain recorded under ``budget`` (x side by side, each step a Mul
+    and a Tanh; big: first, the tanh of x tiled 8 by 8): the tape, its
+    store, x and the loss."""
+    x = tf.constant(np.random.RandomState(1).randn(side, side).astype("float32"))
+    with fasttape.GradientTape(memory_budget=budget) as tape:
+        store = tape._tape.budget  # pylint: disable=protected-access
+        if store is not None:
+            store.debug = debug
+        tape.watch(x)
+        loss = tf.reduce_sum(tf.tanh(tf.tile(x, (8, 8)))) if big else 0.0
+        y = x
+        for _ in range(n):
+            y = tf.tanh(y * 1.01)
+        loss = loss + tf.reduce_sum(y)
+    return tape, store, x, loss
+
+
+def test_recorded_outputs_known_recomputable_at_once(monkeypatch):
+    """A recipe's outputs are known recomputable from what stays (their
+    leaf inputs pinned, their other inputs known so) when recorded: no drop
+    decision walks back to the leaves for a tensor it scores, and the
+    gradients are exact."""
+    walked = []
+    check_closure = _budget.Store._check_closure  # pylint: disable=protected-access
+
+    def counting(self, s):
+        walked.append(s.tid)
+        return check_closure(self, s)
+
+    monkeypatch.setattr(_budget.Store, "_check_closure", counting)
+    tape, store, x, loss = _recorded_chain(64 * 64 * 4 * 8)
+    recipes = [s for s in store.slots.values() if s.recipe is not None]
+    assert recipes and all(s.closure_ok for s in recipes)
+    grad = tape.gradient(loss, x)
+    assert store.dropped > 10 and walked == [], (store.dropped, len(walked))
+    expected = _recorded_chain(None)
+    assert_same(expected[0].gradient(expected[3], expected[2]), grad, exact=True)
+
+
+def test_recording_rechecks_references_as_resident_bytes_grow(monkeypatch):
+    """While recording, what the program references is re-checked once
+    the resident bytes grew by a sixteenth of the budget (or passed the
+    budget and the largest saved tensor), not after every op over the
+    budget: on a chain whose tensors the program lets go of one by one,
+    after a large one (the budget and it leave room above the budget),
+    fewer re-checks than recorded ops over the budget, the bound kept
+    and the gradients exact."""
+    counts = {"rechecks": 0, "over": 0}
+    held = []
+    recheck = _budget.Store._recheck  # pylint: disable=protected-access
+    check = _budget.Store._check  # pylint: disable=protected-access
+
+    def counting_recheck(self):
+        if self.position is None:
+            counts["rechecks"] += 1
+        return recheck(self)
+
+    def counting_check(self):
+        if self.position is None:
+            counts["over"] += 1
+        check(self)
+        held.append(self.held_bytes())
+
+    monkeypatch.setattr(_budget.Store, "_recheck", counting_recheck)
+    monkeypatch.setattr(_budget.Store, "_check", counting_check)
+    budget = 16 * 16 * 4 * 40
+    tape, store, x, loss = _recorded_chain(budget, n=120, side=16, big=True)
+    assert store.largest == 16 * 16 * 4 * 64
+    grad = tape.gradient(loss, x)
+    assert counts["over"] > 60, counts
+    assert counts["rechecks"] < counts["over"] // 2, counts
+    assert max(held) <= budget + store.largest, (max(held), store.largest)
+    expected = _recorded_chain(None, n=120, side=16, big=True)
+    assert_same(expected[0].gradient(expected[3], expected[2]), grad, exact=True)
+
+
 def test_chain_costs_kept_between_drops_stay_exact(monkeypatch):
     """The recomputation cost of each dropped tensor is kept from one drop
     decision to the next (walked again at each, a long chain of dropped

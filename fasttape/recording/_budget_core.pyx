@@ -306,14 +306,19 @@ cdef class StoreCore:
         else:
             in_slots = []
             n_in = 0
+            closed = True
             for t in inputs:
                 x = self._slot(t)
-                if x.recipe is None and not x.pinned:
-                    # A leaf a recipe reads (a variable's value, a constant,
-                    # a random op's output) is kept: by the backward pass
-                    # it may be gone, or the variable changed.
-                    x.pinned = True
-                    self._hold_c(x, t)
+                if x.recipe is None:
+                    if not x.pinned:
+                        # A leaf a recipe reads (a variable's value, a
+                        # constant, a random op's output) is kept: by the
+                        # backward pass it may be gone, or the variable
+                        # changed.
+                        x.pinned = True
+                        self._hold_c(x, t)
+                elif not x.closure_ok:
+                    closed = False
                 n_in += x.nelem
                 in_slots.append(x)
             attrs = (<EagerOp>payload).attrs
@@ -328,6 +333,11 @@ cdef class StoreCore:
             for t in outputs:
                 x = Slot(t, recipe)
                 x.last = clock
+                # Recomputable from what stays: its leaf inputs are pinned
+                # now, and its other inputs were (Store._check_closure
+                # need not walk back to the leaves at the first drop
+                # decision that scores it).
+                x.closure_ok = closed
                 slots[x.tid] = x          # last writer wins, as in the core
                 out_ids.append(x.tid)
                 n_out += x.nelem
