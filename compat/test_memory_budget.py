@@ -321,6 +321,68 @@ def test_recording_rechecks_references_as_resident_bytes_grow(monkeypatch):
     assert_same(expected[0].gradient(expected[3], expected[2]), grad, exact=True)
 
 
+def _scored_reference(store):
+    """Store._drop_to's scores as its Python loop gave them (the spec of
+    StoreCore._scored): {tid: h}, and the imminent tensors' ids."""
+    # pylint: disable=protected-access
+    scores, imminent, upcoming = {}, [], {}
+    for s in list(store.sole.values()):
+        if s.recipe is None or s.tid in store._locked or s.tid in store.watched \
+                or not (s.closure_ok or store._check_closure(s)):
+            continue
+        if s.valued or _budget._feeds_needed(s, store.slots):
+            cost = s.recipe.cost
+            for x in s.recipe.inputs:
+                if x.tensor is None and x.recipe is not None:
+                    c = store._chain.get(x.tid)
+                    cost += _budget._chain_cost(x, store._chain) if c is None else c
+        else:
+            cost = 0
+        if store.position is None:
+            staleness = store.clock - s.last + 1
+        else:
+            used = store._next_use(s, store.position, upcoming)
+            staleness = store.position - used + 1
+            if used and staleness <= _budget._IMMINENT:
+                imminent.append(s.tid)
+                continue
+        scores[s.tid] = cost / (max(s.nbytes, 1) * staleness)
+    return scores, imminent
+
+
+def test_compiled_scores_are_the_python_loops(monkeypatch):
+    """Every drop decision, recording and backward (an LSTM under a
+    quarter of its memory, run eagerly), scores each candidate as
+    _drop_to's Python loop did (StoreCore._scored, compiled), bit for
+    bit, and sets aside the same imminent tensors."""
+    decisions = []
+    scored = _budget_core.StoreCore._scored  # pylint: disable=protected-access
+
+    def checking(self, *args):
+        want, want_imminent = _scored_reference(self)
+        got = scored(self, *args)
+        assert {tid: h for h, tid, _ in got} == want
+        assert [s.tid for s in args[4]] == want_imminent
+        decisions.append(self.position is None)
+        return got
+
+    monkeypatch.setattr(_budget.Store, "_scored", checking)
+    spec = {"dtype": "float32", "batch": 4, "width": 16, "seed": 3, "image": None,
+            "stem": [], "tokens": (8, 8), "blocks": ["recurrent", "dense"],
+            "activation": "tanh"}
+    params, loss = family.build(tf, spec)
+    with fasttape.GradientTape(memory_budget=10 ** 15) as tape:
+        store = tape._tape.budget  # pylint: disable=protected-access
+        store.debug = True
+        loss()
+    full = store.max_held
+    with compiled_mode("off"):
+        with fasttape.GradientTape(memory_budget=full // 4) as tape:
+            value = loss()
+        tape.gradient(value, params)
+    assert True in decisions and False in decisions, decisions
+
+
 def test_chain_costs_kept_between_drops_stay_exact(monkeypatch):
     """The recomputation cost of each dropped tensor is kept from one drop
     decision to the next (walked again at each, a long chain of dropped

@@ -427,47 +427,11 @@ class Store(StoreCore):
         functions run in is known, the ticks until the next one that reads
         the tensor will run (the pass runs the recorded ops from the last
         one back: Belady's choice, weighed by cost and bytes)."""
-        watched = self.watched
-        locked = self._locked
-        slots = self.slots
-        clock = self.clock
-        position = self.position
-        chain = self._chain
-        upcoming = {}
-        scored = []
         imminent = []   # (backward) read by the next gradient functions to run
-        for s in list(self.sole.values()):
-            # Droppable: made by a recipe, neither locked nor watched, and
-            # recomputable from what stays.
-            recipe = s.recipe
-            if recipe is None:
-                continue
-            tid = s.tid
-            if tid in locked or tid in watched or \
-                    not (s.closure_ok or self._check_closure(s)):
-                continue
-            if s.valued or _feeds_needed(s, slots):
-                cost = recipe.cost
-                for x in recipe.inputs:
-                    if x.tensor is None and x.recipe is not None:
-                        c = chain.get(x.tid)
-                        cost += _chain_cost(x, chain) if c is None else c
-            else:
-                # Only shape-only gradients read it, and no dropped tensor
-                # that a gradient needs is recomputed from it: nothing
-                # will re-run to make it.
-                cost = 0
-            if position is None:
-                staleness = clock - s.last + 1
-            else:
-                next_use = self._next_use(s, position, upcoming)
-                staleness = position - next_use + 1
-                if next_use and staleness <= _IMMINENT:
-                    imminent.append(s)
-                    continue
-            nbytes = s.nbytes
-            scored.append((cost / ((nbytes if nbytes > 1 else 1) * staleness),
-                           tid, s))
+        # (StoreCore._scored: the loop over every sole tensor, compiled.)
+        scored = self._scored(self.watched, self._locked, self.position, {},
+                              imminent, self._check_closure, _feeds_needed,
+                              _chain_cost, self._next_use, _IMMINENT)
         # (Ties by tensor id, which is unique: the slots are never compared.)
         scored.sort()
         self._drop_scored([s for _, _, s in scored], target)

@@ -394,6 +394,56 @@ cdef class StoreCore:
         if self.sole_bytes + self.shared_bytes > self.budget or self.debug:
             self._check()
 
+    def _scored(self, watched, locked, position, dict upcoming, list imminent,
+                check_closure, feeds_needed, chain_cost, next_use,
+                int64_t imminent_within):
+        """Store._drop_to's scoring, compiled (typed reads of the slots'
+        fields: it runs over every resident tensor at every drop
+        decision): [(h, tid, slot)] for the sole candidates, unsorted;
+        those a gradient function within ``imminent_within`` ops reads
+        are appended to ``imminent`` instead (backward). The helpers are
+        Store's and _budget's (see _drop_to)."""
+        cdef list scored = []
+        cdef dict slots = self.slots
+        cdef dict chain = self._chain
+        cdef Slot s, x
+        cdef Recipe recipe
+        cdef int64_t clock = self.clock
+        cdef int64_t nbytes
+        for s in list(self.sole.values()):
+            # Droppable: made by a recipe, neither locked nor watched, and
+            # recomputable from what stays.
+            recipe = s.recipe
+            if recipe is None:
+                continue
+            tid = s.tid
+            if tid in locked or tid in watched or \
+                    not (s.closure_ok or check_closure(s)):
+                continue
+            if s.valued or feeds_needed(s, slots):
+                cost = recipe.cost
+                for x in recipe.inputs:
+                    if x.tensor is None and x.recipe is not None:
+                        c = chain.get(x.tid)
+                        cost += chain_cost(x, chain) if c is None else c
+            else:
+                # Only shape-only gradients read it, and no dropped tensor
+                # that a gradient needs is recomputed from it: nothing
+                # will re-run to make it.
+                cost = 0
+            if position is None:
+                staleness = clock - s.last + 1
+            else:
+                used = next_use(s, position, upcoming)
+                staleness = position - used + 1
+                if used and staleness <= imminent_within:
+                    imminent.append(s)
+                    continue
+            nbytes = s.nbytes
+            scored.append((cost / ((nbytes if nbytes > 1 else 1) * staleness),
+                           tid, s))
+        return scored
+
     cdef Slot _slot(self, t):
         cdef Slot s = self.slots.get(t._id)  # pylint: disable=protected-access
         if s is None:
