@@ -244,6 +244,145 @@ def test_chain_tiny_budget():
     assert m["dropped_tensors"] > 60 and m["recomputed_tensors"] > 60
 
 
+def _recorded_chain(budget, n=40, debug=False, side=64, big=False):
+    """A chain recorded under ``budget`` (x side by side, each step a Mul
+    and a Tanh; big: first, the tanh of x tiled 8 by 8): the tape, its
+    store, x and the loss."""
+    x = tf.constant(np.random.RandomState(1).randn(side, side).astype("float32"))
+    with fasttape.GradientTape(memory_budget=budget) as tape:
+        store = tape._tape.budget  # pylint: disable=protected-access
+        if store is not None:
+            store.debug = debug
+        tape.watch(x)
+        loss = tf.reduce_sum(tf.tanh(tf.tile(x, (8, 8)))) if big else 0.0
+        y = x
+        for _ in range(n):
+            y = tf.tanh(y * 1.01)
+        loss = loss + tf.reduce_sum(y)
+    return tape, store, x, loss
+
+
+def test_recorded_outputs_known_recomputable_at_once(monkeypatch):
+    """A recipe's outputs are known recomputable from what stays (their
+    leaf inputs pinned, their other inputs known so) when recorded: no drop
+    decision walks back to the leaves for a tensor it scores, and the
+    gradients are exact."""
+    walked = []
+    check_closure = _budget.Store._check_closure  # pylint: disable=protected-access
+
+    def counting(self, s):
+        walked.append(s.tid)
+        return check_closure(self, s)
+
+    monkeypatch.setattr(_budget.Store, "_check_closure", counting)
+    tape, store, x, loss = _recorded_chain(64 * 64 * 4 * 8)
+    recipes = [s for s in store.slots.values() if s.recipe is not None]
+    assert recipes and all(s.closure_ok for s in recipes)
+    grad = tape.gradient(loss, x)
+    assert store.dropped > 10 and walked == [], (store.dropped, len(walked))
+    expected = _recorded_chain(None)
+    assert_same(expected[0].gradient(expected[3], expected[2]), grad, exact=True)
+
+
+def test_recording_rechecks_references_as_resident_bytes_grow(monkeypatch):
+    """While recording, what the program references is re-checked once
+    the resident bytes grew by a sixteenth of the budget (or passed the
+    budget and the largest saved tensor), not after every op over the
+    budget: on a chain whose tensors the program lets go of one by one,
+    after a large one (the budget and it leave room above the budget),
+    fewer re-checks than recorded ops over the budget, the bound kept
+    and the gradients exact."""
+    counts = {"rechecks": 0, "over": 0}
+    held = []
+    recheck = _budget.Store._recheck  # pylint: disable=protected-access
+    check = _budget.Store._check  # pylint: disable=protected-access
+
+    def counting_recheck(self):
+        if self.position is None:
+            counts["rechecks"] += 1
+        return recheck(self)
+
+    def counting_check(self):
+        if self.position is None:
+            counts["over"] += 1
+        check(self)
+        held.append(self.held_bytes())
+
+    monkeypatch.setattr(_budget.Store, "_recheck", counting_recheck)
+    monkeypatch.setattr(_budget.Store, "_check", counting_check)
+    budget = 16 * 16 * 4 * 40
+    tape, store, x, loss = _recorded_chain(budget, n=120, side=16, big=True)
+    assert store.largest == 16 * 16 * 4 * 64
+    grad = tape.gradient(loss, x)
+    assert counts["over"] > 60, counts
+    assert counts["rechecks"] < counts["over"] // 2, counts
+    assert max(held) <= budget + store.largest, (max(held), store.largest)
+    expected = _recorded_chain(None, n=120, side=16, big=True)
+    assert_same(expected[0].gradient(expected[3], expected[2]), grad, exact=True)
+
+
+def _scored_reference(store):
+    """Store._drop_to's scores as its Python loop gave them (the spec of
+    StoreCore._scored): {tid: h}, and the imminent tensors' ids."""
+    # pylint: disable=protected-access
+    scores, imminent, upcoming = {}, [], {}
+    for s in list(store.sole.values()):
+        if s.recipe is None or s.tid in store._locked or s.tid in store.watched \
+                or not (s.closure_ok or store._check_closure(s)):
+            continue
+        if s.valued or _budget._feeds_needed(s, store.slots):
+            cost = s.recipe.cost
+            for x in s.recipe.inputs:
+                if x.tensor is None and x.recipe is not None:
+                    c = store._chain.get(x.tid)
+                    cost += _budget._chain_cost(x, store._chain) if c is None else c
+        else:
+            cost = 0
+        if store.position is None:
+            staleness = store.clock - s.last + 1
+        else:
+            used = store._next_use(s, store.position, upcoming)
+            staleness = store.position - used + 1
+            if used and staleness <= _budget._IMMINENT:
+                imminent.append(s.tid)
+                continue
+        scores[s.tid] = cost / (max(s.nbytes, 1) * staleness)
+    return scores, imminent
+
+
+def test_compiled_scores_are_the_python_loops(monkeypatch):
+    """Every drop decision, recording and backward (an LSTM under a
+    quarter of its memory, run eagerly), scores each candidate as
+    _drop_to's Python loop did (StoreCore._scored, compiled), bit for
+    bit, and sets aside the same imminent tensors."""
+    decisions = []
+    scored = _budget_core.StoreCore._scored  # pylint: disable=protected-access
+
+    def checking(self, *args):
+        want, want_imminent = _scored_reference(self)
+        got = scored(self, *args)
+        assert {tid: h for h, tid, _ in got} == want
+        assert [s.tid for s in args[4]] == want_imminent
+        decisions.append(self.position is None)
+        return got
+
+    monkeypatch.setattr(_budget.Store, "_scored", checking)
+    spec = {"dtype": "float32", "batch": 4, "width": 16, "seed": 3, "image": None,
+            "stem": [], "tokens": (8, 8), "blocks": ["recurrent", "dense"],
+            "activation": "tanh"}
+    params, loss = family.build(tf, spec)
+    with fasttape.GradientTape(memory_budget=10 ** 15) as tape:
+        store = tape._tape.budget  # pylint: disable=protected-access
+        store.debug = True
+        loss()
+    full = store.max_held
+    with compiled_mode("off"):
+        with fasttape.GradientTape(memory_budget=full // 4) as tape:
+            value = loss()
+        tape.gradient(value, params)
+    assert True in decisions and False in decisions, decisions
+
+
 def test_chain_costs_kept_between_drops_stay_exact(monkeypatch):
     """The recomputation cost of each dropped tensor is kept from one drop
     decision to the next (walked again at each, a long chain of dropped
@@ -524,6 +663,23 @@ def test_views_of_one_buffer_counted_while_any_is_held():
     assert store.shared_bytes == x.numpy().nbytes
     store._release(slots[1])  # pylint: disable=protected-access
     assert store.shared_bytes == 0 and not store._buffers  # pylint: disable=protected-access
+
+
+def test_small_leaves_are_not_looked_up_for_a_shared_buffer():
+    """A leaf under a kilobyte (a shape, an axis: several per recorded
+    layer) counts its own bytes, with no look-up of a buffer it may share
+    (a NumPy view of it, the recorder's costliest step per leaf); a larger
+    one is looked up, and its views count once."""
+    small = tf.constant([64, 16], tf.int32)
+    x = tf.constant(np.ones((64, 16), "float32"))
+    big = [x, tf.reshape(x, (1024,))]
+    store = _budget.Store(10 ** 6)
+    slots = [store._slot_of(t) for t in [small] + big]  # pylint: disable=protected-access
+    for s, t in zip(slots, [small] + big):
+        store._hold(s, t)  # pylint: disable=protected-access
+    assert slots[0].buf == 0 and slots[1].buf != 0, [s.buf for s in slots]
+    assert [s.view for s in slots] == [False, False, True]
+    assert store.shared_bytes == 8 + 64 * 16 * 4
 
 
 # -- what is never dropped ------------------------------------------------------------

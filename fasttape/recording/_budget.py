@@ -157,10 +157,14 @@ _IMMINENT = 3
 # this fraction of it, so that the next drop comes a tenth of the budget
 # later (a drop scores every candidate).
 LOW_WATER = 0.9
-# While the program references at most this many of the resident tensors,
-# they are re-checked after every op; more (a layer that keeps its outputs
-# in a list), and only after the resident bytes grew by a sixteenth of the
-# budget since the last check.
+# (Backward) While the program references at most this many of the
+# resident tensors, they are re-checked after every op; more (a layer that
+# keeps its outputs in a list), and while recording, only after the
+# resident bytes grew by a sixteenth of the budget since the last check
+# (or past the budget and the largest saved tensor, where the bound needs
+# it). Re-checked after every recorded op once over the budget, the
+# forward activations' references were counted some sixty times a step
+# on an LSTM, a third of what its drop decisions cost.
 _FEW = 32
 
 
@@ -305,7 +309,8 @@ class Store(StoreCore):
         budget = self.budget
         total = self.sole_bytes + self.shared_bytes
         if total > budget + self.largest or (self.sole_bytes <= budget and (
-                len(self.shared) <= _FEW or total >= self._recheck_at)):
+                total >= self._recheck_at or (
+                    self.position is not None and len(self.shared) <= _FEW))):
             # (Beyond the budget and the largest saved tensor, what the
             # program let go of since the last re-check could break the
             # bound: re-checked at every step there.)
@@ -422,47 +427,11 @@ class Store(StoreCore):
         functions run in is known, the ticks until the next one that reads
         the tensor will run (the pass runs the recorded ops from the last
         one back: Belady's choice, weighed by cost and bytes)."""
-        watched = self.watched
-        locked = self._locked
-        slots = self.slots
-        clock = self.clock
-        position = self.position
-        chain = self._chain
-        upcoming = {}
-        scored = []
         imminent = []   # (backward) read by the next gradient functions to run
-        for s in list(self.sole.values()):
-            # Droppable: made by a recipe, neither locked nor watched, and
-            # recomputable from what stays.
-            recipe = s.recipe
-            if recipe is None:
-                continue
-            tid = s.tid
-            if tid in locked or tid in watched or \
-                    not (s.closure_ok or self._check_closure(s)):
-                continue
-            if s.valued or _feeds_needed(s, slots):
-                cost = recipe.cost
-                for x in recipe.inputs:
-                    if x.tensor is None and x.recipe is not None:
-                        c = chain.get(x.tid)
-                        cost += _chain_cost(x, chain) if c is None else c
-            else:
-                # Only shape-only gradients read it, and no dropped tensor
-                # that a gradient needs is recomputed from it: nothing
-                # will re-run to make it.
-                cost = 0
-            if position is None:
-                staleness = clock - s.last + 1
-            else:
-                next_use = self._next_use(s, position, upcoming)
-                staleness = position - next_use + 1
-                if next_use and staleness <= _IMMINENT:
-                    imminent.append(s)
-                    continue
-            nbytes = s.nbytes
-            scored.append((cost / ((nbytes if nbytes > 1 else 1) * staleness),
-                           tid, s))
+        # (StoreCore._scored: the loop over every sole tensor, compiled.)
+        scored = self._scored(self.watched, self._locked, self.position, {},
+                              imminent, self._check_closure, _feeds_needed,
+                              _chain_cost, self._next_use, _IMMINENT)
         # (Ties by tensor id, which is unique: the slots are never compared.)
         scored.sort()
         self._drop_scored([s for _, _, s in scored], target)

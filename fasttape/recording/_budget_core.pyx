@@ -191,6 +191,11 @@ cdef size_t _buffer_of(t) except? 0:
     return <size_t>cnp.PyArray_DATA(a)
 
 
+# Leaves smaller than this are not looked up for a buffer they share
+# (_hold_c): each counts its own bytes.
+cdef int64_t VIEW_MIN_BYTES = 1024
+
+
 cdef dict _sizes = {}    # dtype enum -> bytes per element (_element_size's)
 
 
@@ -301,14 +306,19 @@ cdef class StoreCore:
         else:
             in_slots = []
             n_in = 0
+            closed = True
             for t in inputs:
                 x = self._slot(t)
-                if x.recipe is None and not x.pinned:
-                    # A leaf a recipe reads (a variable's value, a constant,
-                    # a random op's output) is kept: by the backward pass
-                    # it may be gone, or the variable changed.
-                    x.pinned = True
-                    self._hold_c(x, t)
+                if x.recipe is None:
+                    if not x.pinned:
+                        # A leaf a recipe reads (a variable's value, a
+                        # constant, a random op's output) is kept: by the
+                        # backward pass it may be gone, or the variable
+                        # changed.
+                        x.pinned = True
+                        self._hold_c(x, t)
+                elif not x.closure_ok:
+                    closed = False
                 n_in += x.nelem
                 in_slots.append(x)
             attrs = (<EagerOp>payload).attrs
@@ -323,6 +333,11 @@ cdef class StoreCore:
             for t in outputs:
                 x = Slot(t, recipe)
                 x.last = clock
+                # Recomputable from what stays: its leaf inputs are pinned
+                # now, and its other inputs were (Store._check_closure
+                # need not walk back to the leaves at the first drop
+                # decision that scores it).
+                x.closure_ok = closed
                 slots[x.tid] = x          # last writer wins, as in the core
                 out_ids.append(x.tid)
                 n_out += x.nelem
@@ -379,6 +394,56 @@ cdef class StoreCore:
         if self.sole_bytes + self.shared_bytes > self.budget or self.debug:
             self._check()
 
+    def _scored(self, watched, locked, position, dict upcoming, list imminent,
+                check_closure, feeds_needed, chain_cost, next_use,
+                int64_t imminent_within):
+        """Store._drop_to's scoring, compiled (typed reads of the slots'
+        fields: it runs over every resident tensor at every drop
+        decision): [(h, tid, slot)] for the sole candidates, unsorted;
+        those a gradient function within ``imminent_within`` ops reads
+        are appended to ``imminent`` instead (backward). The helpers are
+        Store's and _budget's (see _drop_to)."""
+        cdef list scored = []
+        cdef dict slots = self.slots
+        cdef dict chain = self._chain
+        cdef Slot s, x
+        cdef Recipe recipe
+        cdef int64_t clock = self.clock
+        cdef int64_t nbytes
+        for s in list(self.sole.values()):
+            # Droppable: made by a recipe, neither locked nor watched, and
+            # recomputable from what stays.
+            recipe = s.recipe
+            if recipe is None:
+                continue
+            tid = s.tid
+            if tid in locked or tid in watched or \
+                    not (s.closure_ok or check_closure(s)):
+                continue
+            if s.valued or feeds_needed(s, slots):
+                cost = recipe.cost
+                for x in recipe.inputs:
+                    if x.tensor is None and x.recipe is not None:
+                        c = chain.get(x.tid)
+                        cost += chain_cost(x, chain) if c is None else c
+            else:
+                # Only shape-only gradients read it, and no dropped tensor
+                # that a gradient needs is recomputed from it: nothing
+                # will re-run to make it.
+                cost = 0
+            if position is None:
+                staleness = clock - s.last + 1
+            else:
+                used = next_use(s, position, upcoming)
+                staleness = position - used + 1
+                if used and staleness <= imminent_within:
+                    imminent.append(s)
+                    continue
+            nbytes = s.nbytes
+            scored.append((cost / ((nbytes if nbytes > 1 else 1) * staleness),
+                           tid, s))
+        return scored
+
     cdef Slot _slot(self, t):
         cdef Slot s = self.slots.get(t._id)  # pylint: disable=protected-access
         if s is None:
@@ -400,10 +465,14 @@ cdef class StoreCore:
             self.resident_bytes += s.nbytes
             if s.aliased:
                 return 0
-            if s.recipe is None:
+            if s.recipe is None and s.nbytes >= VIEW_MIN_BYTES:
                 # A leaf may be a view of another the tape holds (reshapes
                 # of one input, made before the tape recorded them: each
                 # a tensor of its own, one buffer): its bytes count once.
+                # (Not looked up for a small one, a shape or an axis: the
+                # look-up, a NumPy view of it, cost some 10 us a leaf in
+                # the recorder, several per recorded layer; counted twice,
+                # it counts less than VIEW_MIN_BYTES too many.)
                 if s.buf == 0:
                     s.buf = _buffer_of(t)
                 if s.buf != 0:
