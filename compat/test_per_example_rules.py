@@ -620,35 +620,45 @@ def test_patches_gathered_at_any_stride(kernel, strides, padding, transposed, mo
     assert sliced and set(sliced) == {(B, 6, 5, 16) if transposed else (B, 9, 8, 8)}
 
 
-@pytest.mark.parametrize("kernel,padding,transposed", [
-    ((3, 2, 2), "SAME", False), ((2, 3, 1), "VALID", False), ((3, 3, 2), "SAME", True)])
+@pytest.mark.parametrize("kernel,strides,dilations,channels,padding,transposed", [
+    ((3, 2, 2), 1, 1, 8, "SAME", False), ((2, 3, 1), 1, 1, 8, "VALID", False),
+    ((3, 3, 2), 1, 1, 2, "SAME", True), ((3, 2, 3), (2, 1, 2), 1, 2, "SAME", False),
+    ((2, 2, 3), 2, 1, 1, "VALID", False), ((2, 3, 2), 1, (2, 1, 2), 3, "SAME", False)])
 @pytest.mark.parametrize("mode", ["eager", "function"])
-def test_volume_patches_from_slices(kernel, padding, transposed, mode, monkeypatch):
-    """A Conv3D at stride 1 over 8 channels or more (a Conv3DTranspose's
-    forward convolution: its output gradient of 8 channels), its patches
-    copied from kd kh kw slices (_volume_slices; even kernels: SAME pads
-    one more after); per-example gradients, norms and the clipped sum
-    equal the loop's (float64), eagerly and in a tf.function."""
+def test_volume_patches_gathered(kernel, strides, dilations, channels, padding, transposed,
+                                 mode, monkeypatch):
+    """A Conv3D's volume patches (a Conv3DTranspose's forward convolution:
+    its output gradient's), in float64 at any stride, dilation and number
+    of channels, gathered from the padded input's positions (_gathered:
+    no identity kernel, which Eigen's float64 convolution runs slowly;
+    even kernels: SAME pads one more after); per-example gradients, norms
+    and the clipped sum equal the loop's (float64), eagerly and in a
+    tf.function."""
     from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
-    original, sliced = _norm_rules._volume_slices, []  # pylint: disable=protected-access
+    original, sliced = _norm_rules._gathered, []  # pylint: disable=protected-access
 
     def spy(x, *args):
         sliced.append(tuple(x.shape))
         return original(x, *args)
-    monkeypatch.setattr(_norm_rules, "_volume_slices", spy)
+    monkeypatch.setattr(_norm_rules, "_gathered", spy)
     rng = np.random.default_rng(sum(kernel))
-    x = tf.constant(rng.normal(size=(B, 4, 5, 3, 2 if transposed else 8)), tf.float64)
-    w = tf.Variable(rng.normal(size=kernel + ((8, 2) if transposed else (8, 3))) * 0.3,
-                    dtype=tf.float64)
+    cx = 2 if transposed else channels
+    x = tf.constant(rng.normal(size=(B, 4, 5, 3, cx)), tf.float64)
+    w = tf.Variable(rng.normal(size=kernel + ((channels, 2) if transposed else (channels, 3)))
+                    * 0.3, dtype=tf.float64)
 
     def loss(x):
         if transposed:
-            y = tf.nn.conv3d_transpose(x, w, [x.shape[0], 4, 5, 3, 8], 1, padding)
+            y = tf.nn.conv3d_transpose(x, w, [x.shape[0], 4, 5, 3, channels], 1, padding)
+        elif dilations == 1:
+            step = strides if isinstance(strides, tuple) else (strides,) * 3
+            y = tf.nn.conv3d(x, w, (1,) + step + (1,), padding)
         else:
-            y = tf.nn.conv3d(x, w, [1] * 5, padding)
+            y = tf.nn.convolution(x, w, strides, padding, dilations=dilations)
         return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3, 4])
     _assert_loops_values(mode, loss, x, w)
-    assert sliced and set(sliced) == {(B, 4, 5, 3, 8)}
+    # (a dilated one as TF runs it: on SpaceToBatchND's blocks)
+    assert sliced and all(shape[-1] == channels for shape in sliced)
 
 
 @pytest.mark.parametrize("kernel,dilation,padding", [
