@@ -124,6 +124,13 @@ def _keras_model(kind, name):
     if kind == "groupnorm":
         return (3, 4), [L.Dense(4, dtype=name), L.GroupNormalization(2, dtype=name),
                         L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "groupnorm_dilated":
+        # GroupNormalization on the input, then a dilated convolution: the
+        # shape of its Reshape back, which no op saved, from
+        # SpaceToBatchND's output (else gamma and beta take rows)
+        return (7, 7, 2), [L.GroupNormalization(1, dtype=name),
+                           L.Conv2D(2, 2, dilation_rate=2, dtype=name),
+                           L.Flatten(dtype=name), L.Dense(2, dtype=name)]
     raise KeyError(kind)
 
 
@@ -194,6 +201,7 @@ def _tf_keras_batchnorm(dtype):
 CASES = {
     "keras_batchnorm_inference": _keras_case("batchnorm"),
     "keras_groupnorm": _keras_case("groupnorm"),
+    "keras_groupnorm_dilated": _keras_case("groupnorm_dilated"),
     "keras_lstm": _keras_case("lstm"),
     "keras_simple_rnn": _keras_case("simple_rnn"),
     "keras_gru_sequences": _keras_case("gru_sequences"),
