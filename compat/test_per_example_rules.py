@@ -726,18 +726,22 @@ def test_depthwise_kernel_gradients_by_chunks_of_examples(kernel, strides, mult,
 
 @pytest.mark.parametrize("dtype,kernel,mult,path", [
     (tf.float32, 3, 1, "_grouped"), (tf.float32, 5, 1, "_correlated"),
-    (tf.float32, 5, 2, "_chunked"), (tf.float64, 3, 1, "_chunked"),
-    (tf.float64, 5, 1, "_chunked"), (tf.float64, 1, 1, "_grouped")])
+    (tf.float32, 5, 2, "_chunked"), (tf.float32, 3, 2, "_chunked"),
+    (tf.float64, 3, 1, "_chunked"), (tf.float64, 5, 1, "_chunked"),
+    (tf.float64, 1, 1, "_grouped")])
 def test_depthwise_paths_by_dtype_and_size(dtype, kernel, mult, path, monkeypatch):
     """At the default sizes, B 32 over 40 channels: float32 with fewer than
     16 taps (46 KiB of kernels, at most 640) one grouped kernel gradient; 16
-    taps or more a correlation, or chunks with a depth multiplier; float64
+    taps or more a correlation; with a depth multiplier (2560 channels side
+    by side, more than _DW_CHUNK_CHANNELS) chunks where oneDNN runs; float64
     chunks (its correlation and its grouped kernel gradient over many
     channels are slow), but for 1x1 kernels (10 KiB); each the loop's."""
     from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
     blocks = _norm_rules._DepthwiseBlocks  # pylint: disable=protected-access
     if path == "_correlated" and not _norm_rules._groups_run():  # pylint: disable=protected-access
         pytest.skip("the correlation runs where TF's oneDNN kernels do")
+    if (dtype, kernel, mult) == (tf.float32, 3, 2) and not _norm_rules._groups_run():  # pylint: disable=protected-access
+        path = "_grouped"   # (the chunks of channels: where oneDNN runs)
     taken = {name: _spy_taken(monkeypatch, blocks, name)
              for name in ("_correlated", "_chunked", "_grouped")}
     n = 32
