@@ -1168,3 +1168,41 @@ def test_per_example_gradients_larger_than_the_activations_take_the_ghost_norm(
     _close(got_norms, norms, dtype)
     _close(got_dp[0], tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B, dtype)
     _close(_run(mode, lambda x: step(x, "per_example_gradients"), x)[0], ref, dtype)
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_patches_over_the_cap_in_chunks_of_examples(rank, mode, monkeypatch):
+    """Where a convolution's per-example gradients serve but the whole
+    batch's patches would take more than _MAX_SLICED_BYTES (here a few
+    examples' worth), each example's kernel gradient from the patches of a
+    chunk of examples at a time (_patches_in_chunks: 2 of 3, then 1);
+    per-example gradients, norms and the clipped sum equal the loop's
+    (float64, a Conv2D and a Conv3D, eagerly and in a tf.function)."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    blocks = _norm_rules._Conv2DBlocks  # pylint: disable=protected-access
+    chunked, original = [], blocks._patches_in_chunks  # pylint: disable=protected-access
+
+    def spy(self, payload, g, src_shape):
+        out = original(self, payload, g, src_shape)
+        chunked.append(out is not None)
+        return out
+    monkeypatch.setattr(blocks, "_patches_in_chunks", spy)
+    rng = np.random.default_rng(rank)
+    spatial = (5, 4) if rank == 2 else (4, 3, 3)
+    kernel = (2,) * rank
+    k = int(np.prod(kernel)) * 3
+    positions = int(np.prod([s - 1 for s in spatial]))
+    # two examples' patches a chunk (B = 3: chunks of 2 and 1)
+    monkeypatch.setattr(_norm_rules, "_MAX_SLICED_BYTES", 2 * positions * k * 8)
+    x = tf.constant(rng.normal(size=(B,) + spatial + (3,)), tf.float64)
+    # (K 12 to 8 outputs: not the many-inputs routes; T^2 >= K N: no ghost norm)
+    w = tf.Variable(rng.normal(size=kernel + (3, 8 if rank == 2 else 4)) * 0.3,
+                    dtype=tf.float64)
+
+    def loss(x):
+        conv = tf.nn.conv2d if rank == 2 else tf.nn.conv3d
+        y = conv(x, w, [1] * (rank + 2), "VALID")
+        return tf.reduce_sum(tf.tanh(y) ** 2, axis=list(range(1, rank + 2)))
+    _assert_loops_values(mode, loss, x, w)
+    assert chunked and all(chunked)

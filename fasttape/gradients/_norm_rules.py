@@ -1061,10 +1061,38 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
                        "keep_dims", False)
         looped = self._looped(payload, g, src_shape)
         if looped is None:
+            looped = self._patches_in_chunks(payload, g, src_shape)
+        if looped is None:
             return super().sq_norms(payload, pos, g, src_shape, memo)
         if memo is not None:
             memo[("per_example", id(payload), pos)] = (payload, looped)
         return sq_rows(looped)
+
+    def _patches_in_chunks(self, payload, g, src_shape):
+        """[B, K, N], each example's kernel gradient from its patches, a
+        chunk of e examples at a time (a batched product each), where the
+        per-example gradients serve (no ghost norm) but the whole batch's
+        patches (B T K values) would take more than _MAX_SLICED_BYTES: e
+        examples' take at most that (as many products, the patches' memory
+        bounded). Sizes known, no space-to-batch blocks; else None."""
+        x = payload.inputs[0]
+        nb = _blocks(payload)
+        if nb != 1 or x.shape.rank is None or None in x.shape or None in g.shape:
+            return None
+        b, k, n = x.shape[0], int(np.prod(src_shape[:-1])), src_shape[-1]
+        t = g.shape[1:-1].num_elements()
+        if b * t * k * x.dtype.size <= _MAX_SLICED_BYTES or (
+                t * t < k * n and self._ghost(b, t, k, n, x.dtype, payload)):
+            return None
+        e = max(1, _MAX_SLICED_BYTES // (t * k * x.dtype.size))
+        if e >= b:
+            return None
+        sizes = [e] * (b // e) + ([b % e] if b % e else [])
+        grads = []
+        for xc, gc in zip(array_ops.split(x, sizes), array_ops.split(g, sizes)):
+            a, gf = self._flat(EagerOp(payload.attrs, (xc, None), 2), gc, src_shape)
+            grads.append(math_ops.matmul(a, gf, transpose_a=True))
+        return array_ops.concat(grads, 0)
 
     def per_example(self, payload, pos, g, src_shape=None):
         grouped = self._grouped(payload, g, src_shape)
@@ -1077,8 +1105,10 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
             return array_ops.transpose(
                 array_ops.reshape(shifted, [-1, cin, kh, kw, cout]), [0, 2, 3, 1, 4])
         looped = self._looped(payload, g, src_shape)
+        if looped is None:
+            looped = self._patches_in_chunks(payload, g, src_shape)
         if looped is not None:
-            return looped
+            return array_ops.reshape(looped, [-1] + list(src_shape))
         return super().per_example(payload, pos, g, src_shape)
 
     def _memoized(self, payload, pos, memo):
