@@ -124,6 +124,13 @@ def _keras_model(kind, name):
     if kind == "groupnorm":
         return (3, 4), [L.Dense(4, dtype=name), L.GroupNormalization(2, dtype=name),
                         L.Flatten(dtype=name), L.Dense(2, dtype=name)]
+    if kind == "groupnorm_dilated":
+        # GroupNormalization on the input, then a dilated convolution: the
+        # shape of its Reshape back, which no op saved, from
+        # SpaceToBatchND's output (else gamma and beta take rows)
+        return (7, 7, 2), [L.GroupNormalization(1, dtype=name),
+                           L.Conv2D(2, 2, dilation_rate=2, dtype=name),
+                           L.Flatten(dtype=name), L.Dense(2, dtype=name)]
     raise KeyError(kind)
 
 
@@ -194,6 +201,7 @@ def _tf_keras_batchnorm(dtype):
 CASES = {
     "keras_batchnorm_inference": _keras_case("batchnorm"),
     "keras_groupnorm": _keras_case("groupnorm"),
+    "keras_groupnorm_dilated": _keras_case("groupnorm_dilated"),
     "keras_lstm": _keras_case("lstm"),
     "keras_simple_rnn": _keras_case("simple_rnn"),
     "keras_gru_sequences": _keras_case("gru_sequences"),
@@ -620,35 +628,45 @@ def test_patches_gathered_at_any_stride(kernel, strides, padding, transposed, mo
     assert sliced and set(sliced) == {(B, 6, 5, 16) if transposed else (B, 9, 8, 8)}
 
 
-@pytest.mark.parametrize("kernel,padding,transposed", [
-    ((3, 2, 2), "SAME", False), ((2, 3, 1), "VALID", False), ((3, 3, 2), "SAME", True)])
+@pytest.mark.parametrize("kernel,strides,dilations,channels,padding,transposed", [
+    ((3, 2, 2), 1, 1, 8, "SAME", False), ((2, 3, 1), 1, 1, 8, "VALID", False),
+    ((3, 3, 2), 1, 1, 2, "SAME", True), ((3, 2, 3), (2, 1, 2), 1, 2, "SAME", False),
+    ((2, 2, 3), 2, 1, 1, "VALID", False), ((2, 3, 2), 1, (2, 1, 2), 3, "SAME", False)])
 @pytest.mark.parametrize("mode", ["eager", "function"])
-def test_volume_patches_from_slices(kernel, padding, transposed, mode, monkeypatch):
-    """A Conv3D at stride 1 over 8 channels or more (a Conv3DTranspose's
-    forward convolution: its output gradient of 8 channels), its patches
-    copied from kd kh kw slices (_volume_slices; even kernels: SAME pads
-    one more after); per-example gradients, norms and the clipped sum
-    equal the loop's (float64), eagerly and in a tf.function."""
+def test_volume_patches_gathered(kernel, strides, dilations, channels, padding, transposed,
+                                 mode, monkeypatch):
+    """A Conv3D's volume patches (a Conv3DTranspose's forward convolution:
+    its output gradient's), in float64 at any stride, dilation and number
+    of channels, gathered from the padded input's positions (_gathered:
+    no identity kernel, which Eigen's float64 convolution runs slowly;
+    even kernels: SAME pads one more after); per-example gradients, norms
+    and the clipped sum equal the loop's (float64), eagerly and in a
+    tf.function."""
     from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
-    original, sliced = _norm_rules._volume_slices, []  # pylint: disable=protected-access
+    original, sliced = _norm_rules._gathered, []  # pylint: disable=protected-access
 
     def spy(x, *args):
         sliced.append(tuple(x.shape))
         return original(x, *args)
-    monkeypatch.setattr(_norm_rules, "_volume_slices", spy)
+    monkeypatch.setattr(_norm_rules, "_gathered", spy)
     rng = np.random.default_rng(sum(kernel))
-    x = tf.constant(rng.normal(size=(B, 4, 5, 3, 2 if transposed else 8)), tf.float64)
-    w = tf.Variable(rng.normal(size=kernel + ((8, 2) if transposed else (8, 3))) * 0.3,
-                    dtype=tf.float64)
+    cx = 2 if transposed else channels
+    x = tf.constant(rng.normal(size=(B, 4, 5, 3, cx)), tf.float64)
+    w = tf.Variable(rng.normal(size=kernel + ((channels, 2) if transposed else (channels, 3)))
+                    * 0.3, dtype=tf.float64)
 
     def loss(x):
         if transposed:
-            y = tf.nn.conv3d_transpose(x, w, [x.shape[0], 4, 5, 3, 8], 1, padding)
+            y = tf.nn.conv3d_transpose(x, w, [x.shape[0], 4, 5, 3, channels], 1, padding)
+        elif dilations == 1:
+            step = strides if isinstance(strides, tuple) else (strides,) * 3
+            y = tf.nn.conv3d(x, w, (1,) + step + (1,), padding)
         else:
-            y = tf.nn.conv3d(x, w, [1] * 5, padding)
+            y = tf.nn.convolution(x, w, strides, padding, dilations=dilations)
         return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3, 4])
     _assert_loops_values(mode, loss, x, w)
-    assert sliced and set(sliced) == {(B, 4, 5, 3, 8)}
+    # (a dilated one as TF runs it: on SpaceToBatchND's blocks)
+    assert sliced and all(shape[-1] == channels for shape in sliced)
 
 
 @pytest.mark.parametrize("kernel,dilation,padding", [
@@ -708,18 +726,22 @@ def test_depthwise_kernel_gradients_by_chunks_of_examples(kernel, strides, mult,
 
 @pytest.mark.parametrize("dtype,kernel,mult,path", [
     (tf.float32, 3, 1, "_grouped"), (tf.float32, 5, 1, "_correlated"),
-    (tf.float32, 5, 2, "_chunked"), (tf.float64, 3, 1, "_chunked"),
-    (tf.float64, 5, 1, "_chunked"), (tf.float64, 1, 1, "_grouped")])
+    (tf.float32, 5, 2, "_chunked"), (tf.float32, 3, 2, "_chunked"),
+    (tf.float64, 3, 1, "_chunked"), (tf.float64, 5, 1, "_chunked"),
+    (tf.float64, 1, 1, "_grouped")])
 def test_depthwise_paths_by_dtype_and_size(dtype, kernel, mult, path, monkeypatch):
     """At the default sizes, B 32 over 40 channels: float32 with fewer than
     16 taps (46 KiB of kernels, at most 640) one grouped kernel gradient; 16
-    taps or more a correlation, or chunks with a depth multiplier; float64
+    taps or more a correlation; with a depth multiplier (2560 channels side
+    by side, more than _DW_CHUNK_CHANNELS) chunks where oneDNN runs; float64
     chunks (its correlation and its grouped kernel gradient over many
     channels are slow), but for 1x1 kernels (10 KiB); each the loop's."""
     from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
     blocks = _norm_rules._DepthwiseBlocks  # pylint: disable=protected-access
     if path == "_correlated" and not _norm_rules._groups_run():  # pylint: disable=protected-access
         pytest.skip("the correlation runs where TF's oneDNN kernels do")
+    if (dtype, kernel, mult) == (tf.float32, 3, 2) and not _norm_rules._groups_run():  # pylint: disable=protected-access
+        path = "_grouped"   # (the chunks of channels: where oneDNN runs)
     taken = {name: _spy_taken(monkeypatch, blocks, name)
              for name in ("_correlated", "_chunked", "_grouped")}
     n = 32
@@ -1146,3 +1168,41 @@ def test_per_example_gradients_larger_than_the_activations_take_the_ghost_norm(
     _close(got_norms, norms, dtype)
     _close(got_dp[0], tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B, dtype)
     _close(_run(mode, lambda x: step(x, "per_example_gradients"), x)[0], ref, dtype)
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_patches_over_the_cap_in_chunks_of_examples(rank, mode, monkeypatch):
+    """Where a convolution's per-example gradients serve but the whole
+    batch's patches would take more than _MAX_SLICED_BYTES (here a few
+    examples' worth), each example's kernel gradient from the patches of a
+    chunk of examples at a time (_patches_in_chunks: 2 of 3, then 1);
+    per-example gradients, norms and the clipped sum equal the loop's
+    (float64, a Conv2D and a Conv3D, eagerly and in a tf.function)."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    blocks = _norm_rules._Conv2DBlocks  # pylint: disable=protected-access
+    chunked, original = [], blocks._patches_in_chunks  # pylint: disable=protected-access
+
+    def spy(self, payload, g, src_shape):
+        out = original(self, payload, g, src_shape)
+        chunked.append(out is not None)
+        return out
+    monkeypatch.setattr(blocks, "_patches_in_chunks", spy)
+    rng = np.random.default_rng(rank)
+    spatial = (5, 4) if rank == 2 else (4, 3, 3)
+    kernel = (2,) * rank
+    k = int(np.prod(kernel)) * 3
+    positions = int(np.prod([s - 1 for s in spatial]))
+    # two examples' patches a chunk (B = 3: chunks of 2 and 1)
+    monkeypatch.setattr(_norm_rules, "_MAX_SLICED_BYTES", 2 * positions * k * 8)
+    x = tf.constant(rng.normal(size=(B,) + spatial + (3,)), tf.float64)
+    # (K 12 to 8 outputs: not the many-inputs routes; T^2 >= K N: no ghost norm)
+    w = tf.Variable(rng.normal(size=kernel + (3, 8 if rank == 2 else 4)) * 0.3,
+                    dtype=tf.float64)
+
+    def loss(x):
+        conv = tf.nn.conv2d if rank == 2 else tf.nn.conv3d
+        y = conv(x, w, [1] * (rank + 2), "VALID")
+        return tf.reduce_sum(tf.tanh(y) ** 2, axis=list(range(1, rank + 2)))
+    _assert_loops_values(mode, loss, x, w)
+    assert chunked and all(chunked)

@@ -447,6 +447,8 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
                     shapes[i] = shapes[o]
             elif entry.op_type in ("Transpose", "Unpack"):
                 _carry_shape(entry, shapes)
+            elif entry.op_type == "SpaceToBatchND":
+                _carry_blocks_shape(entry, shapes)
     consumers = {}
     for entry in entries:
         for tid in entry.input_ids:
@@ -2612,6 +2614,28 @@ def _while_kinds(item):
     by_id = {id(o): o.type for o in op._body_graph.get_operations()}  # pylint: disable=protected-access
     return [by_id[key] for key, kind in item[3][2].items()
             if kind == "meet" and key in by_id]
+
+
+def _carry_blocks_shape(entry, shapes):
+    """The analysis' shape of a SpaceToBatchND's input from its output's,
+    block shape and paddings (a dilated convolution's input, which no op
+    saved: a Reshape before it, GroupNormalization's, is then known to keep
+    the batch leading)."""
+    i, o = entry.input_ids[0], entry.output_ids[0] if entry.output_ids else None
+    out = shapes.get(o)
+    if i in shapes or out is None or None in out:
+        return
+    block, pads = _config(entry.payload, 1), _config(entry.payload, 2)
+    if not isinstance(block, list) or not isinstance(pads, list):
+        return
+    m = len(block)
+    if len(out) < m + 1 or len(pads) != m or any(len(p) != 2 for p in pads):
+        return
+    n = int(np.prod(block))
+    if n <= 0 or out[0] % n:
+        return
+    spatial = [out[1 + k] * block[k] - pads[k][0] - pads[k][1] for k in range(m)]
+    shapes[i] = tuple([out[0] // n] + spatial + list(out[1 + m:]))
 
 
 def _carry_shape(entry, shapes):

@@ -346,47 +346,81 @@ _MAX_PATCH_KERNEL_BYTES = 1 << 18
 # and took 1.3-6x the slices' time from 8 channels (3x3 kernels, 7x7 to
 # 28x28 images, batches 16-128), as long below.
 _SLICED_MIN_CHANNELS = 8
+# Below that, an identity-kernel convolution makes the patches only in
+# float32 where TF runs oneDNN's kernels (_groups_run) and for fewer than
+# this many values K = kh kw cin a patch; else they are gathered too
+# (_gathered). Eagerly, B 16-128, 8x8 to 32x32 images (12^3 volumes), 1-4
+# channels, strides 1-2: in float32 the identity kernel took 0.1-0.7x the
+# gather's time up to K 54, 1.6-4x it from K 100; in float64 (Eigen's
+# convolution) 1.1-4.4x at every K (2D K 9-100, 3D K 8-108).
+_MIN_GATHERED_K = 64
+
+
+def _identity_patches(x, k, cin):
+    """Whether a convolution's patches (K = k values each) are made by an
+    identity-kernel convolution rather than gathered (_gathered)."""
+    return (cin is not None and cin < _SLICED_MIN_CHANNELS and k < _MIN_GATHERED_K
+            and k * k * x.dtype.size <= _MAX_PATCH_KERNEL_BYTES
+            and x.dtype in _GROUPED_DTYPES and _groups_run())
 
 
 def _slices(x, kh, kw, out_hw, strides, dilations, padding):
     """[N, ho, wo, kh kw, cin]: each output position's patch of x [N, H,
-    W, cin] (NHWC, H and W known) under a kh x kw convolution, in the
-    kernel's (kh, kw, cin) order: one gather of x's positions (padded as
-    TF pads SAME, flattened), copies, no products. (One GatherV2 by cached
-    indices, not kh kw strided slices and their stack: float64, B 16-64,
-    8x8 to 32x32, 16-64 channels, 3x3 to 5x5, it took 0.15-0.5x their time,
-    eagerly and traced; 0.15x at stride 2, whose slices TF copies value by
-    value.)"""
-    ho, wo = out_hw
-    sh, sw = strides[1], strides[2]
-    dh, dw = dilations[1], dilations[2]
-    size_h, size_w, cin = x.shape[1], x.shape[2], x.shape[3]
+    W, cin] (NHWC, H and W known) under a kh x kw convolution (strides
+    and dilations NHWC's four), in the kernel's (kh, kw, cin) order:
+    _gathered. (One GatherV2 by cached indices, not kh kw strided slices
+    and their stack: float64, B 16-64, 8x8 to 32x32, 16-64 channels, 3x3
+    to 5x5, it took 0.15-0.5x their time, eagerly and traced; 0.15x at
+    stride 2, whose slices TF copies value by value.)"""
+    return _gathered(x, (kh, kw), out_hw, strides[1:3], dilations[1:3], padding)
+
+
+def _gathered(x, ksize, out_sizes, strides, dilations, padding):
+    """[N, *out_sizes, prod(ksize), cin]: each output position's patch of
+    x [N, *sizes, cin] (the spatial sizes known) under a convolution of
+    kernel ``ksize`` with per-axis ``strides`` and ``dilations`` (any
+    number of spatial axes: Conv2D's two, Conv3D's three), in the kernel's
+    (..., cin) order: one gather of x's positions (padded as TF pads SAME,
+    flattened) by cached indices, copies, no products."""
+    sizes, cin = list(x.shape[1:-1]), x.shape[-1]
+    spatial = len(sizes)
     if padding == "SAME":
         pads = [[0, 0]]
-        for size, out, k, s, d in ((size_h, ho, kh, sh, dh), (size_w, wo, kw, sw, dw)):
+        for size, out, k, s, d in zip(sizes, out_sizes, ksize, strides, dilations):
             total = max((out - 1) * s + (k - 1) * d + 1 - size, 0)
             pads.append([total // 2, total - total // 2])
         if any(p != [0, 0] for p in pads):
             x = _ex("Pad", x, _const(tuple(tuple(p) for p in pads) + ((0, 0),),
                                      dtypes.int32))
-            size_h += sum(pads[1])
-            size_w += sum(pads[2])
+            sizes = [size + sum(p) for size, p in zip(sizes, pads[1:])]
 
     def indices():
-        # position (p, q), tap (i, j) reads row p sh + i dh, column q sw + j dw
-        rows = (np.arange(ho)[:, None] * sh + np.arange(kh)[None, :] * dh)   # [ho, kh]
-        cols = (np.arange(wo)[:, None] * sw + np.arange(kw)[None, :] * dw)   # [wo, kw]
-        flat = (rows[:, None, :, None] * size_w + cols[None, :, None, :])      # [ho, wo, kh, kw]
+        # position p (per axis), tap j (per axis) reads p s + j d on each
+        # axis; the flat index in row-major order over the padded sizes,
+        # laid out [*positions, *taps]
+        flat = np.zeros((1,) * (2 * spatial), np.int64)
+        stride = 1
+        for axis in reversed(range(spatial)):
+            read = (np.arange(out_sizes[axis])[:, None] * strides[axis]
+                    + np.arange(ksize[axis])[None, :] * dilations[axis])
+            shape = [1] * (2 * spatial)
+            shape[axis], shape[spatial + axis] = out_sizes[axis], ksize[axis]
+            flat = flat + read.reshape(shape) * stride
+            stride *= sizes[axis]
         return constant_op.constant(flat.reshape(-1).astype(np.int32))
-    idx = _cached(("slices", ho, wo, kh, kw, sh, sw, dh, dw, size_w), indices)
+    idx = _cached(("slices", tuple(out_sizes), tuple(ksize), tuple(strides),
+                   tuple(dilations), tuple(sizes)), indices)
+    taps = int(np.prod(ksize))
+    total = int(np.prod(sizes))
     if cin is None:     # (a traced input's channels unknown: read at run time)
-        cin = array_ops.shape(x)[3]
+        cin = array_ops.shape(x)[-1]
         return array_ops.reshape(array_ops.gather(
-            array_ops.reshape(x, [-1, size_h * size_w, cin]), idx, axis=1),
-                                 [-1, ho, wo, kh * kw, cin])
-    flat = _ex("Reshape", x, _const((-1, size_h * size_w, cin), dtypes.int32))
+            array_ops.reshape(x, [-1, total, cin]), idx, axis=1),
+                                 [-1] + list(out_sizes) + [taps, cin])
+    flat = _ex("Reshape", x, _const((-1, total, cin), dtypes.int32))
     patches = _ex("GatherV2", flat, idx, _const(1, dtypes.int32), "batch_dims", 0)
-    return _ex("Reshape", patches, _const((-1, ho, wo, kh * kw, cin), dtypes.int32))
+    return _ex("Reshape", patches, _const((-1,) + tuple(out_sizes) + (taps, cin),
+                                          dtypes.int32))
 
 
 # Per-example kernel gradients (K N values an example, built from the
@@ -440,8 +474,7 @@ class _Conv2D(_BatchMatMul):
         dilations = list(attr(payload, "dilations") or [1, 1, 1, 1])
         k = kh * kw * cin
         if (None not in x.shape[1:3] and None not in g.shape[1:3]
-                and (cin >= _SLICED_MIN_CHANNELS
-                     or k * k * x.dtype.size > _MAX_PATCH_KERNEL_BYTES)):
+                and not _identity_patches(x, k, cin)):
             patches = _ex("Reshape", _slices(x, kh, kw, g.shape[1:3], strides, dilations, padding),
                           _const((-1, g.shape[1], g.shape[2], k), dtypes.int32))
         elif k * k * x.dtype.size > _MAX_PATCH_KERNEL_BYTES:
@@ -924,6 +957,14 @@ _MIN_CORRELATED_TAPS = 16
 _MAX_GROUPED_DW_BYTES = 640 << 10
 _MAX_GROUPED_DW_BYTES_SLOW = 64 << 10
 _DW_CHUNK_BYTES = 32 << 10
+# In float32 where oneDNN runs, a kernel with a depth multiplier takes
+# chunks of at most this many channels (e cin m) an image wherever all of
+# them would be more: on 4 shapes (B 32-128, 16x16 to 32x32, 4-32
+# channels, 2x2 to 4x4, multiplier 2, strides 1-2) one group of 1024-4096
+# channels took 1.2-2.1x the time of chunks of 512 (B 128, 32x32x16, 2x2:
+# 74 ms against 36 ms, the plain step's kernel gradient 12 ms); without a
+# multiplier 0.65-1.1x (timed in turn), so one group stays.
+_DW_CHUNK_CHANNELS = 512
 # Up to this size in bytes of its patches (B T K values), such a
 # convolution at stride 1 (eagerly at any) gathers them (_Conv2DBlocks._sliced).
 _MAX_SLICED_BYTES = 1 << 26
@@ -1020,10 +1061,38 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
                        "keep_dims", False)
         looped = self._looped(payload, g, src_shape)
         if looped is None:
+            looped = self._patches_in_chunks(payload, g, src_shape)
+        if looped is None:
             return super().sq_norms(payload, pos, g, src_shape, memo)
         if memo is not None:
             memo[("per_example", id(payload), pos)] = (payload, looped)
         return sq_rows(looped)
+
+    def _patches_in_chunks(self, payload, g, src_shape):
+        """[B, K, N], each example's kernel gradient from its patches, a
+        chunk of e examples at a time (a batched product each), where the
+        per-example gradients serve (no ghost norm) but the whole batch's
+        patches (B T K values) would take more than _MAX_SLICED_BYTES: e
+        examples' take at most that (as many products, the patches' memory
+        bounded). Sizes known, no space-to-batch blocks; else None."""
+        x = payload.inputs[0]
+        nb = _blocks(payload)
+        if nb != 1 or x.shape.rank is None or None in x.shape or None in g.shape:
+            return None
+        b, k, n = x.shape[0], int(np.prod(src_shape[:-1])), src_shape[-1]
+        t = g.shape[1:-1].num_elements()
+        if b * t * k * x.dtype.size <= _MAX_SLICED_BYTES or (
+                t * t < k * n and self._ghost(b, t, k, n, x.dtype, payload)):
+            return None
+        e = max(1, _MAX_SLICED_BYTES // (t * k * x.dtype.size))
+        if e >= b:
+            return None
+        sizes = [e] * (b // e) + ([b % e] if b % e else [])
+        grads = []
+        for xc, gc in zip(array_ops.split(x, sizes), array_ops.split(g, sizes)):
+            a, gf = self._flat(EagerOp(payload.attrs, (xc, None), 2), gc, src_shape)
+            grads.append(math_ops.matmul(a, gf, transpose_a=True))
+        return array_ops.concat(grads, 0)
 
     def per_example(self, payload, pos, g, src_shape=None):
         grouped = self._grouped(payload, g, src_shape)
@@ -1036,8 +1105,10 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
             return array_ops.transpose(
                 array_ops.reshape(shifted, [-1, cin, kh, kw, cout]), [0, 2, 3, 1, 4])
         looped = self._looped(payload, g, src_shape)
+        if looped is None:
+            looped = self._patches_in_chunks(payload, g, src_shape)
         if looped is not None:
-            return looped
+            return array_ops.reshape(looped, [-1] + list(src_shape))
         return super().per_example(payload, pos, g, src_shape)
 
     def _memoized(self, payload, pos, memo):
@@ -1321,9 +1392,14 @@ class _DepthwiseBlocks(_Blocked, _DepthwiseConv2D):
         b = x.shape[0] // nb
         per = kh * kw * cin * mult * x.dtype.size
         fast = x.dtype in _GROUPED_DTYPES and kh * kw < _MIN_CORRELATED_TAPS
-        if b * per <= (_MAX_GROUPED_DW_BYTES if fast else _MAX_GROUPED_DW_BYTES_SLOW):
+        wide = (mult > 1 and x.dtype in _GROUPED_DTYPES and _groups_run()
+                and b * cin * mult > _DW_CHUNK_CHANNELS)
+        if not wide and b * per <= (_MAX_GROUPED_DW_BYTES if fast
+                                    else _MAX_GROUPED_DW_BYTES_SLOW):
             return None
         e = max(1, min(b, _DW_CHUNK_BYTES // per))
+        if wide:
+            e = max(1, min(e, _DW_CHUNK_CHANNELS // (cin * mult)))
         while b % e:
             e -= 1
         q = b // e
@@ -1377,22 +1453,6 @@ class _DepthwiseBlocks(_Blocked, _DepthwiseConv2D):
 
 # -- 3-D and transposed convolutions, batch norm in inference -----------------
 
-def _volume_slices(x, ksize, out_sizes, padding):
-    """[N, do, ho, wo, kd kh kw cin]: each output position's patch of x
-    [N, D, H, W, cin] (sizes known) under a kd x kh x kw convolution at
-    stride 1, no dilation, in the kernel's (kd, kh, kw, cin) order: kd kh
-    kw slices of x (padded as TF pads SAME), copies, no products."""
-    if padding == "SAME":
-        pads = [[0, 0]] + [[(k - 1) // 2, k - 1 - (k - 1) // 2] for k in ksize] + [[0, 0]]
-        if any(p != [0, 0] for p in pads):
-            x = array_ops.pad(x, pads)
-    (kd, kh, kw), (do, ho, wo) = ksize, out_sizes
-    return array_ops.reshape(array_ops_stack.stack(
-        [x[:, i:i + do, j:j + ho, l:l + wo, :]
-         for i in range(kd) for j in range(kh) for l in range(kw)], axis=4),
-        [-1, do, ho, wo, kd * kh * kw * x.shape[-1]])
-
-
 @norm_rule("Conv3D")
 class _Conv3D(_Conv2DBlocks):
     """z = conv3d(x, K), NDHWC, SAME or VALID: the Conv2D rule on volume
@@ -1414,13 +1474,14 @@ class _Conv3D(_Conv2DBlocks):
         strides = list(attr(payload, "strides"))
         dilations = list(attr(payload, "dilations") or [1] * 5)
         padding = _decoded(payload, "padding")
-        if (cin >= _SLICED_MIN_CHANNELS and strides == [1] * 5 and dilations == [1] * 5
-                and None not in x.shape[1:4] and None not in g.shape[1:4]):
-            # copied from kd kh kw slices, no products (a Conv3DTranspose
-            # of 16 channels to 8, 3x3x3, B 16, 8^3: DP/plain 1.77x -> 1.22x
-            # in float32, 1.67x -> 1.40x in float64; strided slices took
-            # longer than the identity kernel's products)
-            patches = _volume_slices(x, (kd, kh, kw), g.shape[1:4], padding)
+        if (None not in x.shape[1:4] and None not in g.shape[1:4]
+                and not _identity_patches(x, k, cin)):
+            # gathered, no products, at any stride and dilation (a Conv3D
+            # of 4 channels to 8, 3x3x3, B 16, 12^3, float64: DP/plain
+            # 1.65x with the identity kernel's patches)
+            patches = _ex("Reshape", _gathered(x, (kd, kh, kw), g.shape[1:4], strides[1:4],
+                                               dilations[1:4], padding),
+                          _const((-1,) + tuple(g.shape[1:4]) + (k,), dtypes.int32))
         elif k * k * x.dtype.size > _MAX_PATCH_KERNEL_BYTES and dilations == [1] * 5:
             patches = array_ops.extract_volume_patches(
                 x, [1, kd, kh, kw, 1], strides, padding)
