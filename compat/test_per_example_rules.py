@@ -649,6 +649,8 @@ def test_volume_patches_gathered(kernel, strides, dilations, channels, padding, 
         sliced.append(tuple(x.shape))
         return original(x, *args)
     monkeypatch.setattr(_norm_rules, "_gathered", spy)
+    # (the patches, not the slices of many inputs to few outputs: _Conv3D._sliced)
+    monkeypatch.setattr(_norm_rules._Conv3D, "_looped", lambda *args: None)  # pylint: disable=protected-access
     rng = np.random.default_rng(sum(kernel))
     cx = 2 if transposed else channels
     x = tf.constant(rng.normal(size=(B, 4, 5, 3, cx)), tf.float64)
@@ -667,6 +669,41 @@ def test_volume_patches_gathered(kernel, strides, dilations, channels, padding, 
     _assert_loops_values(mode, loss, x, w)
     # (a dilated one as TF runs it: on SpaceToBatchND's blocks)
     assert sliced and all(shape[-1] == channels for shape in sliced)
+
+
+@pytest.mark.parametrize("kernel,dilations,padding", [
+    ((3, 3, 3), 1, "SAME"), ((2, 3, 1), 1, "VALID"), ((2, 2, 3), (2, 1, 2), "SAME"),
+    ((2, 1, 2), 2, "VALID")])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_volume_kernel_gradients_from_the_inputs_slices(kernel, dilations, padding, mode,
+                                                        monkeypatch):
+    """A Conv3D of many input channels to few outputs at stride 1
+    (float64): each example's kernel gradient without volume patches, per
+    kernel offset the padded input's slice against the output gradient
+    (_Conv3D._sliced: odd and even kernels, SAME and VALID, a dilated one
+    on SpaceToBatchND's blocks); per-example gradients, norms and the
+    clipped sum equal the loop's, eagerly and in a tf.function."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    conv3d, taken = _norm_rules._Conv3D, []  # pylint: disable=protected-access
+    original = conv3d._sliced  # pylint: disable=protected-access
+
+    def spy(self, x, g, src_shape, *args):
+        taken.append(tuple(src_shape))
+        return original(self, x, g, src_shape, *args)
+    monkeypatch.setattr(conv3d, "_sliced", spy)
+    monkeypatch.setattr(_norm_rules, "_gathered", None)     # (no patches)
+    rng = np.random.default_rng(sum(kernel))
+    x = tf.constant(rng.normal(size=(B, 5, 4, 6, 6)), tf.float64)
+    w = tf.Variable(rng.normal(size=kernel + (6, 2)) * 0.3, dtype=tf.float64)
+
+    def loss(x):
+        if dilations == 1:
+            y = tf.nn.conv3d(x, w, [1] * 5, padding)
+        else:
+            y = tf.nn.convolution(x, w, padding=padding, dilations=dilations)
+        return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3, 4])
+    _assert_loops_values(mode, loss, x, w)
+    assert taken and set(taken) == {kernel + (6, 2)}
 
 
 @pytest.mark.parametrize("kernel,dilation,padding", [
@@ -1189,15 +1226,16 @@ def test_patches_over_the_cap_in_chunks_of_examples(rank, mode, monkeypatch):
         return out
     monkeypatch.setattr(blocks, "_patches_in_chunks", spy)
     rng = np.random.default_rng(rank)
-    spatial = (5, 4) if rank == 2 else (4, 3, 3)
+    spatial = (5, 4) if rank == 2 else (5, 4, 3)
     kernel = (2,) * rank
     k = int(np.prod(kernel)) * 3
     positions = int(np.prod([s - 1 for s in spatial]))
     # two examples' patches a chunk (B = 3: chunks of 2 and 1)
     monkeypatch.setattr(_norm_rules, "_MAX_SLICED_BYTES", 2 * positions * k * 8)
     x = tf.constant(rng.normal(size=(B,) + spatial + (3,)), tf.float64)
-    # (K 12 to 8 outputs: not the many-inputs routes; T^2 >= K N: no ghost norm)
-    w = tf.Variable(rng.normal(size=kernel + (3, 8 if rank == 2 else 4)) * 0.3,
+    # (K 12 or 24 to 8 or 12 outputs: not the many-inputs routes; T^2 >= K N:
+    # no ghost norm)
+    w = tf.Variable(rng.normal(size=kernel + (3, 8 if rank == 2 else 12)) * 0.3,
                     dtype=tf.float64)
 
     def loss(x):
