@@ -1512,7 +1512,8 @@ class _DepthwiseBlocks(_Blocked, _DepthwiseConv2D):
 @norm_rule("Conv3D")
 class _Conv3D(_Conv2DBlocks):
     """z = conv3d(x, K), NDHWC, SAME or VALID: the Conv2D rule on volume
-    patches [T, kd kh kw cin] (the kernel's layout)."""
+    patches [T, kd kh kw cin] (the kernel's layout); with many input
+    channels to few outputs at stride 1, no patches (_sliced)."""
 
     def applies(self, payload, pos, out_shape, src_shape, batch):
         nb = _blocks(payload)
@@ -1557,8 +1558,8 @@ class _Conv3D(_Conv2DBlocks):
     def _sliced(self, x, g, src_shape, nb, padding, strides=(1,) * 5, dilations=None):
         """[B] + src_shape: each example's kernel gradient, many input
         channels to few outputs at stride 1 (_looped), without its volume
-        patches: for each of the kd kh kw offsets (dilated), the padded
-        input's slice against g, a product [cin, T] x [T, cout] per row
+        patches: for each of the kd kh offsets (dilated), the padded
+        input's slice against g's kw shifts, one batched product each
         (_per_offset); a dilated convolution's blocks summed per example."""
         grads = _per_offset(x, g, src_shape[:3], list(strides)[1:4],
                             list(dilations or [1] * 5)[1:4], padding)
