@@ -1296,26 +1296,12 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         batch of at most _MAX_LOOPED examples; else None."""
         x = payload.inputs[0]
         nb = _blocks(payload)
-        shape = self._many_inputs(payload, g, src_shape)
-        rank = len(src_shape)
-        dilations = list(attr(payload, "dilations") or [1] * rank)
-        if shape is None or (rank == 4 and dilations != [1] * 4):
+        shape = self._sliceable(payload, g, src_shape)
+        if shape is None or list(attr(payload, "dilations") or [1] * 4) != [1] * 4:
             return None
         b, t, k = shape
-        cout = src_shape[-1]
-        if t * t < k * cout:
-            return None
         strides = list(attr(payload, "strides"))
         padding = _decoded(payload, "padding")
-        if rank == 5:       # (Conv3D: its slices at stride 1, any dilation)
-            # (one slice of x, B T' cin values, and g's kw shifts, B T' kw
-            # cout: T' the positions padded along the last axis)
-            ow, kw = g.shape[-2], src_shape[2]
-            padded = t * (ow + (kw - 1) * dilations[3]) // ow
-            if (strides != [1] * 5 or None in x.shape[1:] or b * padded * max(
-                    src_shape[3], kw * cout) * x.dtype.size > _MAX_SLICED_BYTES):
-                return None
-            return self._sliced(x, g, src_shape, nb, padding, strides, dilations)
         # (eagerly at any stride: the loop's B kernel gradients dispatched
         # one by one took 1.8-12x the gather and product's time, float64,
         # B 16-128, 8x8 to 16x16, 32-64 channels to 8-16, stride 2; traced
@@ -1335,7 +1321,15 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
                                    array_ops_stack.unstack(gs, axis=1))]
         return array_ops_stack.stack(grads)
 
-    def _sliced(self, x, g, src_shape, nb, padding, strides=(1, 1, 1, 1), dilations=None):
+    def _sliceable(self, payload, g, src_shape):
+        """_many_inputs' (B, T, K) where the ghost norm does not serve
+        (T^2 at least K N), else None: where _looped may take the slices."""
+        shape = self._many_inputs(payload, g, src_shape)
+        if shape is None or shape[1] * shape[1] < shape[2] * src_shape[-1]:
+            return None
+        return shape
+
+    def _sliced(self, x, g, src_shape, nb, padding, strides=(1, 1, 1, 1)):
         """[B] + src_shape: each example's kernel gradient with no
         dilation (at ``strides``), sum over its blocks of P^T G, P its patches
         [T, kh kw cin] gathered from x (_slices, padded as TF pads
@@ -1554,6 +1548,26 @@ class _Conv3D(_Conv2DBlocks):
         if nb == 1:
             return a, g
         return _unblocked(a, nb), _unblocked(g, nb)
+
+    def _looped(self, payload, g, src_shape):
+        """Each example's kernel gradient where many input channels go to
+        few outputs (_sliceable) at stride 1, any dilation, without the
+        volume patches (_sliced), while one slice of x (B T' cin values)
+        and g's kw shifts (B T' kw cout; T' the positions padded along the
+        last axis) take at most _MAX_SLICED_BYTES; else None."""
+        x = payload.inputs[0]
+        shape = self._sliceable(payload, g, src_shape)
+        strides = list(attr(payload, "strides"))
+        if shape is None or strides != [1] * 5 or None in x.shape[1:]:
+            return None
+        b, t, _ = shape
+        dilations = list(attr(payload, "dilations") or [1] * 5)
+        ow, kw = g.shape[-2], src_shape[2]
+        padded = t * (ow + (kw - 1) * dilations[3]) // ow
+        if b * padded * max(src_shape[3], kw * src_shape[-1]) * x.dtype.size > _MAX_SLICED_BYTES:
+            return None
+        return self._sliced(x, g, src_shape, _blocks(payload),
+                            _decoded(payload, "padding"), strides, dilations)
 
     def _sliced(self, x, g, src_shape, nb, padding, strides=(1,) * 5, dilations=None):
         """[B] + src_shape: each example's kernel gradient, many input
