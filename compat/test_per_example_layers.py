@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from compat.test_per_example_programs import _check_path
+import fasttape
+from compat.test_per_example_programs import _check_path, _stepped
 from fasttape.privacy import make_private
 
 L = keras.layers
@@ -72,6 +73,82 @@ def test_layers_per_example(build, dt):
         return tf.reduce_sum(tf.sin(model(x)), axis=1)
     _check_path(x, loss, model.trainable_variables, "eager", "some")
     keras.backend.clear_session()
+
+
+def _dp_rows(x, loss, variables, mode):
+    """The sources dp_gradient (in ``mode``) gives per-example rows."""
+    rows = []
+
+    def body(x):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        out = tape.dp_gradient(losses, variables, 1.0)
+        rows[:] = [name for name, _ in tape.summary().per_example_rows[1]]
+        return out
+    _stepped(body, x, mode, False)
+    return rows
+
+
+@pytest.mark.parametrize("mode", [pytest.param("eager", marks=pytest.mark.xfail(
+    reason="eagerly, GRU(reset_after=False) reads its recurrent kernel through two "
+    "StridedSlice's: no chain link for a slice of a source, so it takes rows", strict=True)),
+                                  "traced", "jit"])
+def test_recurrent_layers_after_upsampling_take_rules(mode):
+    """The wave model's weights take op rules, no per-example rows: its
+    recurrent layers run time-major (Transpose, Unpack, Split; the
+    backward one reversed in time by a ReverseV2, whose gradient saves
+    no input: its rank is the analysis' shape), after UpSampling1D (a
+    Tile whose multiples are computed while tracing: one multiple along
+    the batch, its output as long as its input there). Values equal the
+    loop's."""
+    x, model = _wave_model("float64", 3)
+
+    def loss(x):
+        return tf.reduce_sum(tf.sin(model(x)), axis=1)
+    assert _dp_rows(x, loss, model.trainable_variables, mode) == []
+    _check_path(x, loss, model.trainable_variables, mode, "some")
+    keras.backend.clear_session()
+
+
+def _mixing_case(mix):
+    """x [B, T, d] scaled by w (a Mul rule's), then rows moved across the
+    batch: reversed along it (time-major: Transpose, ReverseV2 of the
+    batch axis, Transpose back), or tiled along it by multiples computed
+    while tracing and reshaped back to B rows (row i then holds examples
+    2i and 2i + 1 modulo B)."""
+    rng = np.random.default_rng(5)
+    x = tf.constant(rng.normal(size=(4, 3, 2)), tf.float64)
+    w = tf.Variable(rng.normal(size=(2,)), dtype=tf.float64, name="w")
+    c = tf.constant(rng.normal(size=(3, 2)), tf.float64)
+
+    def loss(x):
+        h = x * w
+        if mix == "reverse_batch":
+            h = tf.transpose(tf.reverse(tf.transpose(h, [1, 0, 2]), [1]), [1, 0, 2])
+        elif mix == "reverse_time":     # (keeps examples apart: a rule)
+            h = tf.transpose(tf.reverse(tf.transpose(h, [1, 0, 2]), [0]), [1, 0, 2])
+        else:
+            multiples = tf.concat([[2], tf.ones_like(tf.shape(h)[1:])], 0)
+            h = tf.reshape(tf.tile(h, multiples), [h.shape[0], -1, h.shape[2]])
+            h = h[:, :3]
+        return tf.reduce_sum(tf.sin(h * c), axis=[1, 2])
+    return x, w, loss
+
+
+@pytest.mark.parametrize("mix,mode", [
+    ("reverse_batch", "eager"), ("reverse_batch", "traced"), ("reverse_time", "eager"),
+    ("tile_batch", "traced"), ("tile_batch", "jit")])
+def test_rows_moved_across_the_batch_take_rows(mix, mode):
+    """A weight read before rows move across the batch (a reversal along
+    it, a tile along it reshaped back to B rows) takes per-example rows,
+    not its op's rule (which would pair each example's input with another
+    example's output gradient: a wrong norm and clipping); one reversed in
+    time only takes its rule. Values equal the loop of each example's
+    loss on the whole batch."""
+    x, w, loss = _mixing_case(mix)
+    rows = _dp_rows(x, loss, [w], mode)
+    assert rows == ([] if mix == "reverse_time" else ["w:0 (2,)"]), rows
+    _check_path(x, loss, [w], mode, "some")
 
 
 @pytest.fixture

@@ -2201,6 +2201,21 @@ def _moved_axis(entry, shapes, axis, batch):
         config = _config(payload, 1)
         t = payload.inputs[0] if payload.inputs else None
         rank = t.shape.rank if t is not None else None
+        if rank is None and entry.input_ids and shapes.get(entry.input_ids[0]) is not None:
+            # (ReverseV2's gradient reads no input: the analysis' shape)
+            rank = len(shapes[entry.input_ids[0]])
+        if op == "Tile" and config is None:
+            # (multiples computed while tracing: UpSampling's repeat) its
+            # output as long as its input along the batch axis, each
+            # at least one, means one multiple there: rows kept apart
+            ins = shapes.get(entry.input_ids[0]) if entry.input_ids else None
+            if ins is None and t is not None and t.shape.rank is not None:
+                ins = tuple(t.shape.as_list())
+            out = shapes.get(entry.output_ids[0]) if entry.output_ids else None
+            if (ins is None or out is None or len(ins) != len(out) or axis >= len(ins)
+                    or ins[axis] is None or ins[axis] < 1 or out[axis] != ins[axis]):
+                return None
+            return axis
         if config is None or rank is None:
             return None
         if op == "Tile":
