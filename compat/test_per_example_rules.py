@@ -575,6 +575,35 @@ def test_strided_many_inputs_gathered_eagerly(strides, padding, mode, monkeypatc
         assert not sliced
 
 
+@pytest.mark.parametrize("mode", ["eager", "function", "jit"])
+def test_dilated_patches_in_chunks(mode, monkeypatch):
+    """A dilated convolution of many input channels to few outputs (16 to
+    6, float64: its space-to-batch blocks' patches gathered, _sliced),
+    its patches built a chunk of examples at a time where all of them
+    would take more than _PATCH_CHUNK_BYTES (here 4 examples' of 6: chunks
+    of 4 and 2, each with its 4 blocks); per-example gradients, norms and
+    the clipped sum equal the loop's, eagerly, traced and under
+    jit_compile."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    # 9x9 SAME, 3x3 dilated 2: 4 blocks of 7x7 to 5x5, 3x3x16 patches
+    monkeypatch.setattr(_norm_rules, "_PATCH_CHUNK_BYTES", 4 * 4 * 25 * 144 * 8)
+    original, chunks = _norm_rules._slices, []  # pylint: disable=protected-access
+
+    def spy(x, *args):
+        chunks.append(x.shape[0])
+        return original(x, *args)
+    monkeypatch.setattr(_norm_rules, "_slices", spy)
+    rng = np.random.default_rng(9)
+    x = tf.constant(rng.normal(size=(B, 9, 9, 16)), tf.float64)
+    w = tf.Variable(rng.normal(size=(3, 3, 16, 6)) * 0.2, dtype=tf.float64)
+
+    def loss(x):
+        y = tf.nn.convolution(x, w, padding="SAME", dilations=2)
+        return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+    _assert_loops_values(mode, loss, x, w)
+    assert chunks and set(chunks) == {4 * 4, 4 * (B - 4)}, chunks
+
+
 def _assert_loops_values(mode, loss, x, w):
     """Per-example gradients, norms and the clipped sum of w (float64),
     from one tape each in ``mode``, equal the loop of single-example
