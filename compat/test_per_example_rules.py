@@ -580,13 +580,14 @@ def test_dilated_patches_in_chunks(mode, monkeypatch):
     """A dilated convolution of many input channels to few outputs (16 to
     6, float64: its space-to-batch blocks' patches gathered, _sliced),
     its patches built a chunk of examples at a time where all of them
-    would take more than _PATCH_CHUNK_BYTES (here 4 examples' of 6: chunks
-    of 4 and 2, each with its 4 blocks); per-example gradients, norms and
+    would take more than _CHUNKED_FROM_BYTES (here, chunks of at most 4
+    examples' of 6: 4 and 2, each with its 4 blocks); per-example gradients, norms and
     the clipped sum equal the loop's, eagerly, traced and under
     jit_compile."""
     from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
     # 9x9 SAME, 3x3 dilated 2: 4 blocks of 7x7 to 5x5, 3x3x16 patches
     monkeypatch.setattr(_norm_rules, "_PATCH_CHUNK_BYTES", 4 * 4 * 25 * 144 * 8)
+    monkeypatch.setattr(_norm_rules, "_CHUNKED_FROM_BYTES", 1024)
     original, chunks = _norm_rules._slices, []  # pylint: disable=protected-access
 
     def spy(x, *args):
@@ -1236,15 +1237,16 @@ def test_per_example_gradients_larger_than_the_activations_take_the_ghost_norm(
     _close(_run(mode, lambda x: step(x, "per_example_gradients"), x)[0], ref, dtype)
 
 
-@pytest.mark.parametrize("rank", [2, 3])
+@pytest.mark.parametrize("rank,dilation", [(2, 1), (3, 1), (2, 2)])
 @pytest.mark.parametrize("mode", ["eager", "function"])
-def test_patches_over_the_cap_in_chunks_of_examples(rank, mode, monkeypatch):
+def test_patches_over_the_cap_in_chunks_of_examples(rank, dilation, mode, monkeypatch):
     """Where a convolution's per-example gradients serve but the whole
-    batch's patches would take more than _MAX_SLICED_BYTES (here a few
+    batch's patches would take more than _CHUNKED_FROM_BYTES (here a few
     examples' worth), each example's kernel gradient from the patches of a
-    chunk of examples at a time (_patches_in_chunks: 2 of 3, then 1);
+    chunk of examples at a time (_patches_in_chunks: 2 at a time);
     per-example gradients, norms and the clipped sum equal the loop's
-    (float64, a Conv2D and a Conv3D, eagerly and in a tf.function)."""
+    (float64, a Conv2D, a dilated one's space-to-batch blocks and a
+    Conv3D, eagerly and in a tf.function)."""
     from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
     blocks = _norm_rules._Conv2DBlocks  # pylint: disable=protected-access
     chunked, original = [], blocks._patches_in_chunks  # pylint: disable=protected-access
@@ -1255,12 +1257,13 @@ def test_patches_over_the_cap_in_chunks_of_examples(rank, mode, monkeypatch):
         return out
     monkeypatch.setattr(blocks, "_patches_in_chunks", spy)
     rng = np.random.default_rng(rank)
-    spatial = (5, 4) if rank == 2 else (5, 4, 3)
+    spatial = {(2, 1): (5, 4), (3, 1): (5, 4, 3), (2, 2): (7, 6)}[rank, dilation]
     kernel = (2,) * rank
     k = int(np.prod(kernel)) * 3
-    positions = int(np.prod([s - 1 for s in spatial]))
-    # two examples' patches a chunk (B = 3: chunks of 2 and 1)
-    monkeypatch.setattr(_norm_rules, "_MAX_SLICED_BYTES", 2 * positions * k * 8)
+    positions = int(np.prod([s - dilation for s in spatial]))
+    # two examples' patches a chunk
+    monkeypatch.setattr(_norm_rules, "_CHUNKED_FROM_BYTES", 2 * positions * k * 8)
+    monkeypatch.setattr(_norm_rules, "_PATCH_CHUNK_BYTES", 2 * positions * k * 8)
     x = tf.constant(rng.normal(size=(B,) + spatial + (3,)), tf.float64)
     # (K 12 or 24 to 8 or 12 outputs: not the many-inputs routes; T^2 >= K N:
     # no ghost norm)
@@ -1268,8 +1271,11 @@ def test_patches_over_the_cap_in_chunks_of_examples(rank, mode, monkeypatch):
                     dtype=tf.float64)
 
     def loss(x):
-        conv = tf.nn.conv2d if rank == 2 else tf.nn.conv3d
-        y = conv(x, w, [1] * (rank + 2), "VALID")
+        if dilation > 1:    # (SpaceToBatchND, the convolution, BatchToSpaceND)
+            y = tf.nn.convolution(x, w, padding="VALID", dilations=dilation)
+        else:
+            conv = tf.nn.conv2d if rank == 2 else tf.nn.conv3d
+            y = conv(x, w, [1] * (rank + 2), "VALID")
         return tf.reduce_sum(tf.tanh(y) ** 2, axis=list(range(1, rank + 2)))
     _assert_loops_values(mode, loss, x, w)
     assert chunked and all(chunked)

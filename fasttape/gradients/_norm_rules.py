@@ -1021,8 +1021,12 @@ _MAX_SLICED_BYTES = 1 << 26
 # wall time was 1.5-3.2x the plain step's kernel gradient's (and 1.5-2.4x
 # their own CPU time: the threads wait on memory); in chunks of 4 MiB
 # 0.95-1.7x, at about the same CPU time (2 and 8 MiB chunks: about as
-# fast, 1 and 16 MiB slower).
+# fast, 1 and 16 MiB slower). Where all of them take at most
+# _CHUNKED_FROM_BYTES, at once: with 5-18 MiB of them (B 64-128, 16x16 to
+# 32x32, 3-8 channels to 16-32, 3x3 and 5x5, float32 and float64) chunks
+# took 0.85-1.3x their time.
 _PATCH_CHUNK_BYTES = 4 << 20
+_CHUNKED_FROM_BYTES = 24 << 20
 # Copying one value of a convolution's patches (a strided slice, then the
 # stack) took about the time of this many products of their batched product
 # (float64, B 128, 64 positions: 2.1 ns against 0.24 ns): _Conv2DBlocks.
@@ -1058,10 +1062,13 @@ def _in_chunks(grads_of, x, g, nb, per_example_bytes):
     [nb B, ...], nb blocks of the B examples, block-major), by chunks of
     examples taking at most _PATCH_CHUNK_BYTES each (at least one example;
     per_example_bytes: what grads_of holds an example), concatenated; all
-    at once where they fit, or where B is unknown."""
+    at once where they take at most _CHUNKED_FROM_BYTES, or where B is
+    unknown."""
     if x.shape[0] is None or g.shape[0] is None or None in x.shape[1:] or None in g.shape[1:]:
         return grads_of(x, g)
     b = x.shape[0] // nb
+    if b * per_example_bytes <= _CHUNKED_FROM_BYTES:
+        return grads_of(x, g)
     e = max(1, _PATCH_CHUNK_BYTES // per_example_bytes)
     if e >= b:
         return grads_of(x, g)
@@ -1148,29 +1155,25 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
 
     def _patches_in_chunks(self, payload, g, src_shape):
         """[B, K, N], each example's kernel gradient from its patches, a
-        chunk of e examples at a time (a batched product each), where the
-        per-example gradients serve (no ghost norm) but the whole batch's
-        patches (B T K values) would take more than _MAX_SLICED_BYTES: e
-        examples' take at most that (as many products, the patches' memory
-        bounded). Sizes known, no space-to-batch blocks; else None."""
+        chunk of examples at a time (_in_chunks: a batched product each,
+        at most _PATCH_CHUNK_BYTES of patches), where the per-example
+        gradients serve (no ghost norm) and the whole batch's patches (B T
+        K values, T over every block) would take more than
+        _CHUNKED_FROM_BYTES. Sizes known; else None."""
         x = payload.inputs[0]
         nb = _blocks(payload)
-        if nb != 1 or x.shape.rank is None or None in x.shape or None in g.shape:
+        if x.shape.rank is None or None in x.shape or None in g.shape:
             return None
-        b, k, n = x.shape[0], int(np.prod(src_shape[:-1])), src_shape[-1]
-        t = g.shape[1:-1].num_elements()
-        if b * t * k * x.dtype.size <= _MAX_SLICED_BYTES or (
+        b, k, n = x.shape[0] // nb, int(np.prod(src_shape[:-1])), src_shape[-1]
+        t = g.shape[1:-1].num_elements() * nb
+        if b * t * k * x.dtype.size <= _CHUNKED_FROM_BYTES or (
                 t * t < k * n and self._ghost(b, t, k, n, x.dtype, payload)):
             return None
-        e = max(1, _MAX_SLICED_BYTES // (t * k * x.dtype.size))
-        if e >= b:
-            return None
-        sizes = [e] * (b // e) + ([b % e] if b % e else [])
-        grads = []
-        for xc, gc in zip(array_ops.split(x, sizes), array_ops.split(g, sizes)):
+
+        def grads_of(xc, gc):
             a, gf = self._flat(EagerOp(payload.attrs, (xc, None), 2), gc, src_shape)
-            grads.append(math_ops.matmul(a, gf, transpose_a=True))
-        return array_ops.concat(grads, 0)
+            return math_ops.matmul(a, gf, transpose_a=True)
+        return _in_chunks(grads_of, x, g, nb, t * k * x.dtype.size)
 
     def per_example(self, payload, pos, g, src_shape=None):
         grouped = self._grouped(payload, g, src_shape)
@@ -1368,7 +1371,7 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         [T, kh kw cin] gathered from x (_slices, padded as TF pads
         SAME), one batched product of every block's rows; a chunk of
         examples at a time where all their patches would take more than
-        _PATCH_CHUNK_BYTES (_in_chunks)."""
+        _CHUNKED_FROM_BYTES (_in_chunks)."""
         kh, kw, cin, cout = src_shape
         ho, wo = g.shape[1], g.shape[2]
 
