@@ -89,18 +89,17 @@ def _dp_rows(x, loss, variables, mode):
     return rows
 
 
-@pytest.mark.parametrize("mode", [pytest.param("eager", marks=pytest.mark.xfail(
-    reason="eagerly, GRU(reset_after=False) reads its recurrent kernel through two "
-    "StridedSlice's: no chain link for a slice of a source, so it takes rows", strict=True)),
-                                  "traced", "jit"])
+@pytest.mark.parametrize("mode", ["eager", "traced", "jit"])
 def test_recurrent_layers_after_upsampling_take_rules(mode):
     """The wave model's weights take op rules, no per-example rows: its
     recurrent layers run time-major (Transpose, Unpack, Split; the
     backward one reversed in time by a ReverseV2, whose gradient saves
     no input: its rank is the analysis' shape), after UpSampling1D (a
     Tile whose multiples are computed while tracing: one multiple along
-    the batch, its output as long as its input there). Values equal the
-    loop's."""
+    the batch, its output as long as its input there). Eagerly, GRU's
+    recurrent kernel (reset_after=False) is read through two StridedSlice's
+    of it: each a link of a chain, its gradient padded back. Values equal
+    the loop's."""
     x, model = _wave_model("float64", 3)
 
     def loss(x):
@@ -149,6 +148,29 @@ def test_rows_moved_across_the_batch_take_rows(mix, mode):
     rows = _dp_rows(x, loss, [w], mode)
     assert rows == ([] if mix == "reverse_time" else ["w:0 (2,)"]), rows
     _check_path(x, loss, [w], mode, "some")
+
+
+@pytest.mark.parametrize("sliced", ["ranges", "strided"])
+def test_slices_of_a_weight(sliced):
+    """A weight read eagerly through slices of it before its products
+    (GRU(reset_after=False)'s recurrent kernel): plain ranges (negative
+    and open bounds too) take the products' rules, each example's
+    gradient padded back; a strided slice takes rows. Values equal the
+    loop's."""
+    rng = np.random.default_rng(6)
+    x = tf.constant(rng.normal(size=(4, 3)), tf.float64)
+    w = tf.Variable(rng.normal(size=(3, 7)), dtype=tf.float64, name="w")
+
+    def loss(x):
+        if sliced == "ranges":
+            parts = [w[:, :2], w[:, 2:-1], w[1:, -1:]]
+            h = tf.concat([x @ parts[0], x @ parts[1], x[:, 1:] @ parts[2]], 1)
+        else:
+            h = x @ w[:, ::2]
+        return tf.reduce_sum(tf.sin(h), axis=1)
+    rows = _dp_rows(x, loss, [w], "eager")
+    assert rows == ([] if sliced == "ranges" else ["w:0 (3, 7)"]), rows
+    _check_path(x, loss, [w], "eager", "some")
 
 
 @pytest.fixture

@@ -2335,6 +2335,12 @@ def _out_shapes(entry, pos, shapes, in_shape):
     out = shapes.get(entry.output_ids[0])
     if out is None and entry.output_meta:
         out = _meta_shape(entry.output_meta[0])
+    if op == "StridedSlice":
+        pads = _slice_pads(entry, in_shape) if pos == 0 else None
+        if pads is None:
+            return None
+        sliced = tuple(d - p0 - p1 for d, (p0, p1) in zip(in_shape, pads))
+        return [sliced] if out is None or tuple(out) == sliced else None
     if op == "Squeeze" and out is None:
         dims = _norm_rules.attr(entry.payload, "squeeze_dims") or []
         dims = {d % len(in_shape) for d in dims}
@@ -2355,6 +2361,38 @@ def _out_shapes(entry, pos, shapes, in_shape):
                 d not in (1, e) for d, e in zip(reversed(other), reversed(in_shape))):
             return None
     return [out]
+
+
+def _slice_pads(entry, in_shape):
+    """A StridedSlice's [(before, after)] per axis of its input (of shape
+    in_shape): the zeros its input's gradient pads its output's with;
+    None unless it is a plain range (constant bounds, strides 1, no
+    ellipsis, new or shrunk axis): GRU(reset_after=False)'s slices of its
+    recurrent kernel."""
+    payload = entry.payload
+    begin, end, strides = _config(payload, 1), _config(payload, 2), _config(payload, 3)
+    if begin is None or end is None or strides is None:
+        return None
+    begin, end, strides = (np.asarray(v).reshape(-1).tolist() for v in (begin, end, strides))
+
+    def mask(name):
+        return int(_norm_rules.attr(payload, name, 0) or 0)
+    if (mask("ellipsis_mask") or mask("new_axis_mask") or mask("shrink_axis_mask")
+            or not len(begin) == len(end) == len(strides) <= len(in_shape)
+            or any(st != 1 for st in strides)):
+        return None
+    pads = []
+    for a, dim in enumerate(in_shape):
+        if a >= len(begin):
+            pads.append((0, 0))
+            continue
+        lo = 0 if (mask("begin_mask") >> a) & 1 else begin[a] + (dim if begin[a] < 0 else 0)
+        hi = dim if (mask("end_mask") >> a) & 1 else end[a] + (dim if end[a] < 0 else 0)
+        lo, hi = min(max(lo, 0), dim), min(max(hi, 0), dim)
+        if hi <= lo:
+            return None
+        pads.append((lo, dim - hi))
+    return tuple(pads)
 
 
 def _chains(entry, pos, shapes):
@@ -2385,7 +2423,10 @@ def _chain_item(entry, pos, axes, batch, shapes, consumers, depth, budget,
         outs.append((shape, tuple(children)))
     if not any(children for _, children in outs):
         return None
-    return ("chain", payload, pos, entry.op_type, in_shape, tuple(outs))
+    op = entry.op_type
+    if op == "StridedSlice":    # (its pads in the spec: its bounds are fed)
+        op = (op, _slice_pads(entry, in_shape))
+    return ("chain", payload, pos, op, in_shape, tuple(outs))
 
 
 def _uses_layout(node, at):
@@ -2458,6 +2499,8 @@ def _chain_vjp(payload, pos, op, in_shape, out_shapes, values, batch):
                   for v, shape in zip(values, out_shapes)]
         return array_ops.concat(pieces, axis + 1)
     g = values[0]
+    if isinstance(op, tuple):   # ("StridedSlice", its pads)
+        return array_ops.pad(g, ((0, 0),) + op[1])
     if op in _CHAIN_RESHAPES:
         return array_ops.reshape(g, [batch] + list(in_shape))
     if op == "Mul":
