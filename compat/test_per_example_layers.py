@@ -150,13 +150,14 @@ def test_rows_moved_across_the_batch_take_rows(mix, mode):
     _check_path(x, loss, [w], mode, "some")
 
 
+@pytest.mark.parametrize("mode", ["eager", "traced", "jit"])
 @pytest.mark.parametrize("sliced", ["ranges", "strided"])
-def test_slices_of_a_weight(sliced):
+def test_slices_of_a_weight(sliced, mode):
     """A weight read eagerly through slices of it before its products
     (GRU(reset_after=False)'s recurrent kernel): plain ranges (negative
     and open bounds too) take the products' rules, each example's
-    gradient padded back; a strided slice takes rows. Values equal the
-    loop's."""
+    gradient padded back (traced, the graph's own route); a strided slice
+    takes rows. Values equal the loop's."""
     rng = np.random.default_rng(6)
     x = tf.constant(rng.normal(size=(4, 3)), tf.float64)
     w = tf.Variable(rng.normal(size=(3, 7)), dtype=tf.float64, name="w")
@@ -168,9 +169,9 @@ def test_slices_of_a_weight(sliced):
         else:
             h = x @ w[:, ::2]
         return tf.reduce_sum(tf.sin(h), axis=1)
-    rows = _dp_rows(x, loss, [w], "eager")
+    rows = _dp_rows(x, loss, [w], mode)
     assert rows == ([] if sliced == "ranges" else ["w:0 (3, 7)"]), rows
-    _check_path(x, loss, [w], "eager", "some")
+    _check_path(x, loss, [w], mode, "some")
 
 
 @pytest.fixture

@@ -1238,7 +1238,7 @@ def test_per_example_gradients_larger_than_the_activations_take_the_ghost_norm(
 
 
 @pytest.mark.parametrize("rank,dilation", [(2, 1), (3, 1), (2, 2)])
-@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("mode", ["eager", "function", "jit"])
 def test_patches_over_the_cap_in_chunks_of_examples(rank, dilation, mode, monkeypatch):
     """Where a convolution's per-example gradients serve but the whole
     batch's patches would take more than _CHUNKED_FROM_BYTES (here a few
@@ -1246,7 +1246,7 @@ def test_patches_over_the_cap_in_chunks_of_examples(rank, dilation, mode, monkey
     chunk of examples at a time (_patches_in_chunks: 2 at a time);
     per-example gradients, norms and the clipped sum equal the loop's
     (float64, a Conv2D, a dilated one's space-to-batch blocks and a
-    Conv3D, eagerly and in a tf.function)."""
+    Conv3D, eagerly, in a tf.function and under jit_compile)."""
     from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
     blocks = _norm_rules._Conv2DBlocks  # pylint: disable=protected-access
     chunked, original = [], blocks._patches_in_chunks  # pylint: disable=protected-access
