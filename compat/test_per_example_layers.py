@@ -89,7 +89,7 @@ def _dp_rows(x, loss, variables, mode):
     return rows
 
 
-@pytest.mark.parametrize("mode", ["eager", "traced", "jit"])
+@pytest.mark.parametrize("mode", ["eager", "traced"])
 def test_recurrent_layers_after_upsampling_take_rules(mode):
     """The wave model's weights take op rules, no per-example rows: its
     recurrent layers run time-major (Transpose, Unpack, Split; the
@@ -105,7 +105,9 @@ def test_recurrent_layers_after_upsampling_take_rules(mode):
     def loss(x):
         return tf.reduce_sum(tf.sin(model(x)), axis=1)
     assert _dp_rows(x, loss, model.trainable_variables, mode) == []
-    _check_path(x, loss, model.trainable_variables, mode, "some")
+    # (under jit_compile the same analysis of the same graph: 12 s more)
+    _check_path(x, loss, model.trainable_variables, mode, "some",
+                with_norms=mode == "eager")
     keras.backend.clear_session()
 
 
