@@ -12,7 +12,8 @@ any "TF wrong" that is not a known one (README: "Where fasttape differs
 from TF").
 
 Profiles: the default (CI) is deterministic, ``CI_EXAMPLES`` distinct
-programs; ``FASTTAPE_FUZZ=long`` runs ``FASTTAPE_FUZZ_EXAMPLES`` (default
+programs (and a few with control flow: ``test_fuzz_flow_*``);
+``FASTTAPE_FUZZ=long`` runs ``FASTTAPE_FUZZ_EXAMPLES`` (default
 3000) random ones. ``FASTTAPE_FUZZ_REPORT=1`` prints the verdict counts and
 the compiled-backward cache's counters (run pytest with ``-s``);
 ``FASTTAPE_FUZZ_LAST=file`` writes each program there before it runs, to
@@ -70,6 +71,8 @@ KNOWN_TF_WRONG_GATHER = ("TF wrong (known: forward-over-reverse, a gather's "
                          "IndexedSlices into a tf.function's backward)")
 KNOWN_TF_WRONG_JACOBIAN = ("TF wrong (known: jacobian of an untracked tensor by "
                            "itself is None)")
+KNOWN_TF_WRONG_WHILE = ("TF wrong (known: forward-over-reverse through a "
+                        "while_loop in a tf.function)")
 ORDER_ONLY = ("both raise, another type (several targets' gradients fail; "
               "which runs first differs)")
 ROUNDING = ("both match the oracle (they differ by less than it resolves: "
@@ -117,7 +120,10 @@ def _known_tf_wrong(program, runner, expected):
     ForwardAccumulator whose Variable primal is passed into a tf.function,
     and AttributeError ("'IndexedSlices' object has no attribute '_id'")
     for forward-over-reverse where a gather's gradient meets a tf.function's
-    backward (test_forward_over_reverse_of_a_gather_and_a_tf_function); TF's
+    backward (test_forward_over_reverse_of_a_gather_and_a_tf_function), and
+    TypeError (a variant dtype) for forward-over-reverse through a
+    while_loop in a tf.function
+    (test_forward_over_reverse_of_a_while_loop_in_a_tf_function); TF's
     jacobian of an untracked target by itself is None (its gradient gives
     the seed)."""
     target = program.targets[0]
@@ -129,13 +135,19 @@ def _known_tf_wrong(program, runner, expected):
             and fuzz_programs._forward(program.mode)):  # pylint: disable=protected-access
         return None
     functions = [v for v in program.values
-                 if isinstance(v, Node) and v.wrap == "function"]
+                 if isinstance(v, Node) and (v.wrap == "function"
+                                             or v.wrap.startswith("fn_"))]
     message = str(expected.exc)
     if isinstance(expected.exc, ValueError) and "handle data" in message:
         primal_vars = {i for i in program.sources
                        if program.values[i].kind == "var"}
         if any(primal_vars.intersection(v.args) for v in functions):
             return KNOWN_TF_WRONG
+    loops = {"fn_while", "while"} if program.context == "function" else {"fn_while"}
+    if (isinstance(expected.exc, TypeError) and "variant" in message
+            and program.mode == "fwd_over_rev" and any(
+                isinstance(v, Node) and v.wrap in loops for v in program.values)):
+        return KNOWN_TF_WRONG_WHILE
     if (isinstance(expected.exc, AttributeError) and "IndexedSlices" in message
             and program.mode == "fwd_over_rev" and functions
             and any(isinstance(v, Node) and v.op == "gather"
@@ -333,6 +345,10 @@ VARIABLE_INTO_FUNCTION_TIE = Program(
 @example(program=VARIABLE_INTO_FUNCTION_TIE)
 @example(program=MISFIT_SEED_REALDIV)
 def test_fuzz_tf_against_fasttape(program):
+    _fuzz_one(program)
+
+
+def _fuzz_one(program):
     if program in _PASSED:
         # Another draw gave the same program: rejected, so that examples
         # count distinct programs (and a program that passed is no shrink
@@ -343,6 +359,27 @@ def test_fuzz_tf_against_fasttape(program):
     failures = check(program)
     assert not failures, f"{program!r}\n" + "\n".join(failures)
     _PASSED.add(program)
+
+
+# Forward-over-reverse through a while_loop in a tf.function: TF raises
+# TypeError (a variant dtype), a known fault (test_tf_differences.py).
+WHILE_IN_FUNCTION_FWD_OVER_REV = Program(
+    dtype="float32", mode="fwd_over_rev", targets=(2,), sources=(0,),
+    values=(Input("const", (3,)), Node("sin", (0,), wrap="fn_while"),
+            Node("reduce", (1,), ("mean", None, False), wrap="fn_switch")))
+
+FLOW_PROFILE = settings(PROFILE, max_examples=PROFILE.max_examples if LONG else 6)
+
+
+@pytest.mark.usefixtures("fresh_tf_jvp_traces", "compiled_cache")
+@FLOW_PROFILE
+@given(program=fuzz_programs.programs(flow=True))
+@example(program=WHILE_IN_FUNCTION_FWD_OVER_REV)
+def test_fuzz_flow_tf_against_fasttape(program):
+    """Programs with control flow (eager and in tf.functions),
+    tf.recompute_grad and tf.py_function around their ops, the whole case
+    in a tf.function, fasttape's memory_budget (``flow=True``)."""
+    _fuzz_one(program)
 
 
 # -- what the fuzzer found ----------------------------------------------------------

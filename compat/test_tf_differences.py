@@ -430,3 +430,42 @@ def test_jacobian_of_a_grouped_convolution(dtype, wrt, where, keras_layer,
                                       size=size, batch=4 if size > 5 else 2)
     fd.tf_wrong_here(case, [oracle], tf_raises=tf_raises, rtol=1e-4,
                      atol=1e-3 if dtype == "float32" else 1e-6)
+
+
+# -- found by a generated hunt: forward-over-reverse through a while_loop -------
+
+def test_forward_over_reverse_of_a_while_loop_in_a_tf_function():
+    """An accumulator around a tape around a tf.function holding a
+    tf.while_loop (a Hessian-vector product of a loop): TF's accumulator
+    transposes the function's backward, whose loop gradient keeps variant
+    accumulators, and raises TypeError ("`dtype` <dtype: 'variant'> is not
+    compatible with 1 of dtype int64"); fasttape gives the HVP. Without the
+    tf.function TF gets it right (in a fresh process)."""
+    x0, t0 = np.array([0.3, -0.7, 1.1]), np.array([1.0, -0.5, 0.25])
+    v0 = np.array([0.5, 1.2, -0.4])
+
+    def np_grad(x):
+        def f(x):
+            y = x
+            for _ in range(2):
+                y = np.tanh(y) * v0
+            return np.sum(y * x)
+        return fd.vjp_oracle(f, [x], eps=1e-5)[0]
+    oracle = [np_grad(x0), fd.jvp_oracle(np_grad, [x0], [t0], eps=1e-4)]
+
+    def case(FA, GT):
+        x = tf.constant(x0)
+        v = tf.constant(v0)
+
+        @tf.function
+        def f(x):
+            _, y = tf.while_loop(lambda i, y: i < 2,
+                                 lambda i, y: (i + 1, tf.tanh(y) * v), [0, x])
+            return tf.reduce_sum(y * x)
+        with FA(x, tf.constant(t0)) as acc:
+            with GT() as tape:
+                tape.watch(x)
+                y = f(x)
+            g = tape.gradient(y, x)
+        return [g, acc.jvp(g)]
+    fd.tf_wrong_here(case, oracle, tf_raises=TypeError)
