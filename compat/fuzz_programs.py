@@ -664,11 +664,13 @@ def programs(draw, max_ops=7, flow=False):
 def _add_flow(g):
     """Rewrap some plain nodes (each with probability about 0.4) in one of
     FLOW_WRAPS. Not control flow in a tf.function under an accumulator
-    with a Variable primal: TF's known fault (a Variable into a tf.function,
+    in reverse-over-forward, or with a Variable primal: TF's known fault (a Variable into a tf.function,
     README) then raises in TF's own gradient of the If / Case / While, which
     the accumulator transposes (TypeError, AttributeError, ValueError)."""
     wraps = FLOW_WRAPS
-    if _forward(g.mode) and any(m.is_var for m in g.meta):
+    if g.mode == "rev_over_fwd" or (_forward(g.mode) and any(m.is_var for m in g.meta)):
+        # nor a tf.function in reverse-over-forward (as programs() draws
+        # none): TF's known fault (README), InternalError "too few gradients"
         wraps = tuple(w for w in wraps if not w.startswith("fn_"))
     for i, v in enumerate(g.values):
         if isinstance(v, Node) and not v.wrap and v.op != "to_float" and g.chance(0.4):

@@ -226,6 +226,13 @@ def _cond_under_two_watchers(FA, GT, watchers):
             with FA(x, tf.ones(2)) as a1, FA(x, tf.ones(2)) as a2:
                 y = tf.cond(x[0] > 0, lambda: x * x, lambda: x)
             return a1.jvp(y), a2.jvp(y)
+        if watchers == "accumulator_over_tape":
+            with FA(x, tf.ones(2)) as acc:
+                with GT() as tape:
+                    tape.watch(x)
+                    y = tf.cond(x[0] > 0, lambda: tf.cos(x), lambda: 2.0 * tf.cos(x))
+                g = tape.gradient(y, x)
+            return g, acc.jvp(g)
         with GT() as tape:
             tape.watch(x)
             with FA(x, tf.ones(2)) as acc:
@@ -253,6 +260,22 @@ def test_two_accumulators_inside_tf_function_around_cond():
         FA, GT, "two_accumulators"), "fasttape")
     assert isinstance(tf_result, Raised) and type(tf_result.exc).__name__ == (
         "StagingError"), tf_result
+    assert isinstance(ft_result, Raised) and isinstance(
+        ft_result.exc, AssertionError), ft_result
+
+
+def test_accumulator_over_tape_inside_tf_function_around_cond():
+    """Forward-over-reverse: both fail, with different types. TF raises
+    TypeError ("`dtype` <dtype: 'variant'> is not compatible"); fasttape's
+    accumulator makes cond_v2 run the cond as a function call for the
+    tapes, whose gradient trips the AssertionError above. Found by the
+    fuzzer (BOTH_FAIL_COND)."""
+    tf_result = fd.run(lambda FA, GT: _cond_under_two_watchers(
+        FA, GT, "accumulator_over_tape"), "tf")
+    ft_result = fd.run(lambda FA, GT: _cond_under_two_watchers(
+        FA, GT, "accumulator_over_tape"), "fasttape")
+    assert isinstance(tf_result, Raised) and isinstance(
+        tf_result.exc, TypeError), tf_result
     assert isinstance(ft_result, Raised) and isinstance(
         ft_result.exc, AssertionError), ft_result
 
