@@ -672,6 +672,10 @@ def _add_flow(g):
         # nor a tf.function in reverse-over-forward (as programs() draws
         # none): TF's known fault (README), InternalError "too few gradients"
         wraps = tuple(w for w in wraps if not w.startswith("fn_"))
+    if _forward(g.mode):
+        # TF's recompute_grad refuses forward mode (NotImplementedError),
+        # which a fault of TF's elsewhere in the program may preempt
+        wraps = tuple(w for w in wraps if w != "recompute")
     for i, v in enumerate(g.values):
         if isinstance(v, Node) and not v.wrap and v.op != "to_float" and g.chance(0.4):
             g.values[i] = dataclasses.replace(v, wrap=g.pick(wraps))
@@ -794,10 +798,14 @@ class Runner:
             if p.budget >= 0 and impl == "fasttape":
                 GT = functools.partial(GT, memory_budget=p.budget)
             if p.context == "function":
-                # the inputs are the function's arguments (placeholders)
-                return tf.function(lambda *ts: differentiate(FA, GT, impl, list(ts)),
-                                   autograph=False)(
-                    *tensors)
+                # the inputs are the function's arguments (placeholders);
+                # later runs call the same function (its trace, new values)
+                fn = self._functions.get((impl, "case"))
+                if fn is None:
+                    fn = tf.function(lambda *ts: differentiate(FA, GT, impl, list(ts)),
+                                     autograph=False)
+                    self._functions[(impl, "case")] = fn
+                return fn(*tensors)
             return differentiate(FA, GT, impl, tensors)
 
         def differentiate(FA, GT, impl, tensors):
