@@ -71,8 +71,10 @@ KNOWN_TF_WRONG_GATHER = ("TF wrong (known: forward-over-reverse, a gather's "
                          "IndexedSlices into a tf.function's backward)")
 KNOWN_TF_WRONG_JACOBIAN = ("TF wrong (known: jacobian of an untracked tensor by "
                            "itself is None)")
-KNOWN_TF_WRONG_WHILE = ("TF wrong (known: forward-over-reverse through a "
-                        "while_loop in a tf.function)")
+KNOWN_TF_WRONG_FLOW = ("TF wrong (known: forward-over-reverse through control "
+                       "flow in a tf.function)")
+KNOWN_TF_WRONG_PFOR = ("TF wrong (known: an eager pfor jacobian raises where "
+                       "fasttape's loop of backward passes works)")
 BOTH_FAIL_COND = ("both raise (known: an accumulator over a tape over a tf.cond "
                   "/ switch_case in a tf.function, TF's TypeError or its "
                   "cond gradient's AssertionError)")
@@ -124,16 +126,22 @@ def _known_tf_wrong(program, runner, expected):
     and AttributeError ("'IndexedSlices' object has no attribute '_id'")
     for forward-over-reverse where a gather's gradient meets a tf.function's
     backward (test_forward_over_reverse_of_a_gather_and_a_tf_function), and
-    TypeError (a variant dtype) for forward-over-reverse through a
-    while_loop in a tf.function
-    (test_forward_over_reverse_of_a_while_loop_in_a_tf_function); TF's
+    TypeError (a variant dtype; or SystemError) for forward-over-reverse
+    through control flow in a tf.function
+    (test_forward_over_reverse_of_control_flow_in_a_tf_function); TF's
     jacobian of an untracked target by itself is None (its gradient gives
-    the seed)."""
+    the seed); TF's eager pfor jacobian fails to run (a tf.py_function in
+    it) where fasttape's eager jacobian loops over backward passes
+    (docs/differences.md)."""
     target = program.targets[0]
     if (program.mode in ("jacobian", "batch_jacobian")
             and not isinstance(expected, Raised)
             and target in program.sources and not runner.tracked()[target]):
         return KNOWN_TF_WRONG_JACOBIAN
+    if (program.mode in ("jacobian", "batch_jacobian") and program.pfor
+            and program.context == "eager" and isinstance(expected, Raised)
+            and "Graph execution error" in str(expected.exc)):
+        return KNOWN_TF_WRONG_PFOR
     if not (isinstance(expected, Raised)
             and fuzz_programs._forward(program.mode)):  # pylint: disable=protected-access
         return None
@@ -146,11 +154,14 @@ def _known_tf_wrong(program, runner, expected):
                        if program.values[i].kind == "var"}
         if any(primal_vars.intersection(v.args) for v in functions):
             return KNOWN_TF_WRONG
-    loops = {"fn_while", "while"} if program.context == "function" else {"fn_while"}
-    if (isinstance(expected.exc, TypeError) and "variant" in message
+    flow = {"fn_cond", "fn_switch", "fn_while"}
+    if program.context == "function":
+        flow |= {"cond", "switch", "while"}
+    if (((isinstance(expected.exc, TypeError) and "variant" in message)
+         or isinstance(expected.exc, SystemError))
             and program.mode == "fwd_over_rev" and any(
-                isinstance(v, Node) and v.wrap in loops for v in program.values)):
-        return KNOWN_TF_WRONG_WHILE
+                isinstance(v, Node) and v.wrap in flow for v in program.values)):
+        return KNOWN_TF_WRONG_FLOW
     if (isinstance(expected.exc, AttributeError) and "IndexedSlices" in message
             and program.mode == "fwd_over_rev" and functions
             and any(isinstance(v, Node) and v.op == "gather"
@@ -388,7 +399,7 @@ def _fuzz_one(program):
     _PASSED.add(program)
 
 
-# Forward-over-reverse through a while_loop in a tf.function: TF raises
+# Forward-over-reverse through control flow in a tf.function: TF raises
 # TypeError (a variant dtype), a known fault (test_tf_differences.py).
 WHILE_IN_FUNCTION_FWD_OVER_REV = Program(
     dtype="float32", mode="fwd_over_rev", targets=(2,), sources=(0,),

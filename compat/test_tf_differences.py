@@ -434,20 +434,21 @@ def test_jacobian_of_a_grouped_convolution(dtype, wrt, where, keras_layer,
 
 # -- found by a generated hunt: forward-over-reverse through a while_loop -------
 
-def test_forward_over_reverse_of_a_while_loop_in_a_tf_function():
+@pytest.mark.parametrize("flow", ["while_loop", "cond"])
+def test_forward_over_reverse_of_control_flow_in_a_tf_function(flow):
     """An accumulator around a tape around a tf.function holding a
-    tf.while_loop (a Hessian-vector product of a loop): TF's accumulator
-    transposes the function's backward, whose loop gradient keeps variant
-    accumulators, and raises TypeError ("`dtype` <dtype: 'variant'> is not
-    compatible with 1 of dtype int64"); fasttape gives the HVP. Without the
-    tf.function TF gets it right (in a fresh process)."""
+    tf.while_loop or a tf.cond (a Hessian-vector product): TF's accumulator
+    transposes the function's backward, whose control-flow gradient keeps
+    variant intermediates, and raises TypeError ("`dtype` <dtype: 'variant'>
+    is not compatible with 1 of dtype int64"); fasttape gives the HVP.
+    Without the tf.function TF gets it right (in a fresh process)."""
     x0, t0 = np.array([0.3, -0.7, 1.1]), np.array([1.0, -0.5, 0.25])
     v0 = np.array([0.5, 1.2, -0.4])
 
     def np_grad(x):
         def f(x):
             y = x
-            for _ in range(2):
+            for _ in range(2 if flow == "while_loop" else 1):
                 y = np.tanh(y) * v0
             return np.sum(y * x)
         return fd.vjp_oracle(f, [x], eps=1e-5)[0]
@@ -459,8 +460,12 @@ def test_forward_over_reverse_of_a_while_loop_in_a_tf_function():
 
         @tf.function
         def f(x):
-            _, y = tf.while_loop(lambda i, y: i < 2,
-                                 lambda i, y: (i + 1, tf.tanh(y) * v), [0, x])
+            if flow == "while_loop":
+                _, y = tf.while_loop(lambda i, y: i < 2,
+                                     lambda i, y: (i + 1, tf.tanh(y) * v), [0, x])
+            else:
+                y = tf.cond(tf.reduce_sum(x) < 10.0, lambda: tf.tanh(x) * v,
+                            lambda: x)
             return tf.reduce_sum(y * x)
         with FA(x, tf.constant(t0)) as acc:
             with GT() as tape:
