@@ -712,6 +712,14 @@ class Runner:
         self.p = program
         self._functions = {}
         self._shapes = None
+        # Control flow in a kept tf.function captures the Variables of its
+        # first call (TF then raises "Called a function referencing
+        # variables which have been deleted"): such programs keep their
+        # Variables too, and later runs assign them new values, as a
+        # training loop does.
+        self._keep_variables = any(isinstance(v, Node) and v.wrap.startswith("fn_")
+                                   for v in program.values)
+        self._variables = {}
 
     # values
 
@@ -797,9 +805,14 @@ class Runner:
                 v = p.values[i]
                 if v.kind == "int":
                     tensors[i] = tf.constant(x)
+                elif v.kind == "var" and (impl, i) in self._variables:
+                    tensors[i] = self._variables[(impl, i)]
+                    tensors[i].assign(x.astype(p.dtype))
                 elif v.kind == "var":
                     tensors[i] = tf.Variable(x.astype(p.dtype), trainable=(
                         v.watched or forward_mode))
+                    if self._keep_variables:
+                        self._variables[(impl, i)] = tensors[i]
                 else:
                     tensors[i] = tf.constant(x, dtype=p.dtype)
             if p.budget >= 0 and impl == "fasttape":

@@ -73,6 +73,8 @@ KNOWN_TF_WRONG_JACOBIAN = ("TF wrong (known: jacobian of an untracked tensor by 
                            "itself is None)")
 KNOWN_TF_WRONG_FLOW = ("TF wrong (known: forward-over-reverse through control "
                        "flow in a tf.function)")
+KNOWN_TF_WRONG_CASE = ("TF wrong (known: an accumulator inside a tf.function "
+                       "over a switch_case)")
 KNOWN_TF_WRONG_PFOR = ("TF wrong (known: an eager pfor jacobian raises where "
                        "fasttape's loop of backward passes works)")
 BOTH_FAIL_COND = ("both raise (known: an accumulator over a tape over a tf.cond "
@@ -130,7 +132,10 @@ def _known_tf_wrong(program, runner, expected):
     through control flow in a tf.function
     (test_forward_over_reverse_of_control_flow_in_a_tf_function); TF's
     jacobian of an untracked target by itself is None (its gradient gives
-    the seed); TF's eager pfor jacobian fails (a tf.py_function in it; a
+    the seed); an accumulator inside a tf.function over a switch_case gives
+    TF a TypeError
+    (test_accumulator_inside_a_tf_function_over_a_switch_case); TF's eager
+    pfor jacobian fails (a tf.py_function in it; a
     while_loop in a tf.function it cannot vectorize) where fasttape's eager
     jacobian loops over backward passes (docs/differences.md)."""
     target = program.targets[0]
@@ -155,6 +160,9 @@ def _known_tf_wrong(program, runner, expected):
                        if program.values[i].kind == "var"}
         if any(primal_vars.intersection(v.args) for v in functions):
             return KNOWN_TF_WRONG
+    if (isinstance(expected.exc, TypeError) and "TraceType" in message
+            and "switch_case" in message and program.context == "function"):
+        return KNOWN_TF_WRONG_CASE
     flow = {"fn_cond", "fn_switch", "fn_while"}
     if program.context == "function":
         flow |= {"cond", "switch", "while"}

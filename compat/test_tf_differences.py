@@ -190,6 +190,26 @@ def test_accumulator_inside_a_tf_function_over_a_scan():
         scope._caching_device = before  # pylint: disable=protected-access (set_caching_device refuses in eager)
 
 
+def test_accumulator_inside_a_tf_function_over_a_switch_case():
+    """An accumulator entered inside a tf.function over tf.switch_case (a
+    Case op): TF raises TypeError ("Could not generate a generic TraceType
+    for name: switch_case_indexed_case_branch0_N", its JVP tracing meets the
+    branch functions' names); fasttape returns the JVP. Found by the
+    fuzzer."""
+    x0, t0 = np.array([0.3, -1.2]), np.array([1.0, 0.5])
+
+    def case(FA, GT):
+        @tf.function(autograph=False)
+        def f(x):
+            with FA(x, tf.constant(t0)) as acc:
+                y = tf.switch_case(tf.constant(1), [lambda: x * 2.0,
+                                                    lambda: tf.sin(x) * x])
+            return [acc.jvp(y)]
+        return f(tf.constant(x0))
+    oracle = [fd.jvp_oracle(lambda x: np.sin(x) * x, [x0], [t0])]
+    fd.tf_wrong_here(case, oracle, tf_raises=TypeError)
+
+
 def test_accumulator_with_a_variable_passed_into_a_tf_function_issue_form():
     def case(FA, GT):
         w = tf.Variable(1.119, dtype=tf.float64)
