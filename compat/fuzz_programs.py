@@ -822,13 +822,17 @@ class Runner:
                 # later runs call the same function (its trace, new values)
                 fn = self._functions.get((impl, "case"))
                 if fn is None:
-                    fn = tf.function(lambda *ts: differentiate(FA, GT, impl, list(ts)),
-                                     autograph=False)
+                    fn = tf.function(lambda ts, og, tans: differentiate(
+                        FA, GT, impl, list(ts), og, tans), autograph=False)
                     self._functions[(impl, "case")] = fn
-                return fn(*tensors)
-            return differentiate(FA, GT, impl, tensors)
+                # seeds and tangents too: constants would keep run 0's
+                return fn(tensors, self._output_gradients(seeds),
+                          [tf.constant(x, dtype=p.dtype) for x in tangents])
+            return differentiate(FA, GT, impl, tensors,
+                                 self._output_gradients(seeds),
+                                 [tf.constant(x, dtype=p.dtype) for x in tangents])
 
-        def differentiate(FA, GT, impl, tensors):
+        def differentiate(FA, GT, impl, tensors, output_gradients, tans):
             watch = [tensors[i] for i, v in enumerate(p.values)
                      if isinstance(v, Input) and v.kind != "var" and v.watched]
             unconnected = _UNCONNECTED[p.unconnected]
@@ -844,7 +848,7 @@ class Runner:
                         t.watch(x)
                     vals = self.forward(tensors, impl)
                 result = [t.gradient([vals[i] for i in p.targets], src(vals),
-                                     output_gradients=self._output_gradients(seeds),
+                                     output_gradients=output_gradients,
                                      unconnected_gradients=unconnected)]
                 if mode == "persistent":
                     result.append(t.gradient([vals[i] for i in p.second_targets],
@@ -878,7 +882,6 @@ class Runner:
                 return [g, outer.gradient(g, src(tensors),
                                           unconnected_gradients=unconnected)]
             primals = src(tensors)
-            tans = [tf.constant(x, dtype=p.dtype) for x in tangents]
             if mode == "jvp":
                 with FA(primals, tans) as acc:
                     vals = self.forward(tensors, impl)

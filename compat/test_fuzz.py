@@ -71,8 +71,8 @@ KNOWN_TF_WRONG_GATHER = ("TF wrong (known: forward-over-reverse, a gather's "
                          "IndexedSlices into a tf.function's backward)")
 KNOWN_TF_WRONG_JACOBIAN = ("TF wrong (known: jacobian of an untracked tensor by "
                            "itself is None)")
-KNOWN_TF_WRONG_FLOW = ("TF wrong (known: forward-over-reverse through control "
-                       "flow in a tf.function)")
+KNOWN_TF_WRONG_FLOW = ("TF wrong (known: forward-over-reverse, or a tape and an "
+                       "accumulator, around control flow in a tf.function)")
 KNOWN_TF_WRONG_CASE = ("TF wrong (known: an accumulator inside a tf.function "
                        "over a switch_case)")
 KNOWN_TF_WRONG_PFOR = ("TF wrong (known: an eager pfor jacobian raises where "
@@ -168,7 +168,7 @@ def _known_tf_wrong(program, runner, expected):
         flow |= {"cond", "switch", "while"}
     if (((isinstance(expected.exc, TypeError) and "variant" in message)
          or isinstance(expected.exc, SystemError))
-            and program.mode == "fwd_over_rev" and any(
+            and program.mode in ("fwd_over_rev", "rev_over_fwd") and any(
                 isinstance(v, Node) and v.wrap in flow for v in program.values)):
         return KNOWN_TF_WRONG_FLOW
     if (isinstance(expected.exc, AttributeError) and "IndexedSlices" in message
@@ -415,6 +415,16 @@ WHILE_IN_FUNCTION_FWD_OVER_REV = Program(
     values=(Input("const", (3,)), Node("sin", (0,), wrap="fn_while"),
             Node("reduce", (1,), ("mean", None, False), wrap="fn_switch")))
 
+# A tape around an accumulator inside a tf.function that runs a tf.cond the
+# target does not read: TF raises TypeError (a variant dtype), fasttape gives
+# the finite differences' answer (runs 1 and 2 reuse the function's trace).
+COND_OFF_THE_PATH_REV_OVER_FWD = Program(
+    dtype="float32", mode="rev_over_fwd", targets=(5,), sources=(0,),
+    context="function",
+    values=(Input("const", (2,), positive=True), Node("mul", (0, 0), wrap="custom"),
+            Node("div", (0, 1)), Node("add", (1, 0), wrap="cond"), Node("sin", (3,)),
+            Node("sin", (0,))))
+
 FLOW_PROFILE = settings(PROFILE, max_examples=PROFILE.max_examples if LONG else 6)
 
 
@@ -422,6 +432,7 @@ FLOW_PROFILE = settings(PROFILE, max_examples=PROFILE.max_examples if LONG else 
 @FLOW_PROFILE
 @given(program=fuzz_programs.programs(flow=True))
 @example(program=WHILE_IN_FUNCTION_FWD_OVER_REV)
+@example(program=COND_OFF_THE_PATH_REV_OVER_FWD)
 def test_fuzz_flow_tf_against_fasttape(program):
     """Programs with control flow (eager and in tf.functions),
     tf.recompute_grad and tf.py_function around their ops, the whole case
