@@ -494,4 +494,3 @@ def test_forward_over_reverse_of_control_flow_in_a_tf_function(flow):
             g = tape.gradient(y, x)
         return [g, acc.jvp(g)]
     fd.tf_wrong_here(case, oracle, tf_raises=TypeError)
-
