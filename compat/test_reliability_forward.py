@@ -280,6 +280,35 @@ def test_accumulator_over_tape_inside_tf_function_around_cond():
         ft_result.exc, AssertionError), ft_result
 
 
+@pytest.mark.parametrize("flow", ["cond", "switch_case"])
+def test_accumulator_with_a_variable_into_a_tf_function_around_control_flow(flow):
+    """A Variable primal passed into a tf.function holding a tf.cond or
+    tf.switch_case, under an accumulator: TF raises (its known Variable
+    fault: AttributeError for the cond, TypeError for the switch_case);
+    fasttape, which returns the JVP without the control flow, transposes
+    TF's _IfGrad / _CaseGrad eagerly and raises its AttributeError ("Tensor.graph
+    is undefined when eager execution is enabled"). Found by the fuzzer."""
+    def case(FA, GT):
+        v = tf.Variable([0.5, -1.5])
+        x = tf.constant([2.0, 0.3])
+
+        @tf.function(autograph=False)
+        def f(v, x):
+            taken = tf.reduce_all(tf.math.is_finite(x))
+            if flow == "cond":
+                return tf.cond(taken, lambda: v * x, lambda: 2.0 * v * x)
+            return tf.switch_case(tf.cast(taken, tf.int32),
+                                  [lambda: 2.0 * v * x, lambda: v * x])
+        with FA(v, tf.constant([1.0, 1.0])) as acc:
+            y = f(v, x)
+        return acc.jvp(y)
+    tf_result, ft_result = fd.run(case, "tf"), fd.run(case, "fasttape")
+    assert isinstance(tf_result, Raised) and isinstance(
+        tf_result.exc, AttributeError if flow == "cond" else TypeError), tf_result
+    assert isinstance(ft_result, Raised) and isinstance(
+        ft_result.exc, AttributeError), ft_result
+
+
 def test_accumulator_inside_tf_function_around_while_loop():
     def case(FA, GT):
         @tf.function
