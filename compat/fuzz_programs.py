@@ -680,9 +680,11 @@ def _add_flow(g):
         # none): TF's known fault (README), InternalError "too few gradients"
         wraps = tuple(w for w in wraps if not w.startswith("fn_"))
     if _forward(g.mode):
-        # TF's recompute_grad refuses forward mode (NotImplementedError),
+        # TF's recompute_grad refuses forward mode (NotImplementedError), and
+        # a tf.py_function's gradient runs once (a second run, transposing
+        # it, raises UnknownError: KeyError in its tape cache), either of
         # which a fault of TF's elsewhere in the program may preempt
-        wraps = tuple(w for w in wraps if w != "recompute")
+        wraps = tuple(w for w in wraps if w not in ("recompute", "py_function"))
     for i, v in enumerate(g.values):
         if isinstance(v, Node) and not v.wrap and v.op != "to_float" and g.chance(0.4):
             g.values[i] = dataclasses.replace(v, wrap=g.pick(wraps))
