@@ -50,7 +50,7 @@ class Node:
     op: str
     args: tuple          # indices of earlier values
     params: tuple = ()
-    wrap: str = ""       # "" | "function" | "custom" | "custom_b_none"
+    wrap: str = ""       # "" | "function" | "custom" | "custom_b_none" | FLOW_WRAPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +65,8 @@ class Program:
     second_targets: tuple = ()   # persistent: the second gradient() call's targets
     pfor: bool = True    # jacobian / batch_jacobian: experimental_use_pfor
     seed: int = 0        # input values: rng([seed, run])
+    context: str = "eager"   # "eager" | "function": the whole case in a tf.function
+    budget: int = -1     # fasttape's memory_budget in bytes (-1: none; TF has none)
 
     def __repr__(self):
         lines = [f"Program({self.mode}, {self.dtype}, seed={self.seed}):"]
@@ -97,6 +99,10 @@ class Program:
                 f"v{i}" for i in self.second_targets) + "]"
         if self.mode in ("jacobian", "batch_jacobian"):
             line += f", pfor={self.pfor}"
+        if self.context != "eager":
+            line += f", in a {self.context}"
+        if self.budget >= 0:
+            line += f", memory_budget={self.budget}"
         lines.append(line)
         return "\n".join(lines)
 
@@ -159,6 +165,16 @@ CUSTOM_UNARY_GRADS = {
 
 # Values the derivative does not see (constants for the oracle).
 FROZEN_OPS = ("stop_gradient", "cast_int")
+
+# Wraps that run a node's op as it is (same value, same derivative) through
+# another mechanism: control flow picking it (eager, or inside a
+# tf.function: "fn_..."), tf.recompute_grad, tf.py_function.
+FLOW_WRAPS = ("cond", "while", "switch", "fn_cond", "fn_while", "fn_switch",
+              "recompute", "py_function")
+# Wraps whose output a tape records as one op even around a frozen op (a
+# function call, a recompute_grad's custom gradient, a py_function).
+RECORDED_WRAPS = ("function", "fn_cond", "fn_while", "fn_switch", "recompute",
+                  "py_function")
 
 
 def _tf_slices(params):
@@ -552,7 +568,11 @@ _OPS = (["unary"] * 6 + ["binary"] * 6 + ["reduce"] * 2 + ["matmul"] * 2
 
 
 @st.composite
-def programs(draw, max_ops=7):
+def programs(draw, max_ops=7, flow=False):
+    """A random Program. ``flow``: also control flow, tf.recompute_grad and
+    tf.py_function around nodes (FLOW_WRAPS), the whole case in a
+    tf.function, and fasttape's memory_budget (drawn after everything
+    else, so flow=False draws the programs it always drew)."""
     mode = draw(st.sampled_from(_MODES))
     dtype = draw(st.sampled_from(["float32", "float32", "float64"]))
     g = _Gen(draw, mode)
@@ -592,6 +612,8 @@ def programs(draw, max_ops=7):
         if built is None:
             g.unary(a, "")
 
+    if flow:
+        _add_flow(g)
     values = tuple(g.values)
     floats = g.floats()
     nodes = [i for i in floats if isinstance(values[i], Node)]
@@ -632,7 +654,40 @@ def programs(draw, max_ops=7):
                    sources=sources, seeds=seeds, unconnected=unconnected,
                    second_targets=second, pfor=pfor,
                    seed=g.int(0, 2 ** 16))
+    if flow:
+        prog = dataclasses.replace(
+            prog, context=g.pick(["eager", "eager", "function"]),
+            budget=g.pick([-1, -1, 0, 64, 4096]))
+        if prog.context == "function":
+            # a tf.py_function traced into the case's function: TF loses
+            # its Python callable between calls (UnknownError, KeyError
+            # b'pyfunc_N'), whichever tape runs
+            prog = dataclasses.replace(prog, values=tuple(
+                dataclasses.replace(v, wrap="") if isinstance(v, Node)
+                and v.wrap == "py_function" else v for v in prog.values))
     return prog
+
+
+def _add_flow(g):
+    """Rewrap some plain nodes (each with probability about 0.4) in one of
+    FLOW_WRAPS. Not control flow in a tf.function under an accumulator
+    in reverse-over-forward, or with a Variable primal: TF's known fault (a Variable into a tf.function,
+    README) then raises in TF's own gradient of the If / Case / While, which
+    the accumulator transposes (TypeError, AttributeError, ValueError)."""
+    wraps = FLOW_WRAPS
+    if g.mode == "rev_over_fwd" or (_forward(g.mode) and any(m.is_var for m in g.meta)):
+        # nor a tf.function in reverse-over-forward (as programs() draws
+        # none): TF's known fault (README), InternalError "too few gradients"
+        wraps = tuple(w for w in wraps if not w.startswith("fn_"))
+    if _forward(g.mode):
+        # TF's recompute_grad refuses forward mode (NotImplementedError), and
+        # a tf.py_function's gradient runs once (a second run, transposing
+        # it, raises UnknownError: KeyError in its tape cache), either of
+        # which a fault of TF's elsewhere in the program may preempt
+        wraps = tuple(w for w in wraps if w not in ("recompute", "py_function"))
+    for i, v in enumerate(g.values):
+        if isinstance(v, Node) and not v.wrap and v.op != "to_float" and g.chance(0.4):
+            g.values[i] = dataclasses.replace(v, wrap=g.pick(wraps))
 
 
 # -- running ----------------------------------------------------------------------
@@ -659,6 +714,14 @@ class Runner:
         self.p = program
         self._functions = {}
         self._shapes = None
+        # Control flow in a kept tf.function captures the Variables of its
+        # first call (TF then raises "Called a function referencing
+        # variables which have been deleted"): such programs keep their
+        # Variables too, and later runs assign them new values, as a
+        # training loop does.
+        self._keep_variables = any(isinstance(v, Node) and v.wrap.startswith("fn_")
+                                   for v in program.values)
+        self._variables = {}
 
     # values
 
@@ -716,12 +779,16 @@ class Runner:
             if isinstance(v, Input):
                 continue
             args = [vals[a] for a in v.args]
-            if v.wrap == "function":
+            if v.wrap in ("function", "fn_cond", "fn_while", "fn_switch",
+                          "recompute"):
                 fn = self._functions.get((impl, i))
                 if fn is None:
-                    fn = _function(v, p.dtype)
+                    fn = (tf.recompute_grad(_flow(v, p.dtype)) if v.wrap == "recompute"
+                          else tf.function(_flow(v, p.dtype), autograph=False))
                     self._functions[(impl, i)] = fn
                 vals[i] = fn(*args)
+            elif v.wrap in FLOW_WRAPS:
+                vals[i] = _flow(v, p.dtype)(*args)
             elif v.wrap.startswith("custom"):
                 vals[i] = _custom(v, p.dtype)(*[tf.convert_to_tensor(a) for a in args])
             else:
@@ -740,11 +807,34 @@ class Runner:
                 v = p.values[i]
                 if v.kind == "int":
                     tensors[i] = tf.constant(x)
+                elif v.kind == "var" and (impl, i) in self._variables:
+                    tensors[i] = self._variables[(impl, i)]
+                    tensors[i].assign(x.astype(p.dtype))
                 elif v.kind == "var":
                     tensors[i] = tf.Variable(x.astype(p.dtype), trainable=(
                         v.watched or forward_mode))
+                    if self._keep_variables:
+                        self._variables[(impl, i)] = tensors[i]
                 else:
                     tensors[i] = tf.constant(x, dtype=p.dtype)
+            if p.budget >= 0 and impl == "fasttape":
+                GT = functools.partial(GT, memory_budget=p.budget)
+            if p.context == "function":
+                # the inputs are the function's arguments (placeholders);
+                # later runs call the same function (its trace, new values)
+                fn = self._functions.get((impl, "case"))
+                if fn is None:
+                    fn = tf.function(lambda ts, og, tans: differentiate(
+                        FA, GT, impl, list(ts), og, tans), autograph=False)
+                    self._functions[(impl, "case")] = fn
+                # seeds and tangents too: constants would keep run 0's
+                return fn(tensors, self._output_gradients(seeds),
+                          [tf.constant(x, dtype=p.dtype) for x in tangents])
+            return differentiate(FA, GT, impl, tensors,
+                                 self._output_gradients(seeds),
+                                 [tf.constant(x, dtype=p.dtype) for x in tangents])
+
+        def differentiate(FA, GT, impl, tensors, output_gradients, tans):
             watch = [tensors[i] for i, v in enumerate(p.values)
                      if isinstance(v, Input) and v.kind != "var" and v.watched]
             unconnected = _UNCONNECTED[p.unconnected]
@@ -760,7 +850,7 @@ class Runner:
                         t.watch(x)
                     vals = self.forward(tensors, impl)
                 result = [t.gradient([vals[i] for i in p.targets], src(vals),
-                                     output_gradients=self._output_gradients(seeds),
+                                     output_gradients=output_gradients,
                                      unconnected_gradients=unconnected)]
                 if mode == "persistent":
                     result.append(t.gradient([vals[i] for i in p.second_targets],
@@ -794,7 +884,6 @@ class Runner:
                 return [g, outer.gradient(g, src(tensors),
                                           unconnected_gradients=unconnected)]
             primals = src(tensors)
-            tans = [tf.constant(x, dtype=p.dtype) for x in tangents]
             if mode == "jvp":
                 with FA(primals, tans) as acc:
                     vals = self.forward(tensors, impl)
@@ -841,7 +930,7 @@ class Runner:
                 # int->float cast (an int input is never watched); a
                 # tf.function around them is recorded (its output tracked,
                 # its gradient zero)
-                out.append((v.op not in FROZEN_OPS or v.wrap == "function")
+                out.append((v.op not in FROZEN_OPS or v.wrap in RECORDED_WRAPS)
                            and any(out[a] for a in v.args))
         return out
 
@@ -978,9 +1067,48 @@ class Runner:
         return 1e-5, 1e-6
 
 
-def _function(node, dtype):
-    """node's op in a tf.function of its arguments."""
-    return tf.function(lambda *args: tf_apply(node, args, dtype))
+def _flow(node, dtype):
+    """node's op as a function of its arguments, through its wrap's
+    mechanism (the tf.function, if any, is the caller's): a tf.cond, a
+    tf.switch_case whose predicate / index depends on the data but always
+    picks the op; a tf.while_loop that runs it once; a tf.py_function."""
+    kind = node.wrap[3:] if node.wrap.startswith("fn_") else node.wrap
+
+    def op(*args):
+        return tf_apply(node, args, dtype)
+
+    def other(*args):
+        return 2.0 * op(*args)
+
+    if kind == "cond":
+        def f(*args):
+            x = tf.convert_to_tensor(args[0])
+            taken = tf.reduce_all(tf.math.is_finite(x))   # True, from the data
+            return tf.cond(taken, lambda: op(*args), lambda: other(*args))
+        return f
+    if kind == "switch":
+        def f(*args):
+            x = tf.convert_to_tensor(args[0])
+            index = tf.cast(tf.reduce_all(tf.math.is_finite(x)), tf.int32)   # 1
+            return tf.switch_case(index, [lambda: other(*args), lambda: op(*args),
+                                          lambda: other(*args)])
+        return f
+    if kind == "while":
+        def f(*args):
+            y0 = tf.zeros_like(op(*[tf.stop_gradient(a) for a in args]))
+            _, y = tf.while_loop(lambda i, y: i < 1,
+                                 lambda i, y: (i + 1, op(*args)),
+                                 [tf.constant(0), y0])
+            return y
+        return f
+    if kind == "py_function":
+        def f(*args):
+            y = tf.py_function(op, list(args), Tout=dtype)
+            shapes = [tf.convert_to_tensor(a).shape for a in args]
+            y.set_shape(_shape_of(node, [tuple(s) for s in shapes]))
+            return y
+        return f
+    return op    # function, recompute: the op itself
 
 
 def _tie(node, args):

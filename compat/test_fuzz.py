@@ -12,7 +12,8 @@ any "TF wrong" that is not a known one (README: "Where fasttape differs
 from TF").
 
 Profiles: the default (CI) is deterministic, ``CI_EXAMPLES`` distinct
-programs; ``FASTTAPE_FUZZ=long`` runs ``FASTTAPE_FUZZ_EXAMPLES`` (default
+programs (and a few with control flow: ``test_fuzz_flow_*``);
+``FASTTAPE_FUZZ=long`` runs ``FASTTAPE_FUZZ_EXAMPLES`` (default
 3000) random ones. ``FASTTAPE_FUZZ_REPORT=1`` prints the verdict counts and
 the compiled-backward cache's counters (run pytest with ``-s``);
 ``FASTTAPE_FUZZ_LAST=file`` writes each program there before it runs, to
@@ -25,6 +26,7 @@ import dataclasses
 import functools
 import os
 
+import numpy as np
 import pytest
 import tensorflow as tf
 from hypothesis import HealthCheck, assume, example, given, settings
@@ -70,6 +72,17 @@ KNOWN_TF_WRONG_GATHER = ("TF wrong (known: forward-over-reverse, a gather's "
                          "IndexedSlices into a tf.function's backward)")
 KNOWN_TF_WRONG_JACOBIAN = ("TF wrong (known: jacobian of an untracked tensor by "
                            "itself is None)")
+KNOWN_TF_WRONG_FLOW = ("TF wrong (known: forward-over-reverse, or a tape and an "
+                       "accumulator, around control flow in a tf.function)")
+KNOWN_TF_WRONG_CASE = ("TF wrong (known: an accumulator inside a tf.function "
+                       "over a switch_case)")
+KNOWN_TF_WRONG_PFOR = ("TF wrong (known: an eager pfor jacobian raises where "
+                       "fasttape's loop of backward passes works)")
+BOTH_FAIL_COND = ("both raise (known: an accumulator over a tape over a tf.cond "
+                  "/ switch_case in a tf.function, TF's TypeError or its "
+                  "cond gradient's AssertionError)")
+OFF_EVERY_PATH = ("TF raises in a gradient function off every path to a "
+                  "source, which fasttape does not run (on purpose)")
 ORDER_ONLY = ("both raise, another type (several targets' gradients fail; "
               "which runs first differs)")
 ROUNDING = ("both match the oracle (they differ by less than it resolves: "
@@ -117,25 +130,50 @@ def _known_tf_wrong(program, runner, expected):
     ForwardAccumulator whose Variable primal is passed into a tf.function,
     and AttributeError ("'IndexedSlices' object has no attribute '_id'")
     for forward-over-reverse where a gather's gradient meets a tf.function's
-    backward (test_forward_over_reverse_of_a_gather_and_a_tf_function); TF's
+    backward (test_forward_over_reverse_of_a_gather_and_a_tf_function), and
+    TypeError (a variant dtype; or SystemError) for forward-over-reverse
+    through control flow in a tf.function
+    (test_forward_over_reverse_of_control_flow_in_a_tf_function); TF's
     jacobian of an untracked target by itself is None (its gradient gives
-    the seed)."""
+    the seed); an accumulator inside a tf.function over a switch_case gives
+    TF a TypeError
+    (test_accumulator_inside_a_tf_function_over_a_switch_case); TF's eager
+    pfor jacobian fails (a tf.py_function in it; a
+    while_loop in a tf.function it cannot vectorize) where fasttape's eager
+    jacobian loops over backward passes (docs/differences.md)."""
     target = program.targets[0]
     if (program.mode in ("jacobian", "batch_jacobian")
             and not isinstance(expected, Raised)
             and target in program.sources and not runner.tracked()[target]):
         return KNOWN_TF_WRONG_JACOBIAN
+    if (program.mode in ("jacobian", "batch_jacobian") and program.pfor
+            and program.context == "eager" and isinstance(expected, Raised)
+            and any(m in str(expected.exc) for m in (
+                "Graph execution error", "exception while vectorizing"))):
+        return KNOWN_TF_WRONG_PFOR
     if not (isinstance(expected, Raised)
             and fuzz_programs._forward(program.mode)):  # pylint: disable=protected-access
         return None
     functions = [v for v in program.values
-                 if isinstance(v, Node) and v.wrap == "function"]
+                 if isinstance(v, Node) and (v.wrap == "function"
+                                             or v.wrap.startswith("fn_"))]
     message = str(expected.exc)
     if isinstance(expected.exc, ValueError) and "handle data" in message:
         primal_vars = {i for i in program.sources
                        if program.values[i].kind == "var"}
         if any(primal_vars.intersection(v.args) for v in functions):
             return KNOWN_TF_WRONG
+    if (isinstance(expected.exc, TypeError) and "TraceType" in message
+            and "switch_case" in message and program.context == "function"):
+        return KNOWN_TF_WRONG_CASE
+    flow = {"fn_cond", "fn_switch", "fn_while"}
+    if program.context == "function":
+        flow |= {"cond", "switch", "while"}
+    if (((isinstance(expected.exc, TypeError) and "variant" in message)
+         or isinstance(expected.exc, SystemError))
+            and program.mode in ("fwd_over_rev", "rev_over_fwd") and any(
+                isinstance(v, Node) and v.wrap in flow for v in program.values)):
+        return KNOWN_TF_WRONG_FLOW
     if (isinstance(expected.exc, AttributeError) and "IndexedSlices" in message
             and program.mode == "fwd_over_rev" and functions
             and any(isinstance(v, Node) and v.op == "gather"
@@ -151,22 +189,65 @@ def _known_tf_leak(program, run, expected, actual):
     (AttributeError) or a tf.function's backward (SystemError "returned a
     result with an exception set"), or is lost and TF returns a gradient
     (test_tf_leaks_a_failed_aggregation_*). Matched exactly: fasttape raises
-    InvalidArgumentError, TF does not, and TF raises it for the same program
-    without the triggers (no tf.function, unconnected_gradients NONE)."""
+    InvalidArgumentError (or, building the case's tf.function, ValueError),
+    TF does not, and TF raises InvalidArgumentError for the same program
+    without the triggers (run eagerly, no tf.function, recompute_grad or
+    py_function wraps, unconnected_gradients NONE)."""
+    # in a tf.function fasttape's misfit AddN fails when it is built
+    right = ((tf.errors.InvalidArgumentError, ValueError)
+             if program.context == "function" else tf.errors.InvalidArgumentError)
     if not (program.seeds.startswith("wrong") and isinstance(actual, Raised)
-            and isinstance(actual.exc, tf.errors.InvalidArgumentError)):
+            and isinstance(actual.exc, right)):
         return False
-    if isinstance(expected, Raised) and isinstance(
-            expected.exc, tf.errors.InvalidArgumentError):
+    if isinstance(expected, Raised) and isinstance(expected.exc, right):
         return False
-    plain = dataclasses.replace(program, unconnected="none", values=tuple(
+    plain = dataclasses.replace(program, unconnected="none", context="eager",
+                                values=tuple(
         dataclasses.replace(v, wrap="") if isinstance(v, Node)
-        and v.wrap == "function" else v for v in program.values))
+        and v.wrap in fuzz_programs.RECORDED_WRAPS else v for v in program.values))
     if plain == program:
         return False
     result = fd.run(fuzz_programs.Runner(plain).case(run), "tf")
     return isinstance(result, Raised) and isinstance(
         result.exc, tf.errors.InvalidArgumentError)
+
+
+def _off_every_path(program, expected, actual):
+    """TF raised in a gradient function off every path to a source (e.g.
+    tf.py_function's gradient of an int cast, of the wrong shape, meeting a
+    broadcast Sub), which fasttape does not run without output_gradients
+    (docs/differences.md, on purpose): every source is unconnected, so
+    fasttape's answer is None (zeros) throughout."""
+    if not (isinstance(expected, Raised) and program.seeds == "ones"
+            and program.mode in ("gradient", "persistent", "jacobian",
+                                 "batch_jacobian")):
+        return None
+    leaves = tf.nest.flatten(actual)
+    if all(leaf is None or not np.any(tf.convert_to_tensor(leaf).numpy())
+           for leaf in leaves):
+        return OFF_EVERY_PATH
+    return None
+
+
+def _both_fail_cond(program, expected, actual):
+    """TF's accumulator over a tape over a tf.cond or tf.switch_case in a
+    tf.function raises TypeError ("`dtype` <dtype: 'variant'> is not
+    compatible", or, with other branches, an AssertionError from cond_v2's
+    gradient); fasttape's reaches the same cond_v2 code (TF runs the cond as
+    a function call for the tapes) and raises its AssertionError, or, for a
+    switch_case reading a Variable, InvalidArgumentError ("Attempting to add
+    a duplicate function with name: ..._rewritten") (README: known
+    gaps)."""
+    conds = {"fn_cond", "fn_switch"}
+    if program.context == "function":
+        conds |= {"cond", "switch"}
+    duplicate = (isinstance(actual.exc, tf.errors.InvalidArgumentError)
+                 and "duplicate function" in str(actual.exc))
+    return (program.mode in ("fwd_over_rev", "rev_over_fwd")
+            and (isinstance(actual.exc, AssertionError) or duplicate)
+            and isinstance(expected.exc, (TypeError, AssertionError))
+            and any(isinstance(v, Node) and v.wrap in conds
+                    for v in program.values))
 
 
 def _order_only(program, run, expected, actual):
@@ -196,6 +277,8 @@ def verdict_of(program, runner, run, expected, actual):
     if _known_tf_leak(program, run, expected, actual):
         return KNOWN_TF_LEAK
     if isinstance(expected, Raised) and isinstance(actual, Raised):
+        if _both_fail_cond(program, expected, actual):
+            return BOTH_FAIL_COND
         if _order_only(program, run, expected, actual):
             return ORDER_ONLY
         return "exception types differ"
@@ -216,6 +299,7 @@ def verdict_of(program, runner, run, expected, actual):
         return ROUNDING
     if verdict == "TF wrong":
         return (_known_tf_wrong(program, runner, expected)
+                or _off_every_path(program, expected, actual)
                 or "TF wrong (not a known difference)")
     if verdict == "inconclusive" and isinstance(expected, Raised):
         # TF raises one of its known faults where the oracle abstains (a
@@ -333,6 +417,10 @@ VARIABLE_INTO_FUNCTION_TIE = Program(
 @example(program=VARIABLE_INTO_FUNCTION_TIE)
 @example(program=MISFIT_SEED_REALDIV)
 def test_fuzz_tf_against_fasttape(program):
+    _fuzz_one(program)
+
+
+def _fuzz_one(program):
     if program in _PASSED:
         # Another draw gave the same program: rejected, so that examples
         # count distinct programs (and a program that passed is no shrink
@@ -343,6 +431,59 @@ def test_fuzz_tf_against_fasttape(program):
     failures = check(program)
     assert not failures, f"{program!r}\n" + "\n".join(failures)
     _PASSED.add(program)
+
+
+# Forward-over-reverse through control flow in a tf.function: TF raises
+# TypeError (a variant dtype), a known fault (test_tf_differences.py).
+WHILE_IN_FUNCTION_FWD_OVER_REV = Program(
+    dtype="float32", mode="fwd_over_rev", targets=(2,), sources=(0,),
+    values=(Input("const", (3,)), Node("sin", (0,), wrap="fn_while"),
+            Node("reduce", (1,), ("mean", None, False), wrap="fn_switch")))
+
+# A tape around an accumulator inside a tf.function that runs a tf.cond the
+# target does not read: TF raises TypeError (a variant dtype), fasttape gives
+# the finite differences' answer (runs 1 and 2 reuse the function's trace).
+COND_OFF_THE_PATH_REV_OVER_FWD = Program(
+    dtype="float32", mode="rev_over_fwd", targets=(5,), sources=(0,),
+    context="function",
+    values=(Input("const", (2,), positive=True), Node("mul", (0, 0), wrap="custom"),
+            Node("div", (0, 1)), Node("add", (1, 0), wrap="cond"), Node("sin", (3,)),
+            Node("sin", (0,))))
+
+# TF's gradient of a tf.py_function around an int cast has the wrong shape
+# and fails in the broadcast Sub's gradient, off every path to the source v6
+# (unconnected): TF raises InvalidArgumentError, fasttape gives None.
+OFF_EVERY_PATH_PY_FUNCTION = Program(
+    dtype="float64", mode="gradient", targets=(8,), sources=(6,),
+    values=(Input("const", (), positive=True), Node("cos", (0,)), Input("int", (1,)),
+            Node("to_float", (2,)), Node("sub", (1, 3)),
+            Node("cast_int", (4,), wrap="py_function"), Input("var", ()),
+            Node("reduce", (5,), ("prod", None, False)), Node("abs", (7,))))
+
+# Forward-over-reverse of a switch_case reading a Variable, all in a
+# tf.function: TF raises TypeError (TraceType), fasttape InvalidArgumentError
+# (a duplicate rewritten branch function): both fail (BOTH_FAIL_COND).
+SWITCH_ON_A_VARIABLE_FWD_OVER_REV = Program(
+    dtype="float64", mode="fwd_over_rev", targets=(3,), sources=(0,),
+    context="function",
+    values=(Input("var", ()), Node("tanh", (0,), wrap="switch"), Node("mul", (1, 1)),
+            Node("neg", (2,))))
+
+FLOW_PROFILE = settings(PROFILE, max_examples=PROFILE.max_examples if LONG else 6)
+
+
+@pytest.mark.usefixtures("fresh_tf_jvp_traces", "compiled_cache")
+@FLOW_PROFILE
+@given(program=fuzz_programs.programs(flow=True))
+@example(program=WHILE_IN_FUNCTION_FWD_OVER_REV)
+@example(program=COND_OFF_THE_PATH_REV_OVER_FWD)
+@example(program=OFF_EVERY_PATH_PY_FUNCTION)
+@example(program=SWITCH_ON_A_VARIABLE_FWD_OVER_REV)
+def test_fuzz_flow_tf_against_fasttape(program):
+    """Programs with control flow (eager and in tf.functions),
+    tf.recompute_grad and tf.py_function around their ops, the whole case
+    in a tf.function, fasttape's memory_budget (``flow=True``)."""
+    _fuzz_one(program)
 
 
 # -- what the fuzzer found ----------------------------------------------------------

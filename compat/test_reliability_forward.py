@@ -226,6 +226,13 @@ def _cond_under_two_watchers(FA, GT, watchers):
             with FA(x, tf.ones(2)) as a1, FA(x, tf.ones(2)) as a2:
                 y = tf.cond(x[0] > 0, lambda: x * x, lambda: x)
             return a1.jvp(y), a2.jvp(y)
+        if watchers == "accumulator_over_tape":
+            with FA(x, tf.ones(2)) as acc:
+                with GT() as tape:
+                    tape.watch(x)
+                    y = tf.cond(x[0] > 0, lambda: tf.cos(x), lambda: 2.0 * tf.cos(x))
+                g = tape.gradient(y, x)
+            return g, acc.jvp(g)
         with GT() as tape:
             tape.watch(x)
             with FA(x, tf.ones(2)) as acc:
@@ -255,6 +262,51 @@ def test_two_accumulators_inside_tf_function_around_cond():
         "StagingError"), tf_result
     assert isinstance(ft_result, Raised) and isinstance(
         ft_result.exc, AssertionError), ft_result
+
+
+def test_accumulator_over_tape_inside_tf_function_around_cond():
+    """Forward-over-reverse: both fail, with different types. TF raises
+    TypeError ("`dtype` <dtype: 'variant'> is not compatible"); fasttape's
+    accumulator makes cond_v2 run the cond as a function call for the
+    tapes, whose gradient trips the AssertionError above. Found by the
+    fuzzer (BOTH_FAIL_COND)."""
+    tf_result = fd.run(lambda FA, GT: _cond_under_two_watchers(
+        FA, GT, "accumulator_over_tape"), "tf")
+    ft_result = fd.run(lambda FA, GT: _cond_under_two_watchers(
+        FA, GT, "accumulator_over_tape"), "fasttape")
+    assert isinstance(tf_result, Raised) and isinstance(
+        tf_result.exc, TypeError), tf_result
+    assert isinstance(ft_result, Raised) and isinstance(
+        ft_result.exc, AssertionError), ft_result
+
+
+@pytest.mark.parametrize("flow", ["cond", "switch_case"])
+def test_accumulator_with_a_variable_into_a_tf_function_around_control_flow(flow):
+    """A Variable primal passed into a tf.function holding a tf.cond or
+    tf.switch_case, under an accumulator: TF raises (its known Variable
+    fault: AttributeError for the cond, TypeError for the switch_case);
+    fasttape, which returns the JVP without the control flow, transposes
+    TF's _IfGrad / _CaseGrad eagerly and raises its AttributeError ("Tensor.graph
+    is undefined when eager execution is enabled"). Found by the fuzzer."""
+    def case(FA, GT):
+        v = tf.Variable([0.5, -1.5])
+        x = tf.constant([2.0, 0.3])
+
+        @tf.function(autograph=False)
+        def f(v, x):
+            taken = tf.reduce_all(tf.math.is_finite(x))
+            if flow == "cond":
+                return tf.cond(taken, lambda: v * x, lambda: 2.0 * v * x)
+            return tf.switch_case(tf.cast(taken, tf.int32),
+                                  [lambda: 2.0 * v * x, lambda: v * x])
+        with FA(v, tf.constant([1.0, 1.0])) as acc:
+            y = f(v, x)
+        return acc.jvp(y)
+    tf_result, ft_result = fd.run(case, "tf"), fd.run(case, "fasttape")
+    assert isinstance(tf_result, Raised) and isinstance(
+        tf_result.exc, AttributeError if flow == "cond" else TypeError), tf_result
+    assert isinstance(ft_result, Raised) and isinstance(
+        ft_result.exc, AttributeError), ft_result
 
 
 def test_accumulator_inside_tf_function_around_while_loop():

@@ -190,6 +190,26 @@ def test_accumulator_inside_a_tf_function_over_a_scan():
         scope._caching_device = before  # pylint: disable=protected-access (set_caching_device refuses in eager)
 
 
+def test_accumulator_inside_a_tf_function_over_a_switch_case():
+    """An accumulator entered inside a tf.function over tf.switch_case (a
+    Case op): TF raises TypeError ("Could not generate a generic TraceType
+    for name: switch_case_indexed_case_branch0_N", its JVP tracing meets the
+    branch functions' names); fasttape returns the JVP. Found by the
+    fuzzer."""
+    x0, t0 = np.array([0.3, -1.2]), np.array([1.0, 0.5])
+
+    def case(FA, GT):
+        @tf.function(autograph=False)
+        def f(x):
+            with FA(x, tf.constant(t0)) as acc:
+                y = tf.switch_case(tf.constant(1), [lambda: x * 2.0,
+                                                    lambda: tf.sin(x) * x])
+            return [acc.jvp(y)]
+        return f(tf.constant(x0))
+    oracle = [fd.jvp_oracle(lambda x: np.sin(x) * x, [x0], [t0])]
+    fd.tf_wrong_here(case, oracle, tf_raises=TypeError)
+
+
 def test_accumulator_with_a_variable_passed_into_a_tf_function_issue_form():
     def case(FA, GT):
         w = tf.Variable(1.119, dtype=tf.float64)
@@ -430,3 +450,47 @@ def test_jacobian_of_a_grouped_convolution(dtype, wrt, where, keras_layer,
                                       size=size, batch=4 if size > 5 else 2)
     fd.tf_wrong_here(case, [oracle], tf_raises=tf_raises, rtol=1e-4,
                      atol=1e-3 if dtype == "float32" else 1e-6)
+
+
+# -- found by a generated hunt: forward-over-reverse through a while_loop -------
+
+@pytest.mark.parametrize("flow", ["while_loop", "cond"])
+def test_forward_over_reverse_of_control_flow_in_a_tf_function(flow):
+    """An accumulator around a tape around a tf.function holding a
+    tf.while_loop or a tf.cond (a Hessian-vector product): TF's accumulator
+    transposes the function's backward, whose control-flow gradient keeps
+    variant intermediates, and raises TypeError ("`dtype` <dtype: 'variant'>
+    is not compatible with 1 of dtype int64"); fasttape gives the HVP.
+    Without the tf.function TF gets it right (in a fresh process)."""
+    x0, t0 = np.array([0.3, -0.7, 1.1]), np.array([1.0, -0.5, 0.25])
+    v0 = np.array([0.5, 1.2, -0.4])
+
+    def np_grad(x):
+        def f(x):
+            y = x
+            for _ in range(2 if flow == "while_loop" else 1):
+                y = np.tanh(y) * v0
+            return np.sum(y * x)
+        return fd.vjp_oracle(f, [x], eps=1e-5)[0]
+    oracle = [np_grad(x0), fd.jvp_oracle(np_grad, [x0], [t0], eps=1e-4)]
+
+    def case(FA, GT):
+        x = tf.constant(x0)
+        v = tf.constant(v0)
+
+        @tf.function
+        def f(x):
+            if flow == "while_loop":
+                _, y = tf.while_loop(lambda i, y: i < 2,
+                                     lambda i, y: (i + 1, tf.tanh(y) * v), [0, x])
+            else:
+                y = tf.cond(tf.reduce_sum(x) < 10.0, lambda: tf.tanh(x) * v,
+                            lambda: x)
+            return tf.reduce_sum(y * x)
+        with FA(x, tf.constant(t0)) as acc:
+            with GT() as tape:
+                tape.watch(x)
+                y = f(x)
+            g = tape.gradient(y, x)
+        return [g, acc.jvp(g)]
+    fd.tf_wrong_here(case, oracle, tf_raises=TypeError)
