@@ -42,6 +42,9 @@ def _eager_passes():
     set their mode themselves."""
     from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
     previous = _compiled.set_mode("off")
+    # (Each test's drops are its own: no drop plan from an earlier test's
+    # program under the same budget.)
+    _budget._PLANS.clear()  # pylint: disable=protected-access
     try:
         yield
     finally:
@@ -319,6 +322,68 @@ def test_recording_rechecks_references_as_resident_bytes_grow(monkeypatch):
     assert max(held) <= budget + store.largest, (max(held), store.largest)
     expected = _recorded_chain(None, n=120, side=16, big=True)
     assert_same(expected[0].gradient(expected[3], expected[2]), grad, exact=True)
+
+
+def _planned_chain(budget, n=40, op=tf.tanh):
+    """A chain under ``budget`` (as _recorded_chain's, debug), its
+    gradient, and its store."""
+    x = tf.constant(np.random.RandomState(1).randn(64, 64).astype("float32"))
+    with fasttape.GradientTape(memory_budget=budget) as tape:
+        store = tape._tape.budget  # pylint: disable=protected-access
+        if store is not None:
+            store.debug = True
+        tape.watch(x)
+        y = x
+        for _ in range(n):
+            y = op(y * 1.01)
+        loss = tf.reduce_sum(y)
+    return tape.gradient(loss, x), store
+
+
+def test_repeated_step_follows_the_drop_plan():
+    """A tape that records the same ops as the last one under its budget
+    drops what that one dropped, at the same ops, without scoring; the
+    same tensors dropped, the bound kept, the gradients exact. A program
+    that differs gives the plan up where it differs (scored from there).
+    (Mutations tried: _follow_plan always False, the repeated step's
+    assert on ``planned`` fails; the op-type comparison removed, the
+    other program keeps the plan and its assert fails.)"""
+    budget = 64 * 64 * 4 * 8
+    expected, _ = _planned_chain(None)
+    first_grad, first = _planned_chain(budget)
+    assert first.planned == 0 and first.dropped > 10, (first.planned, first.dropped)
+    for _ in range(2):
+        grad, store = _planned_chain(budget)
+        assert store.planned > 0, store.planned
+        assert store.dropped == first.dropped
+        assert store.max_held <= budget + store.largest
+        assert_same(expected, grad, exact=True)
+    assert_same(expected, first_grad, exact=True)
+    # Another program under the same budget: same op types for a while,
+    # then others (the plan is given up there).
+    expected, _ = _planned_chain(None, op=tf.sin)
+    grad, other = _planned_chain(budget, op=tf.sin)
+    assert other.planned == 0 and other._plan is None  # pylint: disable=protected-access
+    assert other.dropped > 10 and other.max_held <= budget + other.largest
+    assert_same(expected, grad, exact=True)
+
+
+def test_drop_plans_hold_no_tensor_and_leak_nothing():
+    """The drop plans are op type names and integers only, bounded, and
+    emptied by fasttape.clear_caches(); a step that follows one leaves no
+    tensor alive and no reference cycle."""
+    # pylint: disable=protected-access
+    budget = 64 * 64 * 4 * 8
+    assert_leaks_nothing(lambda: _planned_chain(budget))
+    assert _planned_chain(budget)[1].planned > 0
+    ops, events = _budget._PLANS[budget]
+    assert all(type(o) is str for o in ops)
+    assert all(type(v) is int for e in events for v in e) and events
+    for b in range(_budget._PLANS_MAX + 4):
+        _planned_chain(budget + 1 + b, n=12)
+    assert len(_budget._PLANS) == _budget._PLANS_MAX
+    fasttape.clear_caches()
+    assert not _budget._PLANS
 
 
 def _scored_reference(store):

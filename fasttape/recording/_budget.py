@@ -224,39 +224,18 @@ class Store(StoreCore):
         # half of its recording time).
         self._chain = {}
         self._buffers = {}
+        # The drop plan: what the previous tape under this budget dropped
+        # while recording (_PLANS), followed while this tape records the
+        # same ops, in place of scoring (see _follow_plan).
+        self._ops = []              # op type of each recorded op, by clock - 1
+        self._recipes = []          # its Recipe (None: a leaf's op), by clock - 1
+        self._log = []              # (recording) drops: (clock, recipe clock, output)
+        self._plan = _PLANS.get(budget)
+        self._matched = 0           # ops checked equal to the plan's
+        self._plan_next = 0         # the plan's next drop
+        self.planned = 0            # drop decisions the plan made (no scoring)
 
     # -- recording ----------------------------------------------------------
-
-    def _payload_died(self, ref):
-        # (A weakref callback: may run inside the garbage collector; it only
-        # lets go of references.)
-        self._when.pop(ref, None)
-        for s in self._saved_by.pop(ref, ()):
-            s.refs -= s.holders.pop(ref, 0)
-            s.payloads -= 1
-            if s.shape_holders is not None and ref in s.shape_holders:
-                s.shape_holders.discard(ref)
-            else:
-                s.valued -= 1
-            if s.payloads <= 0 and not s.pinned:
-                self._release(s)
-
-    def _release(self, s):
-        if s.tensor is not None:
-            s.tensor = None
-            tid = s.tid
-            if self._chain and (s.readers is not None or tid in self._chain):
-                self._forget_chains(s)
-            del self.resident[tid]
-            self.resident_bytes -= s.nbytes
-            if self.shared.get(tid) is s:
-                del self.shared[tid]
-                self.shared_bytes -= s.nbytes
-            elif self.sole.get(tid) is s:
-                del self.sole[tid]
-                self.sole_bytes -= s.nbytes
-            if s.buf:
-                self._unview(s)
 
     def _forget_chains(self, s):
         """s was dropped or made resident: forget the chain costs that
@@ -427,6 +406,9 @@ class Store(StoreCore):
         functions run in is known, the ticks until the next one that reads
         the tensor will run (the pass runs the recorded ops from the last
         one back: Belady's choice, weighed by cost and bytes)."""
+        if self.position is None and self._plan is not None and \
+                self._follow_plan(target):
+            return
         imminent = []   # (backward) read by the next gradient functions to run
         # (StoreCore._scored: the loop over every sole tensor, compiled.)
         scored = self._scored(self.watched, self._locked, self.position, {},
@@ -439,6 +421,48 @@ class Store(StoreCore):
             # (Only where the bound needs it: in the order they are read.)
             imminent.sort(key=lambda x: -x.tid)
             self._drop_scored(imminent, self.budget + self.largest)
+
+    def _follow_plan(self, target):
+        """(Recording) Drop what the previous tape under this budget dropped
+        up to this op, where it recorded the same ops (an op type per
+        clock): a training step records the same program each time, and
+        its drop decisions (scoring every resident tensor) were most of
+        what the budget cost a step. True when that brought what the tape
+        alone holds down to ``target``; False (scoring drops the rest)
+        where it did not, or the ops differ (the plan is then given up for
+        this tape). Any tensor the plan names is dropped only where it
+        could be by score (made by a recipe, sole, neither watched nor
+        locked, recomputable from what stays), so the gradients are those
+        of any drop order."""
+        plan_ops, events = self._plan
+        clock = self.clock
+        start = self._matched
+        if clock > len(plan_ops) or self._ops[start:clock] != list(plan_ops[start:clock]):
+            self._plan = None
+            return False
+        self._matched = clock
+        slots, sole, recipes = self.slots, self.sole, self._recipes
+        watched, locked = self.watched, self._locked
+        todo = []
+        i = self._plan_next
+        while i < len(events) and events[i][0] <= clock:
+            _, made_at, k = events[i]
+            i += 1
+            r = recipes[made_at - 1]
+            if r is None or k >= len(r.outputs):
+                continue
+            s = slots.get(r.outputs[k])
+            if s is None or s.recipe is not r or s.tensor is None or \
+                    sole.get(s.tid) is not s or s.tid in watched or \
+                    s.tid in locked or not (s.closure_ok or self._check_closure(s)):
+                continue
+            todo.append(s)
+        self._plan_next = i
+        self._drop_scored(todo, target)
+        if self.sole_bytes > target:
+            return False
+        self.planned += 1
+        return True
 
     def _drop_scored(self, candidates, target):
         for s in candidates:
@@ -510,6 +534,9 @@ class Store(StoreCore):
             s.holders[ref] = 0
         s.refs = 0
         del t
+        if self.position is None:
+            recipe = s.recipe
+            self._log.append((self.clock, recipe.clock, recipe.outputs.index(s.tid)))
         self._release(s)
         self.dropped += 1
         self.dropped_bytes += s.nbytes
@@ -838,6 +865,8 @@ def backward_vspace(tape_state, base, recorded=True):
             "another tape (without a budget) around this one.")
     store = tape_state.budget
     store.passes += 1
+    if store.passes == 1 and store._log:  # pylint: disable=protected-access
+        _save_plan(store)
     store.position = store.clock + 1
     # Recording is over and the program's own references to the tape's
     # tensors have mostly gone: what only the tape holds is known now.
@@ -903,8 +932,28 @@ def _lower_pass_water(store, excess, held):
 
 
 def clear_caches():
-    """Forget what passes started from (fasttape.clear_caches())."""
+    """Forget what passes started from and the drop plans
+    (fasttape.clear_caches())."""
     _PASS_WATER.clear()
+    _PLANS.clear()
+
+
+# The drop plans: budget -> (the op types a tape under it recorded, by
+# clock; what it dropped while recording: (clock, the clock of the op that
+# made the tensor, its output index))), the last tape's that dropped
+# anything while recording; a later tape under the same budget follows it
+# while it records the same ops (Store._follow_plan). Integers and op type
+# names only (no tensor); bounded; emptied by clear_caches.
+_PLANS = {}
+_PLANS_MAX = 16
+
+
+def _save_plan(store):
+    # pylint: disable=protected-access
+    budget = store.budget
+    if budget not in _PLANS and len(_PLANS) >= _PLANS_MAX:
+        del _PLANS[next(iter(_PLANS))]
+    _PLANS[budget] = (tuple(store._ops), tuple(store._log))
 
 
 class BudgetVSpace(VSpace):

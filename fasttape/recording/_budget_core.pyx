@@ -75,6 +75,17 @@ def _recomputable(op_type):
     return True
 
 
+cdef bint _has_none_value(attrs) except -1:
+    """Does a flat (name, value, ...) attrs tuple hold a None value?"""
+    cdef Py_ssize_t j
+    if type(attrs) is not tuple:
+        return any([v is None for v in attrs[1::2]])
+    for j in range(1, len(<tuple>attrs), 2):
+        if (<tuple>attrs)[j] is None:
+            return True
+    return False
+
+
 cdef bint _plain(list tensors) except -1:
     """Eager tensors, none a resource or variant (checked per op: a type
     attr may make them so): no recipe takes or makes these."""
@@ -108,11 +119,15 @@ _SHAPE_ONLY = {"Add": (0, 1), "AddV2": (0, 1), "Sub": (0, 1),
                "SelectV2": (1, 2, 3)}
 
 
+cdef object _shape_only(op_type, num_inputs):
+    got = _SHAPE_ONLY.get(op_type, ())
+    return range(num_inputs - 1) if got is None else got
+
+
 def shape_only(op_type, num_inputs):
     """The positions of an op's saved inputs its gradient reads for their
     shapes only (empty: none)."""
-    got = _SHAPE_ONLY.get(op_type, ())
-    return range(num_inputs - 1) if got is None else got
+    return _shape_only(op_type, num_inputs)
 
 _INNER_DIM_OPS = frozenset(("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
                             "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv1D"))
@@ -161,6 +176,7 @@ cdef class Recipe:
                                     # its recipe, and no cycle may form)
     cdef public object device
     cdef public object cost
+    cdef public int64_t clock       # the store's clock when it was recorded
 
     def __init__(self, op_type, attrs, list inputs, device, cost):
         self.op_type = op_type
@@ -257,6 +273,19 @@ cdef class Slot:
         return f"<fasttape dropped-tensor slot {self.tid}: {what}, {state}>"
 
 
+cdef Slot _new_slot(t, Recipe recipe):
+    """Slot(t, recipe), without the call's argument parsing (a slot per
+    tensor a budgeted tape records)."""
+    cdef Slot s = Slot.__new__(Slot)
+    s.tid = t._id  # pylint: disable=protected-access
+    s.wref = _weakref(t)
+    s.recipe = recipe
+    s.nelem = _nelem(t)
+    s.nbytes = _size_of(t) * s.nelem
+    s.holders = {}
+    return s
+
+
 # -- the store's per-op path ---------------------------------------------------
 
 
@@ -281,6 +310,8 @@ cdef class StoreCore:
     cdef public dict _chain             # a dropped tensor's id -> its recomputation's cost
     cdef public dict _buffers           # a held leaf's buffer address -> the leaves sharing it
                                         # (the first one counts its bytes)
+    cdef public list _ops               # op type of each recorded op, by clock - 1
+    cdef public list _recipes           # its Recipe (None: a leaf's op), by clock - 1
 
     def recorded(self, op_id, op_type, list inputs, list outputs, payload):
         """Called by the recorder after it recorded an op on the tape."""
@@ -296,6 +327,8 @@ cdef class StoreCore:
                 self._slot(t).aliased = True
         self.clock += 1
         clock = self.clock
+        self._ops.append(op_type)
+        recipe = None
         if not outputs:
             pass
         elif not (recomputable(op_type) and _plain(outputs) and _plain(inputs)):
@@ -322,16 +355,17 @@ cdef class StoreCore:
                 n_in += x.nelem
                 in_slots.append(x)
             attrs = (<EagerOp>payload).attrs
-            if any([v is None for v in attrs[1::2]]):
+            if _has_none_value(attrs):
                 # (None: the default, as the fast path passes it.)
                 attrs = tuple([v for j in range(0, len(attrs), 2)
                                if attrs[j + 1] is not None
                                for v in attrs[j:j + 2]])
             recipe = Recipe(op_type, attrs, in_slots, outputs[0].device, 0)
+            recipe.clock = clock
             out_ids = recipe.outputs
             n_out = 0
             for t in outputs:
-                x = Slot(t, recipe)
+                x = _new_slot(t, recipe)
                 x.last = clock
                 # Recomputable from what stays: its leaf inputs are pinned
                 # now, and its other inputs were (Store._check_closure
@@ -350,9 +384,10 @@ cdef class StoreCore:
                     x.readers = list(out_ids)
                 else:
                     x.readers.extend(out_ids)
+        self._recipes.append(recipe)
         ref = None
         mine = None
-        shape_pos = shape_only(op_type, (<EagerOp>payload).num_inputs)
+        shape_pos = _shape_only(op_type, (<EagerOp>payload).num_inputs)
         k = -1
         for t in (<EagerOp>payload).saved:
             k += 1
@@ -447,7 +482,7 @@ cdef class StoreCore:
     cdef Slot _slot(self, t):
         cdef Slot s = self.slots.get(t._id)  # pylint: disable=protected-access
         if s is None:
-            s = Slot(t, None)
+            s = _new_slot(t, None)
             self.slots[s.tid] = s
         return s
 
@@ -484,6 +519,52 @@ cdef class StoreCore:
                     self._buffers[s.buf] = [s]
             self.shared[s.tid] = s
             self.shared_bytes += s.nbytes
+        return 0
+
+    def _payload_died(self, ref):
+        """A payload that saved tensors died: its slots lose a holder, and
+        those no payload saves any more are let go of (unless pinned).
+        (A weakref callback: may run inside the garbage collector; it only
+        lets go of references.)"""
+        cdef Slot s
+        cdef object holders
+        self._when.pop(ref, None)
+        mine = self._saved_by.pop(ref, None)
+        if mine is None:
+            return
+        for s in mine:
+            n = s.holders.pop(ref, 0)
+            s.refs -= n
+            s.payloads -= 1
+            holders = s.shape_holders
+            if holders is not None and ref in holders:
+                (<set>holders).discard(ref)
+            else:
+                s.valued -= 1
+            if s.payloads <= 0 and not s.pinned:
+                self._release_c(s)
+
+    def _release(self, Slot s):
+        """Let go of s's tensor (the store no longer holds it)."""
+        self._release_c(s)
+
+    cdef int _release_c(self, Slot s) except -1:
+        if s.tensor is None:
+            return 0
+        s.tensor = None
+        tid = s.tid
+        if self._chain and (s.readers is not None or tid in self._chain):
+            self._forget_chains(s)
+        del self.resident[tid]
+        self.resident_bytes -= s.nbytes
+        if self.shared.get(tid) is s:
+            del self.shared[tid]
+            self.shared_bytes -= s.nbytes
+        elif self.sole.get(tid) is s:
+            del self.sole[tid]
+            self.sole_bytes -= s.nbytes
+        if s.buf:
+            self._unview(s)
         return 0
 
     def _unview(self, Slot s):
