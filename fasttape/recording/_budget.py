@@ -844,13 +844,6 @@ def _run(recipe, inputs, ctx, devices):
                                recipe.attrs, ctx)
 
 
-def _has_slots(payload):
-    for x in payload.saved:
-        if type(x) is Slot:
-            return True
-    return False
-
-
 def backward_vspace(tape_state, base, recorded=True):
     """The vspace for a backward pass over a budgeted tape. recorded: the
     pass may be recorded (by an outer tape, or by this one if it still
@@ -998,11 +991,7 @@ class BudgetVSpace(VSpace):
 
     def call_backward(self, op_type, payload, unneeded_indices, out_grads):
         store = self.store
-        if type(payload) is EagerOp:
-            position = store._when.get(weakref.ref(payload))  # pylint: disable=protected-access
-            if position is not None:
-                store.position = position
-        if type(payload) is EagerOp and _has_slots(payload):
+        if store.reached(payload):
             # The recomputed tensors go into the payload itself for the
             # call, not into a copy: what is keyed by the payload (anomaly
             # mode's record of where the op ran) must find it. (While the

@@ -310,6 +310,7 @@ cdef class StoreCore:
     cdef public dict _chain             # a dropped tensor's id -> its recomputation's cost
     cdef public dict _buffers           # a held leaf's buffer address -> the leaves sharing it
                                         # (the first one counts its bytes)
+    cdef public object position         # (backward) clock of the op whose gradient runs
     cdef public list _ops               # op type of each recorded op, by clock - 1
     cdef public list _recipes           # its Recipe (None: a leaf's op), by clock - 1
 
@@ -428,6 +429,20 @@ cdef class StoreCore:
             self._when[ref] = clock
         if self.sole_bytes + self.shared_bytes > self.budget or self.debug:
             self._check()
+
+    def reached(self, payload):
+        """(Backward) The gradient function of ``payload`` is about to run:
+        the position becomes the clock its op was recorded at. True if its
+        saved tuple names a dropped tensor (a Slot) to restore first."""
+        if type(payload) is not EagerOp:
+            return False
+        position = self._when.get(_weakref(payload))
+        if position is not None:
+            self.position = position
+        for x in (<EagerOp>payload).saved:
+            if type(x) is Slot:
+                return True
+        return False
 
     def _scored(self, watched, locked, position, dict upcoming, list imminent,
                 check_closure, feeds_needed, chain_cost, next_use,
