@@ -157,15 +157,6 @@ _IMMINENT = 3
 # this fraction of it, so that the next drop comes a tenth of the budget
 # later (a drop scores every candidate).
 LOW_WATER = 0.9
-# (Backward) While the program references at most this many of the
-# resident tensors, they are re-checked after every op; more (a layer that
-# keeps its outputs in a list), and while recording, only after the
-# resident bytes grew by a sixteenth of the budget since the last check
-# (or past the budget and the largest saved tensor, where the bound needs
-# it). Re-checked after every recorded op once over the budget, the
-# forward activations' references were counted some sixty times a step
-# on an LSTM, a third of what its drop decisions cost.
-_FEW = 32
 
 
 class Store(StoreCore):
@@ -269,37 +260,6 @@ class Store(StoreCore):
         if s.aliased or s.view:
             return False
         return sys.getrefcount(s.tensor) <= 2 + s.refs
-
-    def _recheck(self):
-        """Move the shared tensors the program no longer references to sole."""
-        shared, sole, _sole = self.shared, self.sole, self._sole
-        for s in [s for s in shared.values() if _sole(s)]:
-            del shared[s.tid]
-            self.shared_bytes -= s.nbytes
-            sole[s.tid] = s
-            self.sole_bytes += s.nbytes
-        self._recheck_at = (self.sole_bytes + self.shared_bytes
-                            + max(self.budget >> 4, 1))
-
-    def _check(self):
-        """After a step that left the resident bytes over the budget: re-check
-        what the program references (if it may matter), and drop down to the
-        low water mark when what the tape alone holds passes the budget."""
-        budget = self.budget
-        total = self.sole_bytes + self.shared_bytes
-        if total > budget + self.largest or (self.sole_bytes <= budget and (
-                total >= self._recheck_at or (
-                    self.position is not None and len(self.shared) <= _FEW))):
-            # (Beyond the budget and the largest saved tensor, what the
-            # program let go of since the last re-check could break the
-            # bound: re-checked at every step there.)
-            self._recheck()
-        if self.sole_bytes > budget:
-            self._drop_to(self.low)
-            if self.sole_bytes > budget + self.largest and self.warned is None:
-                self._warn()
-        if self.debug:
-            self._measure()
 
     def enforce(self, target=None):
         """Re-check every resident tensor, then drop candidates by DTR's score

@@ -21,6 +21,7 @@ from tensorflow.python.framework import ops
 
 cimport cython
 cimport numpy as cnp
+from cpython.ref cimport Py_REFCNT
 from libc.stdint cimport int64_t
 
 from fasttape.gradients._payloads cimport EagerOp, tensor_enum, tensor_shape
@@ -288,6 +289,16 @@ cdef Slot _new_slot(t, Recipe recipe):
 
 # -- the store's per-op path ---------------------------------------------------
 
+# (Backward) While the program references at most this many of the
+# resident tensors, they are re-checked after every op; more (a layer that
+# keeps its outputs in a list), and while recording, only after the
+# resident bytes grew by a sixteenth of the budget since the last check
+# (or past the budget and the largest saved tensor, where the bound needs
+# it). Re-checked after every recorded op once over the budget, the
+# forward activations' references were counted some sixty times a step
+# on an LSTM, a third of what its drop decisions cost.
+FEW = 32
+
 
 cdef class StoreCore:
     """The fields of a budget's store that every recorded op touches, and
@@ -311,6 +322,9 @@ cdef class StoreCore:
     cdef public dict _buffers           # a held leaf's buffer address -> the leaves sharing it
                                         # (the first one counts its bytes)
     cdef public object position         # (backward) clock of the op whose gradient runs
+    cdef public object low              # the low water mark: drops go down to it
+    cdef public object _recheck_at      # (many shared) bytes at which to re-check them
+    cdef public object warned           # the MemoryBudgetWarning given (once), or None
     cdef public list _ops               # op type of each recorded op, by clock - 1
     cdef public list _recipes           # its Recipe (None: a leaf's op), by clock - 1
 
@@ -429,6 +443,51 @@ cdef class StoreCore:
             self._when[ref] = clock
         if self.sole_bytes + self.shared_bytes > self.budget or self.debug:
             self._check()
+
+    def _recheck(self):
+        """Move the shared tensors the program no longer references to sole
+        (Store._sole's test: not a variable's value nor a counted view, and
+        referenced only by the slot and the payloads that save it)."""
+        cdef dict shared = self.shared
+        cdef dict sole = self.sole
+        cdef Slot s
+        cdef list moved = []
+        for s in shared.values():
+            if s.aliased or s.view:
+                continue
+            t = s.tensor
+            # (t: one reference more, as getrefcount's argument.)
+            if Py_REFCNT(t) <= 2 + s.refs:
+                moved.append(s)
+            t = None
+        for s in moved:
+            del shared[s.tid]
+            self.shared_bytes -= s.nbytes
+            sole[s.tid] = s
+            self.sole_bytes += s.nbytes
+        self._recheck_at = (self.sole_bytes + self.shared_bytes
+                            + max(self.budget >> 4, 1))
+
+    def _check(self):
+        """After a step that left the resident bytes over the budget:
+        re-check what the program references (if it may matter), and drop
+        down to the low water mark when what the tape alone holds passes
+        the budget."""
+        budget = self.budget
+        total = self.sole_bytes + self.shared_bytes
+        if total > budget + self.largest or (self.sole_bytes <= budget and (
+                total >= self._recheck_at or (
+                    self.position is not None and len(self.shared) <= FEW))):
+            # (Beyond the budget and the largest saved tensor, what the
+            # program let go of since the last re-check could break the
+            # bound: re-checked at every step there.)
+            self._recheck()
+        if self.sole_bytes > budget:
+            self._drop_to(self.low)
+            if self.sole_bytes > budget + self.largest and self.warned is None:
+                self._warn()
+        if self.debug:
+            self._measure()
 
     def reached(self, payload):
         """(Backward) The gradient function of ``payload`` is about to run:
