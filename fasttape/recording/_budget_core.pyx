@@ -261,12 +261,16 @@ cdef class Slot:
     cdef object __weakref__
 
     def __init__(self, t, Recipe recipe):
+        self._fill(t, recipe)
+
+    cdef int _fill(self, t, Recipe recipe) except -1:
         self.tid = t._id  # pylint: disable=protected-access
         self.wref = _weakref(t)
         self.recipe = recipe
         self.nelem = _nelem(t)
         self.nbytes = _size_of(t) * self.nelem
         self.holders = {}
+        return 0
 
     def __repr__(self):
         what = self.recipe.op_type if self.recipe is not None else "leaf"
@@ -278,12 +282,7 @@ cdef Slot _new_slot(t, Recipe recipe):
     """Slot(t, recipe), without the call's argument parsing (a slot per
     tensor a budgeted tape records)."""
     cdef Slot s = Slot.__new__(Slot)
-    s.tid = t._id  # pylint: disable=protected-access
-    s.wref = _weakref(t)
-    s.recipe = recipe
-    s.nelem = _nelem(t)
-    s.nbytes = _size_of(t) * s.nelem
-    s.holders = {}
+    s._fill(t, recipe)
     return s
 
 
