@@ -1112,6 +1112,26 @@ def test_pass_that_never_fits_starts_from_the_usual_level_again(monkeypatch):
     fasttape.clear_caches()
 
 
+def test_lower_start_whose_build_failed_returns_to_the_usual_level():
+    """A pass started lower for its replay, whose build failed (it would
+    re-run too many ops) and that nothing more can lower (it signs the
+    same failed pass again), starts from the usual level again: not
+    eagerly from the lower start at every step, re-making more. (A small
+    attention member under 25%; mutation tried: the compiled cache's
+    call of ``given_up`` on a failed key removed, the last steps stay
+    lowered and this fails.)"""
+    stores = _compiled_steps(*family.build(tf, {
+        "dtype": "float32", "batch": 128, "width": 32, "seed": 257,
+        "image": None, "stem": [], "tokens": (4, 8), "blocks": ["attention"],
+        "activation": "relu"}), 0.25, 8, debug=False)
+    lowered = [s.lowered for s in stores]
+    remade = [s.recomputed_ops for s in stores]
+    assert any(lowered), (lowered, remade)      # (a lower start tried)
+    assert not lowered[-1] and not lowered[-2], (lowered, remade)
+    assert remade[-1] == remade[0] and stores[-1].compiled_passes == 0, remade
+    fasttape.clear_caches()
+
+
 def test_replay_from_a_lower_start_kept_only_if_faster(monkeypatch):
     """A replay from a lower start is timed against the eager pass from
     the usual level; where it is slower, the step starts from the usual

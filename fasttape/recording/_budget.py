@@ -1124,13 +1124,19 @@ class GraphRecompute:
             return seconds
         return min(seconds, water[2])
 
-    def slower(self):
-        """The replay was slower than the eager pass: a pass started lower
-        for it starts from the usual level again."""
+    def given_up(self):
+        """This pass's replay was slower than the eager pass, or its
+        build failed (found so in the compiled cache): a pass started
+        lower for it starts from the usual level again. (Started lower
+        and signed as a pass whose build failed, nothing more being
+        droppable, it would run eagerly from the lower start at every
+        step, re-making more than from the usual level.)"""
         water = _PASS_WATER.get(self.store.pass_key)
         if water is not None and self.store.lowered:
             water[0] = None
             water[1] = _PASS_WATER_ATTEMPTS + 1
+
+    slower = given_up
 
     def replayed(self, ops_run):
         """A compiled replay ran, re-running ops_run ops: count them."""
