@@ -480,31 +480,6 @@ class Store(StoreCore):
         if held - self.budget > self.max_over:
             self.max_over = held - self.budget
 
-    def _drop(self, s):
-        """Let go of s: swap it for its slot in every holder's saved tuple."""
-        t = s.tensor
-        s.shape = t._shape_tuple()  # pylint: disable=protected-access
-        s.dtype = t.dtype
-        for ref, n in s.holders.items():
-            if not n:
-                continue
-            p = ref()
-            if p is not None:
-                p.saved = tuple([s if x is t else x for x in p.saved])
-            s.holders[ref] = 0
-        s.refs = 0
-        del t
-        if self.position is None:
-            recipe = s.recipe
-            self._log.append((self.clock, recipe.clock, recipe.outputs.index(s.tid)))
-        self._release(s)
-        self.dropped += 1
-        self.dropped_bytes += s.nbytes
-        op_type = s.recipe.op_type
-        self.dropped_by_type[op_type] = self.dropped_by_type.get(op_type, 0) + 1
-        if self.debug:
-            self.dropped_ids.add(s.tid)
-
     # -- recomputing --------------------------------------------------------
 
     def _get(self, s):

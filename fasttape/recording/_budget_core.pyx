@@ -324,6 +324,11 @@ cdef class StoreCore:
     cdef public object low              # the low water mark: drops go down to it
     cdef public object _recheck_at      # (many shared) bytes at which to re-check them
     cdef public object warned           # the MemoryBudgetWarning given (once), or None
+    cdef public int64_t dropped         # tensors dropped (counted each time)
+    cdef public int64_t dropped_bytes
+    cdef public dict dropped_by_type    # op type (of the dropped tensor's recipe) -> count
+    cdef public object dropped_ids      # (debug) ids of every tensor dropped
+    cdef public list _log               # (recording) drops: (clock, recipe clock, output)
     cdef public list _ops               # op type of each recorded op, by clock - 1
     cdef public list _recipes           # its Recipe (None: a leaf's op), by clock - 1
 
@@ -487,6 +492,34 @@ cdef class StoreCore:
                 self._warn()
         if self.debug:
             self._measure()
+
+    def _drop(self, Slot s):
+        """Let go of s: swap it for its slot in every holder's saved tuple."""
+        cdef EagerOp p
+        cdef Recipe recipe = s.recipe
+        t = s.tensor
+        s.shape = tensor_shape(t)
+        s.dtype = t.dtype
+        holders = s.holders
+        for ref, n in holders.items():
+            if not n:
+                continue
+            p = ref()
+            if p is not None:
+                p.saved = tuple([s if x is t else x for x in p.saved])
+            holders[ref] = 0
+        s.refs = 0
+        t = None
+        if self.position is None:
+            self._log.append((self.clock, recipe.clock, recipe.outputs.index(s.tid)))
+        self._release_c(s)
+        self.dropped += 1
+        self.dropped_bytes += s.nbytes
+        op_type = recipe.op_type
+        self.dropped_by_type[op_type] = self.dropped_by_type.get(op_type, 0) + 1
+        if self.debug:
+            self.dropped_ids.add(s.tid)
+        return None
 
     def reached(self, payload):
         """(Backward) The gradient function of ``payload`` is about to run:
