@@ -368,10 +368,12 @@ def test_repeated_step_follows_the_drop_plan():
     assert_same(expected, grad, exact=True)
 
 
-def test_drop_plans_hold_no_tensor_and_leak_nothing():
-    """The drop plans are op type names and integers only, bounded, and
-    emptied by fasttape.clear_caches(); a step that follows one leaves no
-    tensor alive and no reference cycle."""
+def test_drop_plans_hold_no_tensor_and_leak_nothing(monkeypatch):
+    """The drop plans are op type names and integers only, bounded in
+    plans and in items, and emptied by fasttape.clear_caches(); a step
+    that follows one leaves no tensor alive and no reference cycle.
+    (Mutation tried: _save_plan without the items bound, the plan larger
+    than it is kept and the last assert on it fails.)"""
     # pylint: disable=protected-access
     budget = 64 * 64 * 4 * 8
     assert_leaks_nothing(lambda: _planned_chain(budget))
@@ -382,8 +384,21 @@ def test_drop_plans_hold_no_tensor_and_leak_nothing():
     for b in range(_budget._PLANS_MAX + 4):
         _planned_chain(budget + 1 + b, n=12)
     assert len(_budget._PLANS) == _budget._PLANS_MAX
+    assert budget not in _budget._PLANS     # (the oldest went first)
     fasttape.clear_caches()
     assert not _budget._PLANS
+    # Bounded in items too: a plan larger than the bound is not kept, and
+    # older ones go to make room.
+    _planned_chain(budget)
+    _planned_chain(budget + 1)
+    one = _budget._plan_items(_budget._PLANS[budget])
+    monkeypatch.setattr(_budget, "_PLANS_MAX_ITEMS", 2 * one + one // 2)
+    _planned_chain(budget + 2)
+    assert list(_budget._PLANS) == [budget + 1, budget + 2]
+    monkeypatch.setattr(_budget, "_PLANS_MAX_ITEMS", one - 1)
+    _planned_chain(budget + 3)
+    assert budget + 3 not in _budget._PLANS
+    fasttape.clear_caches()
 
 
 def _scored_reference(store):

@@ -871,17 +871,30 @@ def clear_caches():
 # made the tensor, its output index))), the last tape's that dropped
 # anything while recording; a later tape under the same budget follows it
 # while it records the same ops (Store._follow_plan). Integers and op type
-# names only (no tensor); bounded; emptied by clear_caches.
+# names only (no tensor); at most _PLANS_MAX plans and _PLANS_MAX_ITEMS
+# items in all (an op counts one, a drop four: its tuple and integers);
+# emptied by clear_caches.
 _PLANS = {}
 _PLANS_MAX = 16
+_PLANS_MAX_ITEMS = 1 << 20
+
+
+def _plan_items(plan):
+    return len(plan[0]) + 4 * len(plan[1])
 
 
 def _save_plan(store):
     # pylint: disable=protected-access
     budget = store.budget
-    if budget not in _PLANS and len(_PLANS) >= _PLANS_MAX:
-        del _PLANS[next(iter(_PLANS))]
-    _PLANS[budget] = (tuple(store._ops), tuple(store._log))
+    _PLANS.pop(budget, None)
+    plan = (tuple(store._ops), tuple(store._log))
+    items = _plan_items(plan)
+    if items > _PLANS_MAX_ITEMS:
+        return      # (a program too long to keep a plan of)
+    total = items + sum(_plan_items(p) for p in _PLANS.values())
+    while _PLANS and (len(_PLANS) >= _PLANS_MAX or total > _PLANS_MAX_ITEMS):
+        total -= _plan_items(_PLANS.pop(next(iter(_PLANS))))
+    _PLANS[budget] = plan
 
 
 class BudgetVSpace(VSpace):
