@@ -42,6 +42,9 @@ def _eager_passes():
     set their mode themselves."""
     from fasttape.gradients import _compiled  # pylint: disable=import-outside-toplevel
     previous = _compiled.set_mode("off")
+    # (Each test's drops are its own: no drop plan from an earlier test's
+    # program under the same budget.)
+    _budget._PLANS.clear()  # pylint: disable=protected-access
     try:
         yield
     finally:
@@ -319,6 +322,83 @@ def test_recording_rechecks_references_as_resident_bytes_grow(monkeypatch):
     assert max(held) <= budget + store.largest, (max(held), store.largest)
     expected = _recorded_chain(None, n=120, side=16, big=True)
     assert_same(expected[0].gradient(expected[3], expected[2]), grad, exact=True)
+
+
+def _planned_chain(budget, n=40, op=tf.tanh):
+    """A chain under ``budget`` (as _recorded_chain's, debug), its
+    gradient, and its store."""
+    x = tf.constant(np.random.RandomState(1).randn(64, 64).astype("float32"))
+    with fasttape.GradientTape(memory_budget=budget) as tape:
+        store = tape._tape.budget  # pylint: disable=protected-access
+        if store is not None:
+            store.debug = True
+        tape.watch(x)
+        y = x
+        for _ in range(n):
+            y = op(y * 1.01)
+        loss = tf.reduce_sum(y)
+    return tape.gradient(loss, x), store
+
+
+def test_repeated_step_follows_the_drop_plan():
+    """A tape that records the same ops as the last one under its budget
+    drops what that one dropped, at the same ops, without scoring; the
+    same tensors dropped, the bound kept, the gradients exact. A program
+    that differs gives the plan up where it differs (scored from there).
+    (Mutations tried: _follow_plan always False, the repeated step's
+    assert on ``planned`` fails; the op-type comparison removed, the
+    other program keeps the plan and its assert fails.)"""
+    budget = 64 * 64 * 4 * 8
+    expected, _ = _planned_chain(None)
+    first_grad, first = _planned_chain(budget)
+    assert first.planned == 0 and first.dropped > 10, (first.planned, first.dropped)
+    for _ in range(2):
+        grad, store = _planned_chain(budget)
+        assert store.planned > 0, store.planned
+        assert store.dropped == first.dropped
+        assert store.max_held <= budget + store.largest
+        assert_same(expected, grad, exact=True)
+    assert_same(expected, first_grad, exact=True)
+    # Another program under the same budget: same op types for a while,
+    # then others (the plan is given up there).
+    expected, _ = _planned_chain(None, op=tf.sin)
+    grad, other = _planned_chain(budget, op=tf.sin)
+    assert other.planned == 0 and other._plan is None  # pylint: disable=protected-access
+    assert other.dropped > 10 and other.max_held <= budget + other.largest
+    assert_same(expected, grad, exact=True)
+
+
+def test_drop_plans_hold_no_tensor_and_leak_nothing(monkeypatch):
+    """The drop plans are op type names and integers only, bounded in
+    plans and in items, and emptied by fasttape.clear_caches(); a step
+    that follows one leaves no tensor alive and no reference cycle.
+    (Mutation tried: _save_plan without the items bound, the plan larger
+    than it is kept and the last assert on it fails.)"""
+    # pylint: disable=protected-access
+    budget = 64 * 64 * 4 * 8
+    assert_leaks_nothing(lambda: _planned_chain(budget))
+    assert _planned_chain(budget)[1].planned > 0
+    ops, events = _budget._PLANS[budget]
+    assert all(type(o) is str for o in ops)
+    assert all(type(v) is int for e in events for v in e) and events
+    for b in range(_budget._PLANS_MAX + 4):
+        _planned_chain(budget + 1 + b, n=12)
+    assert len(_budget._PLANS) == _budget._PLANS_MAX
+    assert budget not in _budget._PLANS     # (the oldest went first)
+    fasttape.clear_caches()
+    assert not _budget._PLANS
+    # Bounded in items too: a plan larger than the bound is not kept, and
+    # older ones go to make room.
+    _planned_chain(budget)
+    _planned_chain(budget + 1)
+    one = _budget._plan_items(_budget._PLANS[budget])
+    monkeypatch.setattr(_budget, "_PLANS_MAX_ITEMS", 2 * one + one // 2)
+    _planned_chain(budget + 2)
+    assert list(_budget._PLANS) == [budget + 1, budget + 2]
+    monkeypatch.setattr(_budget, "_PLANS_MAX_ITEMS", one - 1)
+    _planned_chain(budget + 3)
+    assert budget + 3 not in _budget._PLANS
+    fasttape.clear_caches()
 
 
 def _scored_reference(store):
@@ -1044,6 +1124,26 @@ def test_pass_that_never_fits_starts_from_the_usual_level_again(monkeypatch):
     assert max(remade[1:4]) > 2 * remade[0], remade      # (lower starts tried)
     assert remade[-1] == remade[0] and stores[-1].compiled_passes == 0, remade
     assert [w[0] for w in _budget._PASS_WATER.values()] == [None]  # pylint: disable=protected-access
+    fasttape.clear_caches()
+
+
+def test_lower_start_whose_build_failed_returns_to_the_usual_level():
+    """A pass started lower for its replay, whose build failed (it would
+    re-run too many ops) and that nothing more can lower (it signs the
+    same failed pass again), starts from the usual level again: not
+    eagerly from the lower start at every step, re-making more. (A small
+    attention member under 25%; mutation tried: the compiled cache's
+    call of ``given_up`` on a failed key removed, the last steps stay
+    lowered and this fails.)"""
+    stores = _compiled_steps(*family.build(tf, {
+        "dtype": "float32", "batch": 128, "width": 32, "seed": 257,
+        "image": None, "stem": [], "tokens": (4, 8), "blocks": ["attention"],
+        "activation": "relu"}), 0.25, 8, debug=False)
+    lowered = [s.lowered for s in stores]
+    remade = [s.recomputed_ops for s in stores]
+    assert any(lowered), (lowered, remade)      # (a lower start tried)
+    assert not lowered[-1] and not lowered[-2], (lowered, remade)
+    assert remade[-1] == remade[0] and stores[-1].compiled_passes == 0, remade
     fasttape.clear_caches()
 
 

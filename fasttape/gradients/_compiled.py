@@ -1102,6 +1102,10 @@ def _look_up(core, vspace, target_ids, source_ids, output_gradients,
     compiled = cache.compiled.get(key)
     cache.calls += 1
     if compiled is _FAILED:
+        if recompute is not None:
+            # (A budgeted pass that started lower for its replay, which
+            # failed or was slower: it starts from the usual level again.)
+            recompute.given_up()
         return _skipped(unfed)
     return _Lookup(key, compiled, entries, feeds, fed, unfed)
 

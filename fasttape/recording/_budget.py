@@ -157,15 +157,6 @@ _IMMINENT = 3
 # this fraction of it, so that the next drop comes a tenth of the budget
 # later (a drop scores every candidate).
 LOW_WATER = 0.9
-# (Backward) While the program references at most this many of the
-# resident tensors, they are re-checked after every op; more (a layer that
-# keeps its outputs in a list), and while recording, only after the
-# resident bytes grew by a sixteenth of the budget since the last check
-# (or past the budget and the largest saved tensor, where the bound needs
-# it). Re-checked after every recorded op once over the budget, the
-# forward activations' references were counted some sixty times a step
-# on an LSTM, a third of what its drop decisions cost.
-_FEW = 32
 
 
 class Store(StoreCore):
@@ -224,39 +215,18 @@ class Store(StoreCore):
         # half of its recording time).
         self._chain = {}
         self._buffers = {}
+        # The drop plan: what the previous tape under this budget dropped
+        # while recording (_PLANS), followed while this tape records the
+        # same ops, in place of scoring (see _follow_plan).
+        self._ops = []              # op type of each recorded op, by clock - 1
+        self._recipes = []          # its Recipe (None: a leaf's op), by clock - 1
+        self._log = []              # (recording) drops: (clock, recipe clock, output)
+        self._plan = _PLANS.get(budget)
+        self._matched = 0           # ops checked equal to the plan's
+        self._plan_next = 0         # the plan's next drop
+        self.planned = 0            # drop decisions the plan made (no scoring)
 
     # -- recording ----------------------------------------------------------
-
-    def _payload_died(self, ref):
-        # (A weakref callback: may run inside the garbage collector; it only
-        # lets go of references.)
-        self._when.pop(ref, None)
-        for s in self._saved_by.pop(ref, ()):
-            s.refs -= s.holders.pop(ref, 0)
-            s.payloads -= 1
-            if s.shape_holders is not None and ref in s.shape_holders:
-                s.shape_holders.discard(ref)
-            else:
-                s.valued -= 1
-            if s.payloads <= 0 and not s.pinned:
-                self._release(s)
-
-    def _release(self, s):
-        if s.tensor is not None:
-            s.tensor = None
-            tid = s.tid
-            if self._chain and (s.readers is not None or tid in self._chain):
-                self._forget_chains(s)
-            del self.resident[tid]
-            self.resident_bytes -= s.nbytes
-            if self.shared.get(tid) is s:
-                del self.shared[tid]
-                self.shared_bytes -= s.nbytes
-            elif self.sole.get(tid) is s:
-                del self.sole[tid]
-                self.sole_bytes -= s.nbytes
-            if s.buf:
-                self._unview(s)
 
     def _forget_chains(self, s):
         """s was dropped or made resident: forget the chain costs that
@@ -290,37 +260,6 @@ class Store(StoreCore):
         if s.aliased or s.view:
             return False
         return sys.getrefcount(s.tensor) <= 2 + s.refs
-
-    def _recheck(self):
-        """Move the shared tensors the program no longer references to sole."""
-        shared, sole, _sole = self.shared, self.sole, self._sole
-        for s in [s for s in shared.values() if _sole(s)]:
-            del shared[s.tid]
-            self.shared_bytes -= s.nbytes
-            sole[s.tid] = s
-            self.sole_bytes += s.nbytes
-        self._recheck_at = (self.sole_bytes + self.shared_bytes
-                            + max(self.budget >> 4, 1))
-
-    def _check(self):
-        """After a step that left the resident bytes over the budget: re-check
-        what the program references (if it may matter), and drop down to the
-        low water mark when what the tape alone holds passes the budget."""
-        budget = self.budget
-        total = self.sole_bytes + self.shared_bytes
-        if total > budget + self.largest or (self.sole_bytes <= budget and (
-                total >= self._recheck_at or (
-                    self.position is not None and len(self.shared) <= _FEW))):
-            # (Beyond the budget and the largest saved tensor, what the
-            # program let go of since the last re-check could break the
-            # bound: re-checked at every step there.)
-            self._recheck()
-        if self.sole_bytes > budget:
-            self._drop_to(self.low)
-            if self.sole_bytes > budget + self.largest and self.warned is None:
-                self._warn()
-        if self.debug:
-            self._measure()
 
     def enforce(self, target=None):
         """Re-check every resident tensor, then drop candidates by DTR's score
@@ -427,6 +366,9 @@ class Store(StoreCore):
         functions run in is known, the ticks until the next one that reads
         the tensor will run (the pass runs the recorded ops from the last
         one back: Belady's choice, weighed by cost and bytes)."""
+        if self.position is None and self._plan is not None and \
+                self._follow_plan(target):
+            return
         imminent = []   # (backward) read by the next gradient functions to run
         # (StoreCore._scored: the loop over every sole tensor, compiled.)
         scored = self._scored(self.watched, self._locked, self.position, {},
@@ -439,6 +381,48 @@ class Store(StoreCore):
             # (Only where the bound needs it: in the order they are read.)
             imminent.sort(key=lambda x: -x.tid)
             self._drop_scored(imminent, self.budget + self.largest)
+
+    def _follow_plan(self, target):
+        """(Recording) Drop what the previous tape under this budget dropped
+        up to this op, where it recorded the same ops (an op type per
+        clock): a training step records the same program each time, and
+        its drop decisions (scoring every resident tensor) were most of
+        what the budget cost a step. True when that brought what the tape
+        alone holds down to ``target``; False (scoring drops the rest)
+        where it did not, or the ops differ (the plan is then given up for
+        this tape). Any tensor the plan names is dropped only where it
+        could be by score (made by a recipe, sole, neither watched nor
+        locked, recomputable from what stays), so the gradients are those
+        of any drop order."""
+        plan_ops, events = self._plan
+        clock = self.clock
+        start = self._matched
+        if clock > len(plan_ops) or self._ops[start:clock] != list(plan_ops[start:clock]):
+            self._plan = None
+            return False
+        self._matched = clock
+        slots, sole, recipes = self.slots, self.sole, self._recipes
+        watched, locked = self.watched, self._locked
+        todo = []
+        i = self._plan_next
+        while i < len(events) and events[i][0] <= clock:
+            _, made_at, k = events[i]
+            i += 1
+            r = recipes[made_at - 1]
+            if r is None or k >= len(r.outputs):
+                continue
+            s = slots.get(r.outputs[k])
+            if s is None or s.recipe is not r or s.tensor is None or \
+                    sole.get(s.tid) is not s or s.tid in watched or \
+                    s.tid in locked or not (s.closure_ok or self._check_closure(s)):
+                continue
+            todo.append(s)
+        self._plan_next = i
+        self._drop_scored(todo, target)
+        if self.sole_bytes > target:
+            return False
+        self.planned += 1
+        return True
 
     def _drop_scored(self, candidates, target):
         for s in candidates:
@@ -495,28 +479,6 @@ class Store(StoreCore):
             self.max_held = held
         if held - self.budget > self.max_over:
             self.max_over = held - self.budget
-
-    def _drop(self, s):
-        """Let go of s: swap it for its slot in every holder's saved tuple."""
-        t = s.tensor
-        s.shape = t._shape_tuple()  # pylint: disable=protected-access
-        s.dtype = t.dtype
-        for ref, n in s.holders.items():
-            if not n:
-                continue
-            p = ref()
-            if p is not None:
-                p.saved = tuple([s if x is t else x for x in p.saved])
-            s.holders[ref] = 0
-        s.refs = 0
-        del t
-        self._release(s)
-        self.dropped += 1
-        self.dropped_bytes += s.nbytes
-        op_type = s.recipe.op_type
-        self.dropped_by_type[op_type] = self.dropped_by_type.get(op_type, 0) + 1
-        if self.debug:
-            self.dropped_ids.add(s.tid)
 
     # -- recomputing --------------------------------------------------------
 
@@ -817,13 +779,6 @@ def _run(recipe, inputs, ctx, devices):
                                recipe.attrs, ctx)
 
 
-def _has_slots(payload):
-    for x in payload.saved:
-        if type(x) is Slot:
-            return True
-    return False
-
-
 def backward_vspace(tape_state, base, recorded=True):
     """The vspace for a backward pass over a budgeted tape. recorded: the
     pass may be recorded (by an outer tape, or by this one if it still
@@ -838,6 +793,8 @@ def backward_vspace(tape_state, base, recorded=True):
             "another tape (without a budget) around this one.")
     store = tape_state.budget
     store.passes += 1
+    if store.passes == 1 and store._log:  # pylint: disable=protected-access
+        _save_plan(store)
     store.position = store.clock + 1
     # Recording is over and the program's own references to the tape's
     # tensors have mostly gone: what only the tape holds is known now.
@@ -903,8 +860,41 @@ def _lower_pass_water(store, excess, held):
 
 
 def clear_caches():
-    """Forget what passes started from (fasttape.clear_caches())."""
+    """Forget what passes started from and the drop plans
+    (fasttape.clear_caches())."""
     _PASS_WATER.clear()
+    _PLANS.clear()
+
+
+# The drop plans: budget -> (the op types a tape under it recorded, by
+# clock; what it dropped while recording: (clock, the clock of the op that
+# made the tensor, its output index))), the last tape's that dropped
+# anything while recording; a later tape under the same budget follows it
+# while it records the same ops (Store._follow_plan). Integers and op type
+# names only (no tensor); at most _PLANS_MAX plans and _PLANS_MAX_ITEMS
+# items in all (an op counts one, a drop four: its tuple and integers);
+# emptied by clear_caches.
+_PLANS = {}
+_PLANS_MAX = 16
+_PLANS_MAX_ITEMS = 1 << 20
+
+
+def _plan_items(plan):
+    return len(plan[0]) + 4 * len(plan[1])
+
+
+def _save_plan(store):
+    # pylint: disable=protected-access
+    budget = store.budget
+    _PLANS.pop(budget, None)
+    plan = (tuple(store._ops), tuple(store._log))
+    items = _plan_items(plan)
+    if items > _PLANS_MAX_ITEMS:
+        return      # (a program too long to keep a plan of)
+    total = items + sum(_plan_items(p) for p in _PLANS.values())
+    while _PLANS and (len(_PLANS) >= _PLANS_MAX or total > _PLANS_MAX_ITEMS):
+        total -= _plan_items(_PLANS.pop(next(iter(_PLANS))))
+    _PLANS[budget] = plan
 
 
 class BudgetVSpace(VSpace):
@@ -949,11 +939,7 @@ class BudgetVSpace(VSpace):
 
     def call_backward(self, op_type, payload, unneeded_indices, out_grads):
         store = self.store
-        if type(payload) is EagerOp:
-            position = store._when.get(weakref.ref(payload))  # pylint: disable=protected-access
-            if position is not None:
-                store.position = position
-        if type(payload) is EagerOp and _has_slots(payload):
+        if store.reached(payload):
             # The recomputed tensors go into the payload itself for the
             # call, not into a copy: what is keyed by the payload (anomaly
             # mode's record of where the op ran) must find it. (While the
@@ -1126,13 +1112,19 @@ class GraphRecompute:
             return seconds
         return min(seconds, water[2])
 
-    def slower(self):
-        """The replay was slower than the eager pass: a pass started lower
-        for it starts from the usual level again."""
+    def given_up(self):
+        """This pass's replay was slower than the eager pass, or its
+        build failed (found so in the compiled cache): a pass started
+        lower for it starts from the usual level again. (Started lower
+        and signed as a pass whose build failed, nothing more being
+        droppable, it would run eagerly from the lower start at every
+        step, re-making more than from the usual level.)"""
         water = _PASS_WATER.get(self.store.pass_key)
         if water is not None and self.store.lowered:
             water[0] = None
             water[1] = _PASS_WATER_ATTEMPTS + 1
+
+    slower = given_up
 
     def replayed(self, ops_run):
         """A compiled replay ran, re-running ops_run ops: count them."""

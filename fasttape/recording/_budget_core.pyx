@@ -21,6 +21,7 @@ from tensorflow.python.framework import ops
 
 cimport cython
 cimport numpy as cnp
+from cpython.ref cimport Py_REFCNT
 from libc.stdint cimport int64_t
 
 from fasttape.gradients._payloads cimport EagerOp, tensor_enum, tensor_shape
@@ -75,6 +76,17 @@ def _recomputable(op_type):
     return True
 
 
+cdef bint _has_none_value(attrs) except -1:
+    """Does a flat (name, value, ...) attrs tuple hold a None value?"""
+    cdef Py_ssize_t j
+    if type(attrs) is not tuple:
+        return any([v is None for v in attrs[1::2]])
+    for j in range(1, len(<tuple>attrs), 2):
+        if (<tuple>attrs)[j] is None:
+            return True
+    return False
+
+
 cdef bint _plain(list tensors) except -1:
     """Eager tensors, none a resource or variant (checked per op: a type
     attr may make them so): no recipe takes or makes these."""
@@ -108,11 +120,15 @@ _SHAPE_ONLY = {"Add": (0, 1), "AddV2": (0, 1), "Sub": (0, 1),
                "SelectV2": (1, 2, 3)}
 
 
+cdef object _shape_only(op_type, num_inputs):
+    got = _SHAPE_ONLY.get(op_type, ())
+    return range(num_inputs - 1) if got is None else got
+
+
 def shape_only(op_type, num_inputs):
     """The positions of an op's saved inputs its gradient reads for their
     shapes only (empty: none)."""
-    got = _SHAPE_ONLY.get(op_type, ())
-    return range(num_inputs - 1) if got is None else got
+    return _shape_only(op_type, num_inputs)
 
 _INNER_DIM_OPS = frozenset(("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
                             "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv1D"))
@@ -161,6 +177,7 @@ cdef class Recipe:
                                     # its recipe, and no cycle may form)
     cdef public object device
     cdef public object cost
+    cdef public int64_t clock       # the store's clock when it was recorded
 
     def __init__(self, op_type, attrs, list inputs, device, cost):
         self.op_type = op_type
@@ -244,12 +261,16 @@ cdef class Slot:
     cdef object __weakref__
 
     def __init__(self, t, Recipe recipe):
+        self._fill(t, recipe)
+
+    cdef int _fill(self, t, Recipe recipe) except -1:
         self.tid = t._id  # pylint: disable=protected-access
         self.wref = _weakref(t)
         self.recipe = recipe
         self.nelem = _nelem(t)
         self.nbytes = _size_of(t) * self.nelem
         self.holders = {}
+        return 0
 
     def __repr__(self):
         what = self.recipe.op_type if self.recipe is not None else "leaf"
@@ -257,7 +278,25 @@ cdef class Slot:
         return f"<fasttape dropped-tensor slot {self.tid}: {what}, {state}>"
 
 
+cdef Slot _new_slot(t, Recipe recipe):
+    """Slot(t, recipe), without the call's argument parsing (a slot per
+    tensor a budgeted tape records)."""
+    cdef Slot s = Slot.__new__(Slot)
+    s._fill(t, recipe)
+    return s
+
+
 # -- the store's per-op path ---------------------------------------------------
+
+# (Backward) While the program references at most this many of the
+# resident tensors, they are re-checked after every op; more (a layer that
+# keeps its outputs in a list), and while recording, only after the
+# resident bytes grew by a sixteenth of the budget since the last check
+# (or past the budget and the largest saved tensor, where the bound needs
+# it). Re-checked after every recorded op once over the budget, the
+# forward activations' references were counted some sixty times a step
+# on an LSTM, a third of what its drop decisions cost.
+FEW = 32
 
 
 cdef class StoreCore:
@@ -281,6 +320,17 @@ cdef class StoreCore:
     cdef public dict _chain             # a dropped tensor's id -> its recomputation's cost
     cdef public dict _buffers           # a held leaf's buffer address -> the leaves sharing it
                                         # (the first one counts its bytes)
+    cdef public object position         # (backward) clock of the op whose gradient runs
+    cdef public object low              # the low water mark: drops go down to it
+    cdef public object _recheck_at      # (many shared) bytes at which to re-check them
+    cdef public object warned           # the MemoryBudgetWarning given (once), or None
+    cdef public int64_t dropped         # tensors dropped (counted each time)
+    cdef public int64_t dropped_bytes
+    cdef public dict dropped_by_type    # op type (of the dropped tensor's recipe) -> count
+    cdef public object dropped_ids      # (debug) ids of every tensor dropped
+    cdef public list _log               # (recording) drops: (clock, recipe clock, output)
+    cdef public list _ops               # op type of each recorded op, by clock - 1
+    cdef public list _recipes           # its Recipe (None: a leaf's op), by clock - 1
 
     def recorded(self, op_id, op_type, list inputs, list outputs, payload):
         """Called by the recorder after it recorded an op on the tape."""
@@ -296,6 +346,8 @@ cdef class StoreCore:
                 self._slot(t).aliased = True
         self.clock += 1
         clock = self.clock
+        self._ops.append(op_type)
+        recipe = None
         if not outputs:
             pass
         elif not (recomputable(op_type) and _plain(outputs) and _plain(inputs)):
@@ -322,16 +374,17 @@ cdef class StoreCore:
                 n_in += x.nelem
                 in_slots.append(x)
             attrs = (<EagerOp>payload).attrs
-            if any([v is None for v in attrs[1::2]]):
+            if _has_none_value(attrs):
                 # (None: the default, as the fast path passes it.)
                 attrs = tuple([v for j in range(0, len(attrs), 2)
                                if attrs[j + 1] is not None
                                for v in attrs[j:j + 2]])
             recipe = Recipe(op_type, attrs, in_slots, outputs[0].device, 0)
+            recipe.clock = clock
             out_ids = recipe.outputs
             n_out = 0
             for t in outputs:
-                x = Slot(t, recipe)
+                x = _new_slot(t, recipe)
                 x.last = clock
                 # Recomputable from what stays: its leaf inputs are pinned
                 # now, and its other inputs were (Store._check_closure
@@ -350,9 +403,10 @@ cdef class StoreCore:
                     x.readers = list(out_ids)
                 else:
                     x.readers.extend(out_ids)
+        self._recipes.append(recipe)
         ref = None
         mine = None
-        shape_pos = shape_only(op_type, (<EagerOp>payload).num_inputs)
+        shape_pos = _shape_only(op_type, (<EagerOp>payload).num_inputs)
         k = -1
         for t in (<EagerOp>payload).saved:
             k += 1
@@ -393,6 +447,93 @@ cdef class StoreCore:
             self._when[ref] = clock
         if self.sole_bytes + self.shared_bytes > self.budget or self.debug:
             self._check()
+
+    def _recheck(self):
+        """Move the shared tensors the program no longer references to sole
+        (Store._sole's test: not a variable's value nor a counted view, and
+        referenced only by the slot and the payloads that save it)."""
+        cdef dict shared = self.shared
+        cdef dict sole = self.sole
+        cdef Slot s
+        cdef list moved = []
+        for s in shared.values():
+            if s.aliased or s.view:
+                continue
+            t = s.tensor
+            # (t: one reference more, as getrefcount's argument.)
+            if Py_REFCNT(t) <= 2 + s.refs:
+                moved.append(s)
+            t = None
+        for s in moved:
+            del shared[s.tid]
+            self.shared_bytes -= s.nbytes
+            sole[s.tid] = s
+            self.sole_bytes += s.nbytes
+        self._recheck_at = (self.sole_bytes + self.shared_bytes
+                            + max(self.budget >> 4, 1))
+
+    def _check(self):
+        """After a step that left the resident bytes over the budget:
+        re-check what the program references (if it may matter), and drop
+        down to the low water mark when what the tape alone holds passes
+        the budget."""
+        budget = self.budget
+        total = self.sole_bytes + self.shared_bytes
+        if total > budget + self.largest or (self.sole_bytes <= budget and (
+                total >= self._recheck_at or (
+                    self.position is not None and len(self.shared) <= FEW))):
+            # (Beyond the budget and the largest saved tensor, what the
+            # program let go of since the last re-check could break the
+            # bound: re-checked at every step there.)
+            self._recheck()
+        if self.sole_bytes > budget:
+            self._drop_to(self.low)
+            if self.sole_bytes > budget + self.largest and self.warned is None:
+                self._warn()
+        if self.debug:
+            self._measure()
+
+    def _drop(self, Slot s):
+        """Let go of s: swap it for its slot in every holder's saved tuple."""
+        cdef EagerOp p
+        cdef Recipe recipe = s.recipe
+        t = s.tensor
+        s.shape = tensor_shape(t)
+        s.dtype = t.dtype
+        holders = s.holders
+        for ref, n in holders.items():
+            if not n:
+                continue
+            p = ref()
+            if p is not None:
+                p.saved = tuple([s if x is t else x for x in p.saved])
+            holders[ref] = 0
+        s.refs = 0
+        t = None
+        if self.position is None:
+            self._log.append((self.clock, recipe.clock, recipe.outputs.index(s.tid)))
+        self._release_c(s)
+        self.dropped += 1
+        self.dropped_bytes += s.nbytes
+        op_type = recipe.op_type
+        self.dropped_by_type[op_type] = self.dropped_by_type.get(op_type, 0) + 1
+        if self.debug:
+            self.dropped_ids.add(s.tid)
+        return None
+
+    def reached(self, payload):
+        """(Backward) The gradient function of ``payload`` is about to run:
+        the position becomes the clock its op was recorded at. True if its
+        saved tuple names a dropped tensor (a Slot) to restore first."""
+        if type(payload) is not EagerOp:
+            return False
+        position = self._when.get(_weakref(payload))
+        if position is not None:
+            self.position = position
+        for x in (<EagerOp>payload).saved:
+            if type(x) is Slot:
+                return True
+        return False
 
     def _scored(self, watched, locked, position, dict upcoming, list imminent,
                 check_closure, feeds_needed, chain_cost, next_use,
@@ -447,7 +588,7 @@ cdef class StoreCore:
     cdef Slot _slot(self, t):
         cdef Slot s = self.slots.get(t._id)  # pylint: disable=protected-access
         if s is None:
-            s = Slot(t, None)
+            s = _new_slot(t, None)
             self.slots[s.tid] = s
         return s
 
@@ -484,6 +625,52 @@ cdef class StoreCore:
                     self._buffers[s.buf] = [s]
             self.shared[s.tid] = s
             self.shared_bytes += s.nbytes
+        return 0
+
+    def _payload_died(self, ref):
+        """A payload that saved tensors died: its slots lose a holder, and
+        those no payload saves any more are let go of (unless pinned).
+        (A weakref callback: may run inside the garbage collector; it only
+        lets go of references.)"""
+        cdef Slot s
+        cdef object holders
+        self._when.pop(ref, None)
+        mine = self._saved_by.pop(ref, None)
+        if mine is None:
+            return
+        for s in mine:
+            n = s.holders.pop(ref, 0)
+            s.refs -= n
+            s.payloads -= 1
+            holders = s.shape_holders
+            if holders is not None and ref in holders:
+                (<set>holders).discard(ref)
+            else:
+                s.valued -= 1
+            if s.payloads <= 0 and not s.pinned:
+                self._release_c(s)
+
+    def _release(self, Slot s):
+        """Let go of s's tensor (the store no longer holds it)."""
+        self._release_c(s)
+
+    cdef int _release_c(self, Slot s) except -1:
+        if s.tensor is None:
+            return 0
+        s.tensor = None
+        tid = s.tid
+        if self._chain and (s.readers is not None or tid in self._chain):
+            self._forget_chains(s)
+        del self.resident[tid]
+        self.resident_bytes -= s.nbytes
+        if self.shared.get(tid) is s:
+            del self.shared[tid]
+            self.shared_bytes -= s.nbytes
+        elif self.sole.get(tid) is s:
+            del self.sole[tid]
+            self.sole_bytes -= s.nbytes
+        if s.buf:
+            self._unview(s)
         return 0
 
     def _unview(self, Slot s):
