@@ -605,6 +605,32 @@ def test_dilated_patches_in_chunks(mode, monkeypatch):
     assert chunks and set(chunks) == {4 * 4, 4 * (B - 4)}, chunks
 
 
+@pytest.mark.parametrize("mode", ["eager", "function", "jit"])
+def test_dilated_blocks_side_by_side(mode, monkeypatch):
+    """A large dilation of a small image (8x8 SAME, 5x5 dilated 3, 8 to
+    32 channels, float64: 9 space-to-batch blocks of a few rows each):
+    each example's rows of every block side by side in one product, not
+    one product a block summed after; per-example gradients, norms and the
+    clipped sum equal the loop's. (Mutation tried: the blocks left in
+    block-major order, Transpose (0, 1, 2, 3), fails it.)"""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    original, calls = _norm_rules._slices, []  # pylint: disable=protected-access
+
+    def spy(x, *args):
+        calls.append(x.shape[0])
+        return original(x, *args)
+    monkeypatch.setattr(_norm_rules, "_slices", spy)
+    rng = np.random.default_rng(11)
+    x = tf.constant(rng.normal(size=(B, 8, 8, 8)), tf.float64)
+    w = tf.Variable(rng.normal(size=(5, 5, 8, 32)) * 0.1, dtype=tf.float64)
+
+    def loss(x):
+        y = tf.nn.convolution(x, w, padding="SAME", dilations=3)
+        return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
+    _assert_loops_values(mode, loss, x, w)
+    assert calls, "the blocks' patches route (_sliced) was not taken"
+
+
 def _assert_loops_values(mode, loss, x, w):
     """Per-example gradients, norms and the clipped sum of w (float64),
     from one tape each in ``mode``, equal the loop of single-example

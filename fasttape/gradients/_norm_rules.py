@@ -1369,17 +1369,34 @@ class _Conv2DBlocks(_Blocked, _Conv2D):
         """[B] + src_shape: each example's kernel gradient with no
         dilation (at ``strides``), sum over its blocks of P^T G, P its patches
         [T, kh kw cin] gathered from x (_slices, padded as TF pads
-        SAME), one batched product of every block's rows; a chunk of
+        SAME), by batched products; a chunk of
         examples at a time where all their patches would take more than
         _CHUNKED_FROM_BYTES (_in_chunks)."""
         kh, kw, cin, cout = src_shape
         ho, wo = g.shape[1], g.shape[2]
 
+        k, t = kh * kw * cin, ho * wo
+        # A dilated convolution's nb blocks: one product a block, summed
+        # after (holding nb times the per-example gradients, nb k cout an
+        # example), or, where that is more than the patches and g copied
+        # (nb t (k + cout) an example: few rows a block, as at a large
+        # dilation of a small image), each example's rows of every block
+        # side by side, one product an example.
+        side_by_side = nb > 1 and (nb - 1) * k * cout > nb * t * (k + cout)
+
+        def by_example(u, n):
+            # [nb b, ...] rows of u, block-major -> [b, nb t, n]
+            u = _ex("Transpose", array_ops.reshape(u, [nb, -1, t, n]),
+                    _const((1, 0, 2, 3), dtypes.int32))
+            return array_ops.reshape(u, [-1, nb * t, n])
+
         def grads_of(x, g):
             patches = _slices(x, kh, kw, (ho, wo), list(strides), [1] * 4, padding)
-            b = -1 if x.shape[0] is None else x.shape[0] // nb
-            patches = array_ops.reshape(patches, [nb, b, ho * wo, kh * kw * cin])
-            grads = math_ops.matmul(patches, array_ops.reshape(g, [nb, b, ho * wo, cout]),
+            if side_by_side:
+                return math_ops.matmul(by_example(patches, k), by_example(g, cout),
+                                       adjoint_a=True)
+            grads = math_ops.matmul(array_ops.reshape(patches, [nb, -1, t, k]),
+                                    array_ops.reshape(g, [nb, -1, t, cout]),
                                     adjoint_a=True)
             return math_ops.reduce_sum(grads, axis=0) if nb > 1 else grads[0]
         grads = _in_chunks(grads_of, x, g, nb, nb * ho * wo * kh * kw * cin * x.dtype.size)
