@@ -588,20 +588,8 @@ def test_dilated_patches_in_chunks(mode, monkeypatch):
     # 9x9 SAME, 3x3 dilated 2: 4 blocks of 7x7 to 5x5, 3x3x16 patches
     monkeypatch.setattr(_norm_rules, "_PATCH_CHUNK_BYTES", 4 * 4 * 25 * 144 * 8)
     monkeypatch.setattr(_norm_rules, "_CHUNKED_FROM_BYTES", 1024)
-    original, chunks = _norm_rules._slices, []  # pylint: disable=protected-access
-
-    def spy(x, *args):
-        chunks.append(x.shape[0])
-        return original(x, *args)
-    monkeypatch.setattr(_norm_rules, "_slices", spy)
-    rng = np.random.default_rng(9)
-    x = tf.constant(rng.normal(size=(B, 9, 9, 16)), tf.float64)
-    w = tf.Variable(rng.normal(size=(3, 3, 16, 6)) * 0.2, dtype=tf.float64)
-
-    def loss(x):
-        y = tf.nn.convolution(x, w, padding="SAME", dilations=2)
-        return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
-    _assert_loops_values(mode, loss, x, w)
+    chunks = _dilated_values_and_patched_rows(mode, monkeypatch, (9, 9, 16),
+                                              (3, 3, 16, 6), 2, seed=9, scale=0.2)
     assert chunks and set(chunks) == {4 * 4, 4 * (B - 4)}, chunks
 
 
@@ -613,22 +601,32 @@ def test_dilated_blocks_side_by_side(mode, monkeypatch):
     one product a block summed after; per-example gradients, norms and the
     clipped sum equal the loop's. (Mutation tried: the blocks left in
     block-major order, Transpose (0, 1, 2, 3), fails it.)"""
+    calls = _dilated_values_and_patched_rows(mode, monkeypatch, (8, 8, 8),
+                                             (5, 5, 8, 32), 3, seed=11, scale=0.1)
+    assert calls, "the blocks' patches route (_sliced) was not taken"
+
+
+def _dilated_values_and_patched_rows(mode, monkeypatch, image, kernel, dilations,
+                                     seed, scale):
+    """_assert_loops_values on a float64 SAME convolution of B images
+    ``image`` by ``kernel`` at ``dilations``; returns the rows of each
+    patches gather the rules made (_slices)."""
     from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
-    original, calls = _norm_rules._slices, []  # pylint: disable=protected-access
+    original, rows = _norm_rules._slices, []  # pylint: disable=protected-access
 
     def spy(x, *args):
-        calls.append(x.shape[0])
+        rows.append(x.shape[0])
         return original(x, *args)
     monkeypatch.setattr(_norm_rules, "_slices", spy)
-    rng = np.random.default_rng(11)
-    x = tf.constant(rng.normal(size=(B, 8, 8, 8)), tf.float64)
-    w = tf.Variable(rng.normal(size=(5, 5, 8, 32)) * 0.1, dtype=tf.float64)
+    rng = np.random.default_rng(seed)
+    x = tf.constant(rng.normal(size=(B,) + image), tf.float64)
+    w = tf.Variable(rng.normal(size=kernel) * scale, dtype=tf.float64)
 
     def loss(x):
-        y = tf.nn.convolution(x, w, padding="SAME", dilations=3)
+        y = tf.nn.convolution(x, w, padding="SAME", dilations=dilations)
         return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3])
     _assert_loops_values(mode, loss, x, w)
-    assert calls, "the blocks' patches route (_sliced) was not taken"
+    return rows
 
 
 def _assert_loops_values(mode, loss, x, w):
