@@ -1246,7 +1246,7 @@ def _build_or_run(core, found, target_ids, source_ids, sources_that_are_targets,
                     slower = compiled_seconds >= eager_seconds
                 compiled.saving = eager_seconds - compiled_seconds
                 if slower and recompute is not None:
-                    recompute.slower()
+                    recompute.given_up()
         except Exception as e:  # pylint: disable=broad-except
             why, compiled = f"it failed: {e!r}", None
     if why is not None:

@@ -1124,7 +1124,6 @@ class GraphRecompute:
             water[0] = None
             water[1] = _PASS_WATER_ATTEMPTS + 1
 
-    slower = given_up
 
     def replayed(self, ops_run):
         """A compiled replay ran, re-running ops_run ops: count them."""
