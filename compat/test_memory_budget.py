@@ -378,26 +378,57 @@ def test_drop_plans_hold_no_tensor_and_leak_nothing(monkeypatch):
     budget = 64 * 64 * 4 * 8
     assert_leaks_nothing(lambda: _planned_chain(budget))
     assert _planned_chain(budget)[1].planned > 0
-    ops, events = _budget._PLANS[budget]
+    ((key, (ops, events)),) = _budget._PLANS.items()
+    assert key[0] == budget and ops[:len(key[1])] == key[1]
     assert all(type(o) is str for o in ops)
     assert all(type(v) is int for e in events for v in e) and events
     for b in range(_budget._PLANS_MAX + 4):
         _planned_chain(budget + 1 + b, n=12)
     assert len(_budget._PLANS) == _budget._PLANS_MAX
-    assert budget not in _budget._PLANS     # (the oldest went first)
+    assert budget not in _budgets()     # (the oldest went first)
     fasttape.clear_caches()
     assert not _budget._PLANS
     # Bounded in items too: a plan larger than the bound is not kept, and
     # older ones go to make room.
     _planned_chain(budget)
     _planned_chain(budget + 1)
-    one = _budget._plan_items(_budget._PLANS[budget])
+    one = _budget._plan_items(next(iter(_budget._PLANS.values())))
     monkeypatch.setattr(_budget, "_PLANS_MAX_ITEMS", 2 * one + one // 2)
     _planned_chain(budget + 2)
-    assert list(_budget._PLANS) == [budget + 1, budget + 2]
+    assert _budgets() == [budget + 1, budget + 2]
     monkeypatch.setattr(_budget, "_PLANS_MAX_ITEMS", one - 1)
     _planned_chain(budget + 3)
-    assert budget + 3 not in _budget._PLANS
+    assert budget + 3 not in _budgets()
+    fasttape.clear_caches()
+
+
+def _budgets():
+    return [key[0] for key in _budget._PLANS]  # pylint: disable=protected-access
+
+
+def test_programs_in_turn_keep_a_drop_plan_each():
+    """Two programs recorded in turn under one budget (two models
+    trained in turn) each follow their own drop plan: a plan is kept per
+    budget and the ops recorded before the first drop decision, so the
+    second program's plan does not replace the first's. A tape keeps its
+    recipes by clock only while it may follow a plan. (Mutation tried:
+    _save_plan keyed by budget alone, as before; the third tape finds the
+    sin chain's plan, gives it up, and its ``planned`` assert fails.)"""
+    # pylint: disable=protected-access
+    budget = 64 * 64 * 4 * 8
+    fasttape.clear_caches()
+    first_tanh = _planned_chain(budget)[1]
+    assert not first_tanh._keep_recipes and not first_tanh._recipes
+    _planned_chain(budget, op=tf.sin)
+    assert len(_budget._PLANS) == 2
+    expected = {op: _planned_chain(None, op=op)[0] for op in (tf.tanh, tf.sin)}
+    for _ in range(2):
+        for op in (tf.tanh, tf.sin):
+            grad, store = _planned_chain(budget, op=op)
+            assert store.planned > 0, (op, store.planned)
+            assert store.max_held <= budget + store.largest
+            assert_same(expected[op], grad, exact=True)
+    assert len(_budget._PLANS) == 2
     fasttape.clear_caches()
 
 

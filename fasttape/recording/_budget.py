@@ -221,7 +221,11 @@ class Store(StoreCore):
         self._ops = []              # op type of each recorded op, by clock - 1
         self._recipes = []          # its Recipe (None: a leaf's op), by clock - 1
         self._log = []              # (recording) drops: (clock, recipe clock, output)
-        self._plan = _PLANS.get(budget)
+        # (Recipes are kept by clock only where a plan under this budget may
+        # be followed; which one is looked up at the first drop decision.)
+        self._keep_recipes = any(key[0] == budget for key in _PLANS)
+        self._plan = _UNSEEN
+        self._first_drop = 0        # (recording) clock of the first drop decision
         self._matched = 0           # ops checked equal to the plan's
         self._plan_next = 0         # the plan's next drop
         self.planned = 0            # drop decisions the plan made (no scoring)
@@ -366,9 +370,16 @@ class Store(StoreCore):
         functions run in is known, the ticks until the next one that reads
         the tensor will run (the pass runs the recorded ops from the last
         one back: Belady's choice, weighed by cost and bytes)."""
-        if self.position is None and self._plan is not None and \
-                self._follow_plan(target):
-            return
+        if self.position is None:
+            if not self._first_drop:
+                self._first_drop = self.clock
+                self._plan = _PLANS.get((self.budget, tuple(self._ops))) \
+                    if self._keep_recipes else None
+                self._matched = self.clock
+                if self._plan is None:
+                    self._give_up_plan()
+            if self._plan is not None and self._follow_plan(target):
+                return
         imminent = []   # (backward) read by the next gradient functions to run
         # (StoreCore._scored: the loop over every sole tensor, compiled.)
         scored = self._scored(self.watched, self._locked, self.position, {},
@@ -398,7 +409,7 @@ class Store(StoreCore):
         clock = self.clock
         start = self._matched
         if clock > len(plan_ops) or self._ops[start:clock] != list(plan_ops[start:clock]):
-            self._plan = None
+            self._give_up_plan()
             return False
         self._matched = clock
         slots, sole, recipes = self.slots, self.sole, self._recipes
@@ -423,6 +434,12 @@ class Store(StoreCore):
             return False
         self.planned += 1
         return True
+
+    def _give_up_plan(self):
+        # (No plan followed from here: the recipes by clock are not needed.)
+        self._plan = None
+        self._keep_recipes = False
+        self._recipes = []
 
     def _drop_scored(self, candidates, target):
         for s in candidates:
@@ -866,35 +883,41 @@ def clear_caches():
     _PLANS.clear()
 
 
-# The drop plans: budget -> (the op types a tape under it recorded, by
-# clock; what it dropped while recording: (clock, the clock of the op that
-# made the tensor, its output index))), the last tape's that dropped
-# anything while recording; a later tape under the same budget follows it
-# while it records the same ops (Store._follow_plan). Integers and op type
-# names only (no tensor); at most _PLANS_MAX plans and _PLANS_MAX_ITEMS
-# items in all (an op counts one, a drop four: its tuple and integers);
-# emptied by clear_caches.
+# The drop plans: (budget, the op types recorded before the first drop
+# decision) -> (the op types a tape under it recorded, by clock; what it
+# dropped while recording: (clock, the clock of the op that made the
+# tensor, its output index)), the last such tape's that dropped anything
+# while recording. A later tape under the same budget that records the
+# same ops up to its own first drop decision follows it while it records
+# the same ops (Store._follow_plan); programs that differ before it (two
+# models trained in turn) keep a plan each. Integers and op type names
+# only (no tensor); at most _PLANS_MAX plans and _PLANS_MAX_ITEMS items in
+# all (an op counts one, a drop four: its tuple and integers); emptied by
+# clear_caches.
 _PLANS = {}
 _PLANS_MAX = 16
 _PLANS_MAX_ITEMS = 1 << 20
+_UNSEEN = object()      # (Store._plan before the first drop decision)
 
 
 def _plan_items(plan):
-    return len(plan[0]) + 4 * len(plan[1])
+    # (Its key's op types too: at most as many as the plan's.)
+    return 2 * len(plan[0]) + 4 * len(plan[1])
 
 
 def _save_plan(store):
     # pylint: disable=protected-access
-    budget = store.budget
-    _PLANS.pop(budget, None)
-    plan = (tuple(store._ops), tuple(store._log))
+    ops = tuple(store._ops)
+    key = (store.budget, ops[:store._first_drop])
+    _PLANS.pop(key, None)
+    plan = (ops, tuple(store._log))
     items = _plan_items(plan)
     if items > _PLANS_MAX_ITEMS:
         return      # (a program too long to keep a plan of)
     total = items + sum(_plan_items(p) for p in _PLANS.values())
     while _PLANS and (len(_PLANS) >= _PLANS_MAX or total > _PLANS_MAX_ITEMS):
         total -= _plan_items(_PLANS.pop(next(iter(_PLANS))))
-    _PLANS[budget] = plan
+    _PLANS[key] = plan
 
 
 class BudgetVSpace(VSpace):

@@ -331,6 +331,7 @@ cdef class StoreCore:
     cdef public list _log               # (recording) drops: (clock, recipe clock, output)
     cdef public list _ops               # op type of each recorded op, by clock - 1
     cdef public list _recipes           # its Recipe (None: a leaf's op), by clock - 1
+    cdef public bint _keep_recipes      # (then only: where a plan may be followed)
 
     def recorded(self, op_id, op_type, list inputs, list outputs, payload):
         """Called by the recorder after it recorded an op on the tape."""
@@ -403,7 +404,8 @@ cdef class StoreCore:
                     x.readers = list(out_ids)
                 else:
                     x.readers.extend(out_ids)
-        self._recipes.append(recipe)
+        if self._keep_recipes:
+            self._recipes.append(recipe)
         ref = None
         mine = None
         shape_pos = _shape_only(op_type, (<EagerOp>payload).num_inputs)
