@@ -128,9 +128,13 @@ def _mixing_case(mix):
             h = tf.transpose(tf.reverse(tf.transpose(h, [1, 0, 2]), [1]), [1, 0, 2])
         elif mix == "reverse_time":     # (keeps examples apart: a rule)
             h = tf.transpose(tf.reverse(tf.transpose(h, [1, 0, 2]), [0]), [1, 0, 2])
-        else:
+        elif mix == "tile_batch":
             multiples = tf.concat([[2], tf.ones_like(tf.shape(h)[1:])], 0)
             h = tf.reshape(tf.tile(h, multiples), [h.shape[0], -1, h.shape[2]])
+            h = h[:, :3]
+        else:   # (multiples known only at run time; the tiled length while tracing)
+            one = tf.shape(h)[1] // tf.shape(h)[1]
+            h = tf.reshape(tf.tile(h, tf.stack([2, one, 1])), [h.shape[0], -1, h.shape[2]])
             h = h[:, :3]
         return tf.reduce_sum(tf.sin(h * c), axis=[1, 2])
     return x, w, loss
@@ -138,7 +142,8 @@ def _mixing_case(mix):
 
 @pytest.mark.parametrize("mix,mode", [
     ("reverse_batch", "eager"), ("reverse_batch", "traced"), ("reverse_time", "eager"),
-    ("tile_batch", "traced"), ("tile_batch", "jit")])
+    ("tile_batch", "traced"), ("tile_batch", "jit"), ("tile_batch_runtime", "traced"),
+    ("tile_batch_runtime", "jit")])
 def test_rows_moved_across_the_batch_take_rows(mix, mode):
     """A weight read before rows move across the batch (a reversal along
     it, a tile along it reshaped back to B rows) takes per-example rows,

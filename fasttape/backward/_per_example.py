@@ -531,7 +531,7 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
                 rule = None     # its rows are no examples' (pos @ W, T == B)
             if rule is not None and (axes is not None and any(
                     axes.get(t, 0) > 0 for t in entry.input_ids + entry.output_ids[:1])
-                    or _chains(entry, pos, shapes)):
+                    or _chains(entry, pos, shapes) is not None):
                 rule = None     # its batch not on axis 0 (time-major), or a chain
         if rule is not None and entry.op_type == "MatMul":
             payload = _fold_rows(entry, shapes, consumers, batch)
@@ -2231,22 +2231,34 @@ def _moved_axis(entry, shapes, axis, batch):
             return axis + (a <= axis)
         return axis
     # StridedSlice: the batch axis whole, other axes sliced or shrunk
-    begin, end, strides = _config(payload, 1), _config(payload, 2), _config(payload, 3)
-    if begin is None or end is None or strides is None:
+    spec = _slice_spec(payload)
+    if spec is None:
         return None
-    def mask(name):
-        return int(_norm_rules.attr(payload, name, 0) or 0)
-    if mask("ellipsis_mask") or mask("new_axis_mask"):
+    begin, end, strides, mask = spec
+    if mask["ellipsis"] or mask["new_axis"]:
         return None
-    shrink = mask("shrink_axis_mask")
+    shrink = mask["shrink_axis"]
     if axis < len(begin):
         if (shrink >> axis) & 1 or strides[axis] != 1:
             return None
-        if not ((mask("begin_mask") >> axis) & 1 or begin[axis] == 0):
+        if not ((mask["begin"] >> axis) & 1 or begin[axis] == 0):
             return None
-        if not ((mask("end_mask") >> axis) & 1 or end[axis] >= batch):
+        if not ((mask["end"] >> axis) & 1 or end[axis] >= batch):
             return None
     return axis - bin(shrink & ((1 << axis) - 1)).count("1")
+
+
+def _slice_spec(payload):
+    """A StridedSlice's begin, end and strides (lists) and its masks
+    ({"begin", "end", "ellipsis", "new_axis", "shrink_axis"}: ints); None
+    where a bound is not a constant (fed at run time)."""
+    bounds = [_config(payload, i) for i in (1, 2, 3)]
+    if any(b is None for b in bounds):
+        return None
+    begin, end, strides = (np.asarray(b).reshape(-1).tolist() for b in bounds)
+    mask = {name: int(_norm_rules.attr(payload, name + "_mask", 0) or 0)
+            for name in ("begin", "end", "ellipsis", "new_axis", "shrink_axis")}
+    return begin, end, strides, mask
 
 
 _CHAIN = frozenset({"Mul", "Add", "AddV2", "Sub", "Neg", "Identity"})
@@ -2284,12 +2296,13 @@ def _uses(used, axes, batch, shapes, consumers, depth=0, budget=None,
         if axes is not None and any(
                 axes.get(t, 0) > 0 for t in entry.input_ids + entry.output_ids[:1]):
             return None
-        if _chains(entry, pos, shapes):
+        link = _chains(entry, pos, shapes)
+        if link is not None:
             # an elementwise op whose output has the shape of the source's
             # values: each example's gradient of its input is the op's
             # VJP of its output's (the sum of the rules of its uses),
             # whatever the other operand (the op is linear in this one)
-            chain = _chain_item(entry, pos, axes, batch, shapes, consumers,
+            chain = _chain_item(entry, pos, link, axes, batch, shapes, consumers,
                                 depth, budget, rows)
             if chain is None:
                 return None
@@ -2316,9 +2329,11 @@ def _in_shape(entry, pos, shapes):
 
 def _out_shapes(entry, pos, shapes, in_shape):
     """The output shapes of a link of a chain (_uses) whose input ``pos``
-    has shape in_shape, or None where it is not one: an elementwise op of
-    _CHAIN whose output has that input's shape (the other operand
-    broadcast into it); a reshape; a Split into equal pieces."""
+    has shape in_shape, and the link's op as its spec keeps it (a
+    StridedSlice's with its pads: (op type, _slice_pads)); None where it
+    is not one: an elementwise op of _CHAIN whose output has that input's
+    shape (the other operand broadcast into it); a reshape; a Split into
+    equal pieces; a plain range of a StridedSlice."""
     op = entry.op_type
     if type(entry.payload) is not EagerOp:
         return None
@@ -2329,7 +2344,7 @@ def _out_shapes(entry, pos, shapes, in_shape):
         axis %= len(in_shape)
         if in_shape[axis] % n:
             return None
-        return [tuple(d // n if a == axis else d for a, d in enumerate(in_shape))] * n
+        return [tuple(d // n if a == axis else d for a, d in enumerate(in_shape))] * n, op
     if len(entry.output_ids) != 1:
         return None
     out = shapes.get(entry.output_ids[0])
@@ -2340,7 +2355,7 @@ def _out_shapes(entry, pos, shapes, in_shape):
         if pads is None:
             return None
         sliced = tuple(d - p0 - p1 for d, (p0, p1) in zip(in_shape, pads))
-        return [sliced] if out is None or tuple(out) == sliced else None
+        return ([sliced], (op, pads)) if out is None or tuple(out) == sliced else None
     if op == "Squeeze" and out is None:
         dims = _norm_rules.attr(entry.payload, "squeeze_dims") or []
         dims = {d % len(in_shape) for d in dims}
@@ -2350,7 +2365,7 @@ def _out_shapes(entry, pos, shapes, in_shape):
         return None
     out = tuple(out)
     if op in _CHAIN_RESHAPES:
-        return [out] if pos == 0 and np.prod(out) == np.prod(in_shape) else None
+        return ([out], op) if pos == 0 and np.prod(out) == np.prod(in_shape) else None
     if op not in _CHAIN or out != tuple(in_shape):
         return None
     if len(entry.input_ids) == 2:
@@ -2360,7 +2375,7 @@ def _out_shapes(entry, pos, shapes, in_shape):
         if other is None or len(other) > len(in_shape) or any(
                 d not in (1, e) for d, e in zip(reversed(other), reversed(in_shape))):
             return None
-    return [out]
+    return [out], op
 
 
 def _slice_pads(entry, in_shape):
@@ -2369,15 +2384,11 @@ def _slice_pads(entry, in_shape):
     None unless it is a plain range (constant bounds, strides 1, no
     ellipsis, new or shrunk axis): GRU(reset_after=False)'s slices of its
     recurrent kernel."""
-    payload = entry.payload
-    begin, end, strides = _config(payload, 1), _config(payload, 2), _config(payload, 3)
-    if begin is None or end is None or strides is None:
+    spec = _slice_spec(entry.payload)
+    if spec is None:
         return None
-    begin, end, strides = (np.asarray(v).reshape(-1).tolist() for v in (begin, end, strides))
-
-    def mask(name):
-        return int(_norm_rules.attr(payload, name, 0) or 0)
-    if (mask("ellipsis_mask") or mask("new_axis_mask") or mask("shrink_axis_mask")
+    begin, end, strides, mask = spec
+    if (mask["ellipsis"] or mask["new_axis"] or mask["shrink_axis"]
             or not len(begin) == len(end) == len(strides) <= len(in_shape)
             or any(st != 1 for st in strides)):
         return None
@@ -2386,8 +2397,8 @@ def _slice_pads(entry, in_shape):
         if a >= len(begin):
             pads.append((0, 0))
             continue
-        lo = 0 if (mask("begin_mask") >> a) & 1 else begin[a] + (dim if begin[a] < 0 else 0)
-        hi = dim if (mask("end_mask") >> a) & 1 else end[a] + (dim if end[a] < 0 else 0)
+        lo = 0 if (mask["begin"] >> a) & 1 else begin[a] + (dim if begin[a] < 0 else 0)
+        hi = dim if (mask["end"] >> a) & 1 else end[a] + (dim if end[a] < 0 else 0)
         lo, hi = min(max(lo, 0), dim), min(max(hi, 0), dim)
         if hi <= lo:
             return None
@@ -2396,24 +2407,27 @@ def _slice_pads(entry, in_shape):
 
 
 def _chains(entry, pos, shapes):
-    """Whether input ``pos`` of ``entry`` goes through it as a link of a
-    chain (_uses, _out_shapes)."""
+    """Where input ``pos`` of ``entry`` goes through it as a link of a
+    chain (_uses): (its input's shape, _out_shapes' outputs and op);
+    else None."""
     in_shape = _in_shape(entry, pos, shapes)
-    return bool(in_shape) and None not in in_shape and _out_shapes(
-        entry, pos, shapes, in_shape) is not None
+    if not in_shape or None in in_shape:
+        return None
+    link = _out_shapes(entry, pos, shapes, tuple(in_shape))
+    return None if link is None else (tuple(in_shape),) + tuple(link)
 
 
-def _chain_item(entry, pos, axes, batch, shapes, consumers, depth, budget,
-                rows=None):
+def _chain_item(entry, pos, link, axes, batch, shapes, consumers, depth,
+                budget, rows=None):
     payload = entry.payload
     inputs = getattr(payload, "inputs", None) or ()
     if entry.op_type == "Mul" and (
             len(inputs) != 2 or inputs[1 - pos] is None
             or inputs[1 - pos].dtype == dtypes.resource):
         return None
-    in_shape = tuple(_in_shape(entry, pos, shapes))
+    in_shape, out_shapes, op = link
     outs = []
-    for o, shape in zip(entry.output_ids, _out_shapes(entry, pos, shapes, in_shape)):
+    for o, shape in zip(entry.output_ids, out_shapes):
         used = [(u, p) for u in consumers.get(o, ())
                 for p, i in enumerate(u.input_ids) if i == o]
         children = _uses(used, axes, batch, shapes, consumers, depth + 1,
@@ -2423,9 +2437,7 @@ def _chain_item(entry, pos, axes, batch, shapes, consumers, depth, budget,
         outs.append((shape, tuple(children)))
     if not any(children for _, children in outs):
         return None
-    op = entry.op_type
-    if op == "StridedSlice":    # (its pads in the spec: its bounds are fed)
-        op = (op, _slice_pads(entry, in_shape))
+    # (a StridedSlice's pads in the spec: its bounds are fed)
     return ("chain", payload, pos, op, in_shape, tuple(outs))
 
 
