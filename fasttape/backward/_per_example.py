@@ -675,10 +675,15 @@ def _ruled_pass(what, tape_state, losses, flat, analysis, use_grads=None):
         return {}
     batch = int(losses.shape[0])
     out_ids = list(dict.fromkeys(analysis.out_ids[k] for k in analysis.ruled))
+    overrides = {}
     if use_grads is not None:
+        loops = _loops_of(analysis.uses)
         out_ids = list(dict.fromkeys(out_ids + [
-            o for node in analysis.uses.values() for o in _leaves(node)]))
-    grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
+            o for node in analysis.uses.values() for o in _leaves(node)] + [
+                o for item in loops.values() for o in item[4]]))
+        overrides = _loop_gradients(loops, batch, use_grads)
+    with _recording.gradient_functions_of(overrides):
+        grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
     if use_grads is not None:
         use_grads.update(grads)
     captured = {}
@@ -2591,8 +2596,8 @@ def _per_example_of_uses(tape_state, losses, uses, shapes, grads=None):
     traced function in a training loop; a source one of whose rules
     declines is left out (rows)."""
     batch = int(losses.shape[0])
-    loops = {k: node[0] for k, node in uses.items() if node[0][0] == "while"}
-    got = _per_example_of_loops(tape_state, losses, loops, batch) if loops else {}
+    loops = _loops_of(uses)
+    got = _per_example_of_loops(tape_state, losses, loops, batch, grads) if loops else {}
     uses = {k: node for k, node in uses.items() if k not in loops}
     if not uses:
         return got
@@ -2633,23 +2638,62 @@ def _per_example_of_uses(tape_state, losses, uses, shapes, grads=None):
     return got
 
 
-def _per_example_of_loops(tape_state, losses, loops, batch):
+def _loops_of(uses):
+    """The sources of _uses trees that are a traced loop's variables: k ->
+    its ("while", payload, pos, plan, output ids)."""
+    return {k: node[0] for k, node in uses.items() if node[0][0] == "while"}
+
+
+def _by_loop(loops):
+    """The loops of _loops_of: [(the While op, its ("while", ...) items'
+    first, {k: item} of its variables)]."""
+    by_loop = {}
+    for k, item in loops.items():
+        by_loop.setdefault(id(item[1]), (item, {}))[1][k] = item
+    return [(_loop_op(item[1]), item, members) for item, members in by_loop.values()]
+
+
+def _loop_gradients(loops, batch, done):
+    """{While op: its gradient function} for a backward pass that goes
+    through those loops (to the ops below one, whose rules read their
+    output gradients: a PReLU before a recurrent layer): each loop's
+    per-example backward loop (_while_grads.per_example), whose per-example
+    gradients go to ``done`` (by ("loop", id of its payload)), and its
+    inputs' gradients to the pass, in place of TF's backward loop (one
+    backward loop, not two). Graph mode only (eagerly a loop is no op)."""
+    if not loops or context.executing_eagerly():
+        return {}
+    out = {}
+    for op, item, members in _by_loop(loops):
+        plans = {m[2]: m[3] for m in members.values()}
+
+        def grad(_, *grads, op=op, key=("loop", id(item[1])), plans=plans):
+            values, inputs = _while_grads.per_example(op, list(grads), plans, batch)
+            done[key] = values
+            return inputs
+        out[op] = grad
+    return out
+
+
+def _per_example_of_loops(tape_state, losses, loops, batch, grads=None):
     """{k: [B] + source shape} for the variables traced loops read
     (``loops``: k -> its ("while", payload, pos, plan, output ids)): one
     backward pass of the losses to the loops' outputs, then each loop's
     gradient with per-example accumulators (_while_grads), one per loop
-    for all its variables."""
+    for all its variables. ``grads`` (_ruled_pass'): the loops' outputs'
+    gradients by id, and the per-example gradients of the loops its pass
+    went through (_loop_gradients): no pass then."""
+    grads = grads or {}
     out_ids = list(dict.fromkeys(o for item in loops.values() for o in item[4]))
-    grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
-    by_loop = {}
-    for k, item in loops.items():
-        by_loop.setdefault(id(item[1]), (item, {}))[1][k] = item
+    if any(o not in grads for o in out_ids):
+        grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
     got = {}
-    for item, members in by_loop.values():
-        op = _loop_op(item[1])
-        plans = {m[2]: m[3] for m in members.values()}
-        values = _while_grads.per_example(
-            op, [grads.get(o) for o in item[4]], plans, batch)
+    for op, item, members in _by_loop(loops):
+        values = grads.get(("loop", id(item[1])))
+        if values is None:
+            plans = {m[2]: m[3] for m in members.values()}
+            values, _ = _while_grads.per_example(
+                op, [grads.get(o) for o in item[4]], plans, batch)
         for k, m in members.items():
             got[k] = values[m[2]]
     return got
