@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import fasttape
-from compat.test_per_example_programs import _check_path, _stepped
+from compat.test_per_example_programs import _check_path, _loop, _stepped
 from fasttape.privacy import make_private
 
 L = keras.layers
@@ -111,6 +111,44 @@ def test_recurrent_layers_after_upsampling_take_rules(mode):
     keras.backend.clear_session()
 
 
+@pytest.mark.parametrize("mode", ["traced", "jit"])
+def test_recurrent_loops_differentiated_once(mode):
+    """Traced, the wave model's DP step holds as many loops as its plain
+    step: the pass to PReLU's output gradient goes through the recurrent
+    loops by their per-example backward loops (no second backward loop of
+    TF's for it). Values equal the loop's."""
+    x, model = _wave_model("float64", 3)
+    variables = model.trainable_variables
+
+    def loss(x):
+        return tf.reduce_sum(tf.sin(model(x)), axis=1)
+    ref = _loop(loss, x, variables)
+    norms = np.sqrt(sum((r.reshape(3, -1) ** 2).sum(1) for r in ref))
+    clip = float(np.median(norms))
+    expected = [np.tensordot(np.minimum(1.0, clip / norms), r, 1) / 3 for r in ref]
+
+    def plain(x):
+        with fasttape.GradientTape() as tape:
+            total = tf.reduce_sum(loss(x))
+        return tape.gradient(total, variables)
+
+    def dp(x):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        return tape.dp_gradient(losses, variables, clip)
+    loops = []
+    for step in (plain, dp):
+        fn = tf.function(step, jit_compile=mode == "jit")
+        graph = fn.get_concrete_function(x).graph
+        loops.append(sum(op.type in ("While", "StatelessWhile")
+                         for op in graph.get_operations()))
+    assert loops[0] == loops[1] == 4, loops
+    for got, want in zip(fn(x), expected):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-9,
+                                   atol=1e-9 * np.abs(want).max())
+    keras.backend.clear_session()
+
+
 def _mixing_case(mix):
     """x [B, T, d] scaled by w (a Mul rule's), then rows moved across the
     batch: reversed along it (time-major: Transpose, ReverseV2 of the
@@ -128,9 +166,13 @@ def _mixing_case(mix):
             h = tf.transpose(tf.reverse(tf.transpose(h, [1, 0, 2]), [1]), [1, 0, 2])
         elif mix == "reverse_time":     # (keeps examples apart: a rule)
             h = tf.transpose(tf.reverse(tf.transpose(h, [1, 0, 2]), [0]), [1, 0, 2])
-        else:
+        elif mix == "tile_batch":
             multiples = tf.concat([[2], tf.ones_like(tf.shape(h)[1:])], 0)
             h = tf.reshape(tf.tile(h, multiples), [h.shape[0], -1, h.shape[2]])
+            h = h[:, :3]
+        else:   # (multiples known only at run time; the tiled length while tracing)
+            one = tf.shape(h)[1] // tf.shape(h)[1]
+            h = tf.reshape(tf.tile(h, tf.stack([2, one, 1])), [h.shape[0], -1, h.shape[2]])
             h = h[:, :3]
         return tf.reduce_sum(tf.sin(h * c), axis=[1, 2])
     return x, w, loss
@@ -138,7 +180,8 @@ def _mixing_case(mix):
 
 @pytest.mark.parametrize("mix,mode", [
     ("reverse_batch", "eager"), ("reverse_batch", "traced"), ("reverse_time", "eager"),
-    ("tile_batch", "traced"), ("tile_batch", "jit")])
+    ("tile_batch", "traced"), ("tile_batch", "jit"), ("tile_batch_runtime", "traced"),
+    ("tile_batch_runtime", "jit")])
 def test_rows_moved_across_the_batch_take_rows(mix, mode):
     """A weight read before rows move across the batch (a reversal along
     it, a tile along it reshaped back to B rows) takes per-example rows,

@@ -531,7 +531,7 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
                 rule = None     # its rows are no examples' (pos @ W, T == B)
             if rule is not None and (axes is not None and any(
                     axes.get(t, 0) > 0 for t in entry.input_ids + entry.output_ids[:1])
-                    or _chains(entry, pos, shapes)):
+                    or _chains(entry, pos, shapes) is not None):
                 rule = None     # its batch not on axis 0 (time-major), or a chain
         if rule is not None and entry.op_type == "MatMul":
             payload = _fold_rows(entry, shapes, consumers, batch)
@@ -675,10 +675,15 @@ def _ruled_pass(what, tape_state, losses, flat, analysis, use_grads=None):
         return {}
     batch = int(losses.shape[0])
     out_ids = list(dict.fromkeys(analysis.out_ids[k] for k in analysis.ruled))
+    overrides = {}
     if use_grads is not None:
+        loops = _loops_of(analysis.uses)
         out_ids = list(dict.fromkeys(out_ids + [
-            o for node in analysis.uses.values() for o in _leaves(node)]))
-    grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
+            o for node in analysis.uses.values() for o in _leaves(node)] + [
+                o for item in loops.values() for o in item[4]]))
+        overrides = _loop_gradients(loops, batch, use_grads)
+    with _recording.gradient_functions_of(overrides):
+        grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
     if use_grads is not None:
         use_grads.update(grads)
     captured = {}
@@ -2231,22 +2236,34 @@ def _moved_axis(entry, shapes, axis, batch):
             return axis + (a <= axis)
         return axis
     # StridedSlice: the batch axis whole, other axes sliced or shrunk
-    begin, end, strides = _config(payload, 1), _config(payload, 2), _config(payload, 3)
-    if begin is None or end is None or strides is None:
+    spec = _slice_spec(payload)
+    if spec is None:
         return None
-    def mask(name):
-        return int(_norm_rules.attr(payload, name, 0) or 0)
-    if mask("ellipsis_mask") or mask("new_axis_mask"):
+    begin, end, strides, mask = spec
+    if mask["ellipsis"] or mask["new_axis"]:
         return None
-    shrink = mask("shrink_axis_mask")
+    shrink = mask["shrink_axis"]
     if axis < len(begin):
         if (shrink >> axis) & 1 or strides[axis] != 1:
             return None
-        if not ((mask("begin_mask") >> axis) & 1 or begin[axis] == 0):
+        if not ((mask["begin"] >> axis) & 1 or begin[axis] == 0):
             return None
-        if not ((mask("end_mask") >> axis) & 1 or end[axis] >= batch):
+        if not ((mask["end"] >> axis) & 1 or end[axis] >= batch):
             return None
     return axis - bin(shrink & ((1 << axis) - 1)).count("1")
+
+
+def _slice_spec(payload):
+    """A StridedSlice's begin, end and strides (lists) and its masks
+    ({"begin", "end", "ellipsis", "new_axis", "shrink_axis"}: ints); None
+    where a bound is not a constant (fed at run time)."""
+    bounds = [_config(payload, i) for i in (1, 2, 3)]
+    if any(b is None for b in bounds):
+        return None
+    begin, end, strides = (np.asarray(b).reshape(-1).tolist() for b in bounds)
+    mask = {name: int(_norm_rules.attr(payload, name + "_mask", 0) or 0)
+            for name in ("begin", "end", "ellipsis", "new_axis", "shrink_axis")}
+    return begin, end, strides, mask
 
 
 _CHAIN = frozenset({"Mul", "Add", "AddV2", "Sub", "Neg", "Identity"})
@@ -2284,12 +2301,13 @@ def _uses(used, axes, batch, shapes, consumers, depth=0, budget=None,
         if axes is not None and any(
                 axes.get(t, 0) > 0 for t in entry.input_ids + entry.output_ids[:1]):
             return None
-        if _chains(entry, pos, shapes):
+        link = _chains(entry, pos, shapes)
+        if link is not None:
             # an elementwise op whose output has the shape of the source's
             # values: each example's gradient of its input is the op's
             # VJP of its output's (the sum of the rules of its uses),
             # whatever the other operand (the op is linear in this one)
-            chain = _chain_item(entry, pos, axes, batch, shapes, consumers,
+            chain = _chain_item(entry, pos, link, axes, batch, shapes, consumers,
                                 depth, budget, rows)
             if chain is None:
                 return None
@@ -2316,9 +2334,11 @@ def _in_shape(entry, pos, shapes):
 
 def _out_shapes(entry, pos, shapes, in_shape):
     """The output shapes of a link of a chain (_uses) whose input ``pos``
-    has shape in_shape, or None where it is not one: an elementwise op of
-    _CHAIN whose output has that input's shape (the other operand
-    broadcast into it); a reshape; a Split into equal pieces."""
+    has shape in_shape, and the link's op as its spec keeps it (a
+    StridedSlice's with its pads: (op type, _slice_pads)); None where it
+    is not one: an elementwise op of _CHAIN whose output has that input's
+    shape (the other operand broadcast into it); a reshape; a Split into
+    equal pieces; a plain range of a StridedSlice."""
     op = entry.op_type
     if type(entry.payload) is not EagerOp:
         return None
@@ -2329,7 +2349,7 @@ def _out_shapes(entry, pos, shapes, in_shape):
         axis %= len(in_shape)
         if in_shape[axis] % n:
             return None
-        return [tuple(d // n if a == axis else d for a, d in enumerate(in_shape))] * n
+        return [tuple(d // n if a == axis else d for a, d in enumerate(in_shape))] * n, op
     if len(entry.output_ids) != 1:
         return None
     out = shapes.get(entry.output_ids[0])
@@ -2340,7 +2360,7 @@ def _out_shapes(entry, pos, shapes, in_shape):
         if pads is None:
             return None
         sliced = tuple(d - p0 - p1 for d, (p0, p1) in zip(in_shape, pads))
-        return [sliced] if out is None or tuple(out) == sliced else None
+        return ([sliced], (op, pads)) if out is None or tuple(out) == sliced else None
     if op == "Squeeze" and out is None:
         dims = _norm_rules.attr(entry.payload, "squeeze_dims") or []
         dims = {d % len(in_shape) for d in dims}
@@ -2350,7 +2370,7 @@ def _out_shapes(entry, pos, shapes, in_shape):
         return None
     out = tuple(out)
     if op in _CHAIN_RESHAPES:
-        return [out] if pos == 0 and np.prod(out) == np.prod(in_shape) else None
+        return ([out], op) if pos == 0 and np.prod(out) == np.prod(in_shape) else None
     if op not in _CHAIN or out != tuple(in_shape):
         return None
     if len(entry.input_ids) == 2:
@@ -2360,7 +2380,7 @@ def _out_shapes(entry, pos, shapes, in_shape):
         if other is None or len(other) > len(in_shape) or any(
                 d not in (1, e) for d, e in zip(reversed(other), reversed(in_shape))):
             return None
-    return [out]
+    return [out], op
 
 
 def _slice_pads(entry, in_shape):
@@ -2369,15 +2389,11 @@ def _slice_pads(entry, in_shape):
     None unless it is a plain range (constant bounds, strides 1, no
     ellipsis, new or shrunk axis): GRU(reset_after=False)'s slices of its
     recurrent kernel."""
-    payload = entry.payload
-    begin, end, strides = _config(payload, 1), _config(payload, 2), _config(payload, 3)
-    if begin is None or end is None or strides is None:
+    spec = _slice_spec(entry.payload)
+    if spec is None:
         return None
-    begin, end, strides = (np.asarray(v).reshape(-1).tolist() for v in (begin, end, strides))
-
-    def mask(name):
-        return int(_norm_rules.attr(payload, name, 0) or 0)
-    if (mask("ellipsis_mask") or mask("new_axis_mask") or mask("shrink_axis_mask")
+    begin, end, strides, mask = spec
+    if (mask["ellipsis"] or mask["new_axis"] or mask["shrink_axis"]
             or not len(begin) == len(end) == len(strides) <= len(in_shape)
             or any(st != 1 for st in strides)):
         return None
@@ -2386,8 +2402,8 @@ def _slice_pads(entry, in_shape):
         if a >= len(begin):
             pads.append((0, 0))
             continue
-        lo = 0 if (mask("begin_mask") >> a) & 1 else begin[a] + (dim if begin[a] < 0 else 0)
-        hi = dim if (mask("end_mask") >> a) & 1 else end[a] + (dim if end[a] < 0 else 0)
+        lo = 0 if (mask["begin"] >> a) & 1 else begin[a] + (dim if begin[a] < 0 else 0)
+        hi = dim if (mask["end"] >> a) & 1 else end[a] + (dim if end[a] < 0 else 0)
         lo, hi = min(max(lo, 0), dim), min(max(hi, 0), dim)
         if hi <= lo:
             return None
@@ -2396,24 +2412,27 @@ def _slice_pads(entry, in_shape):
 
 
 def _chains(entry, pos, shapes):
-    """Whether input ``pos`` of ``entry`` goes through it as a link of a
-    chain (_uses, _out_shapes)."""
+    """Where input ``pos`` of ``entry`` goes through it as a link of a
+    chain (_uses): (its input's shape, _out_shapes' outputs and op);
+    else None."""
     in_shape = _in_shape(entry, pos, shapes)
-    return bool(in_shape) and None not in in_shape and _out_shapes(
-        entry, pos, shapes, in_shape) is not None
+    if not in_shape or None in in_shape:
+        return None
+    link = _out_shapes(entry, pos, shapes, tuple(in_shape))
+    return None if link is None else (tuple(in_shape),) + tuple(link)
 
 
-def _chain_item(entry, pos, axes, batch, shapes, consumers, depth, budget,
-                rows=None):
+def _chain_item(entry, pos, link, axes, batch, shapes, consumers, depth,
+                budget, rows=None):
     payload = entry.payload
     inputs = getattr(payload, "inputs", None) or ()
     if entry.op_type == "Mul" and (
             len(inputs) != 2 or inputs[1 - pos] is None
             or inputs[1 - pos].dtype == dtypes.resource):
         return None
-    in_shape = tuple(_in_shape(entry, pos, shapes))
+    in_shape, out_shapes, op = link
     outs = []
-    for o, shape in zip(entry.output_ids, _out_shapes(entry, pos, shapes, in_shape)):
+    for o, shape in zip(entry.output_ids, out_shapes):
         used = [(u, p) for u in consumers.get(o, ())
                 for p, i in enumerate(u.input_ids) if i == o]
         children = _uses(used, axes, batch, shapes, consumers, depth + 1,
@@ -2423,9 +2442,7 @@ def _chain_item(entry, pos, axes, batch, shapes, consumers, depth, budget,
         outs.append((shape, tuple(children)))
     if not any(children for _, children in outs):
         return None
-    op = entry.op_type
-    if op == "StridedSlice":    # (its pads in the spec: its bounds are fed)
-        op = (op, _slice_pads(entry, in_shape))
+    # (a StridedSlice's pads in the spec: its bounds are fed)
     return ("chain", payload, pos, op, in_shape, tuple(outs))
 
 
@@ -2579,8 +2596,8 @@ def _per_example_of_uses(tape_state, losses, uses, shapes, grads=None):
     traced function in a training loop; a source one of whose rules
     declines is left out (rows)."""
     batch = int(losses.shape[0])
-    loops = {k: node[0] for k, node in uses.items() if node[0][0] == "while"}
-    got = _per_example_of_loops(tape_state, losses, loops, batch) if loops else {}
+    loops = _loops_of(uses)
+    got = _per_example_of_loops(tape_state, losses, loops, batch, grads) if loops else {}
     uses = {k: node for k, node in uses.items() if k not in loops}
     if not uses:
         return got
@@ -2621,23 +2638,62 @@ def _per_example_of_uses(tape_state, losses, uses, shapes, grads=None):
     return got
 
 
-def _per_example_of_loops(tape_state, losses, loops, batch):
+def _loops_of(uses):
+    """The sources of _uses trees that are a traced loop's variables: k ->
+    its ("while", payload, pos, plan, output ids)."""
+    return {k: node[0] for k, node in uses.items() if node[0][0] == "while"}
+
+
+def _by_loop(loops):
+    """The loops of _loops_of: [(the While op, its ("while", ...) items'
+    first, {k: item} of its variables)]."""
+    by_loop = {}
+    for k, item in loops.items():
+        by_loop.setdefault(id(item[1]), (item, {}))[1][k] = item
+    return [(_loop_op(item[1]), item, members) for item, members in by_loop.values()]
+
+
+def _loop_gradients(loops, batch, done):
+    """{While op: its gradient function} for a backward pass that goes
+    through those loops (to the ops below one, whose rules read their
+    output gradients: a PReLU before a recurrent layer): each loop's
+    per-example backward loop (_while_grads.per_example), whose per-example
+    gradients go to ``done`` (by ("loop", id of its payload)), and its
+    inputs' gradients to the pass, in place of TF's backward loop (one
+    backward loop, not two). Graph mode only (eagerly a loop is no op)."""
+    if not loops or context.executing_eagerly():
+        return {}
+    out = {}
+    for op, item, members in _by_loop(loops):
+        plans = {m[2]: m[3] for m in members.values()}
+
+        def grad(_, *grads, op=op, key=("loop", id(item[1])), plans=plans):
+            values, inputs = _while_grads.per_example(op, list(grads), plans, batch)
+            done[key] = values
+            return inputs
+        out[op] = grad
+    return out
+
+
+def _per_example_of_loops(tape_state, losses, loops, batch, grads=None):
     """{k: [B] + source shape} for the variables traced loops read
     (``loops``: k -> its ("while", payload, pos, plan, output ids)): one
     backward pass of the losses to the loops' outputs, then each loop's
     gradient with per-example accumulators (_while_grads), one per loop
-    for all its variables."""
+    for all its variables. ``grads`` (_ruled_pass'): the loops' outputs'
+    gradients by id, and the per-example gradients of the loops its pass
+    went through (_loop_gradients): no pass then."""
+    grads = grads or {}
     out_ids = list(dict.fromkeys(o for item in loops.values() for o in item[4]))
-    grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
-    by_loop = {}
-    for k, item in loops.items():
-        by_loop.setdefault(id(item[1]), (item, {}))[1][k] = item
+    if any(o not in grads for o in out_ids):
+        grads = dict(zip(out_ids, _pass_to(tape_state, losses, out_ids)))
     got = {}
-    for item, members in by_loop.values():
-        op = _loop_op(item[1])
-        plans = {m[2]: m[3] for m in members.values()}
-        values = _while_grads.per_example(
-            op, [grads.get(o) for o in item[4]], plans, batch)
+    for op, item, members in _by_loop(loops):
+        values = grads.get(("loop", id(item[1])))
+        if values is None:
+            plans = {m[2]: m[3] for m in members.values()}
+            values, _ = _while_grads.per_example(
+                op, [grads.get(o) for o in item[4]], plans, batch)
         for k, m in members.items():
             got[k] = values[m[2]]
     return got

@@ -154,10 +154,13 @@ def _sum(terms):
 
 
 def per_example(while_op, grads, plans, batch):
-    """{i: [B] + shape per-example gradients, or their Factors} of the
+    """({i: [B] + shape per-example gradients, or their Factors} of the
     While's resource inputs i of ``plans`` (i -> (the variable's shape, dtype, {id(op):
-    "weight" or "meet"} of the body ops it flows through)), from ``grads``
-    of its outputs (the pass of the losses to them)."""
+    "weight" or "meet"} of the body ops it flows through)), the gradients
+    of its other inputs: TF's pass' (None at those i)), from ``grads`` of
+    its outputs (the pass of the losses to them). One backward loop gives
+    both: as the While's gradient inside a pass that goes on below it, it
+    spares that pass TF's own backward loop."""
     body = while_op._body_graph  # pylint: disable=protected-access
     by_id = {id(op): op for op in body.get_operations()}
     xla = control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
@@ -241,7 +244,7 @@ def per_example(while_op, grads, plans, batch):
                     g, [batch, -1] + op.outputs[0].shape.as_list()[1:]))
             terms.setdefault(op.inputs[1]._id, []).append(term)  # pylint: disable=protected-access
         result[i] = _sum(list(_back_to_variable(kinds, terms, by_id, batch).values()))
-    return result
+    return result, [None if i in plans else g for i, g in enumerate(out)]
 
 
 def _downstream(read, kinds):
