@@ -196,14 +196,19 @@ def test_traced_noise_seeded_and_unseeded(mode):
     assert abs(np.corrcoef(noise[:256], noise[300 * 256:300 * 256 + 256])[0, 1]) < 0.3
 
 
-@pytest.mark.parametrize("mode", ["eager", *MODES])
-def test_noise_is_normal_of_its_standard_deviation(mode):
+@pytest.mark.parametrize("mode,block", [("eager", None), ("function", None),
+                                        ("function", 1 << 16), ("jit", None),
+                                        ("jit", 1 << 16)])
+def test_noise_is_normal_of_its_standard_deviation(mode, block, monkeypatch):
     """dp_gradient's noise over C * multiplier / B follows N(0, 1) (mean,
     variance, kurtosis, Kolmogorov-Smirnov), eagerly (numpy), in a
     tf.function (Box-Muller over TF's stateless uniforms) and under
     jit_compile (the inverse normal CDF of them); each draw's two halves
-    independent: the large weight's three blocks of rows and the small
-    sources' vector (the weight and bias, one draw)."""
+    independent: the large weight's (one draw, or traced blocks of rows
+    as the eager path's, ``block`` values at most) and the small sources'
+    vector (the weight and bias, one draw)."""
+    if block is not None:
+        monkeypatch.setattr(_per_example, "_TRACED_NOISE_BLOCK", block)
     rng = np.random.default_rng(3)
     big = tf.Variable(rng.normal(size=(300, 512)) * 0.05, dtype=tf.float32)
     w = tf.Variable(rng.normal(size=(512, 48)) * 0.05, dtype=tf.float32)
@@ -219,10 +224,15 @@ def test_noise_is_normal_of_its_standard_deviation(mode):
 
     step = dp if mode == "eager" else tf.function(dp, **MODES[mode])
     noise = (step(multiplier).numpy() - step(0.0).numpy()) / (clip * multiplier / B)
-    rows = _per_example._NOISE_CHUNK // 512       # the weight's blocks
-    assert_standard_normal(noise, [(0, rows * 512), (rows * 512, rows * 512),
-                                   (2 * rows * 512, (300 - 2 * rows) * 512),
-                                   (300 * 512, 512 * 48 + 48)])
+    rows = (block or _per_example._NOISE_CHUNK if mode == "eager"
+            else block or _per_example._TRACED_NOISE_BLOCK) // 512
+    draws = [(first * 512, (min(300, first + rows) - first) * 512)
+             for first in range(0, 300, rows)]
+    assert len(draws) == (1 if mode != "eager" and block is None else 3)
+    assert_standard_normal(noise, draws + [(300 * 512, 512 * 48 + 48)])
+    for (a, size), (b, _) in zip(draws, draws[1:]):     # blocks: other keys
+        assert abs(np.corrcoef(noise[a:a + size // 2],
+                               noise[b:b + size // 2])[0, 1]) < 3.3 / np.sqrt(size // 2)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -1552,15 +1552,25 @@ def _traced_normal(shape, seed, stddev, dtype, in_xla):
         tuple(shape.as_list()), dtypes.int32))
 
 
+# A traced source's noise is drawn this many values at a time, at most (4
+# MiB of float32, with the draw's temporaries about three times that),
+# each block added before the next is drawn: a larger source holds no
+# full-size noise. Blocks of _NOISE_CHUNK (the eager path's) cost a
+# 512x512 weight's step 1.6x the noise of one draw (each block a dozen
+# ops, run one after another; 2 loaded cores).
+_TRACED_NOISE_BLOCK = 1 << 20
+
+
 def _graph_noise(seed, flat_raw, ks, scale, count):
     """While tracing: add_noise(k, g), g plus source k's normal noise of
-    standard deviation scale / count, for the sources ``ks``, by TF's
-    stateless normal. The sources of up to _NOISE_CHUNK values take theirs
+    standard deviation scale / count, for the sources ``ks``, drawn by
+    _traced_normal. The sources of up to _NOISE_CHUNK values take theirs
     from one vector per dtype (one kernel), cut at offsets that depend on
     the sources alone (a seed draws the same for a source whichever of
-    them the losses reach); a larger one's is drawn and added into g's own
-    buffer a block of rows at a time, each block drawn after the last one
-    is added (no full-size noise is held, as eagerly). Keyed by
+    them the losses reach); a larger one's in one draw up to
+    _TRACED_NOISE_BLOCK values, else drawn and added into g's own buffer a
+    block of rows at a time, each block drawn after the last one is added
+    (no full-size noise is held). Keyed by
     ``seed`` (an int, a pair of ints, an int tensor of either shape, or a
     pair of an int and an int tensor or variable, e.g. a step counter beside
     a seed): the same noise at each call with that seed. Unseeded, by a key drawn at each call of the function (a stateful
@@ -1667,9 +1677,11 @@ def _graph_noise(seed, flat_raw, ks, scale, count):
             return _norm_rules._ex("AddV2", g, small[k])
         cols = int(shape[-1]) if shape.rank and shape[-1] else 1
         rows = shape.num_elements() // cols
+        step = max(1, _TRACED_NOISE_BLOCK // cols)
+        if rows <= step:        # one draw (AddV2 reuses g's buffer)
+            return _norm_rules._ex("AddV2", g, normal(shape, key(1 + k, 0), g.dtype))
         flat = _norm_rules._ex("Reshape", g, _norm_rules._const(
             (rows, cols), dtypes.int32))
-        step = max(1, _NOISE_CHUNK // cols)
         for b, first in enumerate(range(0, rows, step)):
             last = min(rows, first + step)
             with ops.control_dependencies([flat] if b else []):
