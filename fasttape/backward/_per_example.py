@@ -27,8 +27,9 @@ pass to the ruled ops' outputs calls the gradient functions with the real
 ops, the rules and the post-pass build their ops into the function, and
 the sources without a rule take rows by TF's pfor over one backward pass
 (a while loop where pfor cannot vectorize an op): exact whatever the
-model. Noise there is TF's stateless normal, seeded by ``seed`` or, unseeded,
-by a seed drawn at each call (_graph_noise). A batch unknown while tracing
+model. Noise there is drawn from TF's stateless uniform bits
+(_traced_normal), seeded by ``seed`` or, unseeded, by a seed drawn at each
+call (_graph_noise). A batch unknown while tracing
 (an input_signature with None) sends every source through rows.
 """
 
