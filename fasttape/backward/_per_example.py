@@ -1491,6 +1491,10 @@ _DRAWN_AS = {dtypes.float16: dtypes.float32, dtypes.bfloat16: dtypes.float32}
 # float64): the inverse CDF reads the grid's midpoints, symmetric about 1/2,
 # never 0 or 1.
 _HALF_STEP = {dtypes.float32: 2.0 ** -24, dtypes.float64: 2.0 ** -53}
+# Box-Muller's ops for fewer values cost more than TF's normal kernel (g +
+# noise in a tf.function, 2 loaded cores: 1,000 values 1.03x the kernel's
+# step, 4,000 0.78x, 16,000 0.75x).
+_BOX_MULLER_MIN = 2048
 
 
 def _traced_normal(shape, seed, stddev, dtype, in_xla):
@@ -1508,7 +1512,9 @@ def _traced_normal(shape, seed, stddev, dtype, in_xla):
       values at a time: 1 - u in place of TF's u clamped to 1e-7, so the
       radius reaches 5.65 standard deviations (TF's 5.68). float64 takes
       TF's normal kernel there: Eigen's float64 cos and sin made the
-      vectorized transform slower than the kernel's scalar one;
+      vectorized transform slower than the kernel's scalar one; so does a
+      draw of fewer than _BOX_MULLER_MIN values, whose dozen ops cost more
+      than their work;
     - under XLA, the inverse normal CDF (Ndtri) of the grid's midpoints,
       which XLA fuses into the draw: its Box-Muller (and TF's normal,
       compiled) cost about twice the uniform draw, this about the draw
@@ -1523,7 +1529,7 @@ def _traced_normal(shape, seed, stddev, dtype, in_xla):
             dtype=drawn)
         z = _norm_rules._ex("Mul", _norm_rules._ex("Ndtri", _norm_rules._ex(
             "AddV2", u, _norm_rules._const(_HALF_STEP[drawn], drawn))), stddev)
-    elif drawn == dtypes.float64:
+    elif drawn == dtypes.float64 or n < _BOX_MULLER_MIN:
         z = _norm_rules._ex("Mul", gen_stateless_random_ops_v2.stateless_random_normal_v2(
             _norm_rules._const([n], dtypes.int32), key, counter, alg,
             dtype=drawn), stddev)
