@@ -11,7 +11,8 @@ from tensorflow.python.eager import context
 
 import fasttape
 from fasttape.backward import _per_example
-from compat.test_per_example import ALL, B, _close, _mlp, _ref_norms, _reference
+from compat.test_per_example import (ALL, B, _close, _mlp, _ref_norms, _reference,
+                                     assert_standard_normal)
 
 MODES = {"function": {}, "jit": {"jit_compile": True}}
 
@@ -193,6 +194,70 @@ def test_traced_noise_seeded_and_unseeded(mode):
         n = noise[part].size
         assert abs(np.corrcoef(noise[part], later[part])[0, 1]) < 5 / np.sqrt(n)
     assert abs(np.corrcoef(noise[:256], noise[300 * 256:300 * 256 + 256])[0, 1]) < 0.3
+
+
+@pytest.mark.parametrize("mode,block", [("eager", None), ("function", None),
+                                        ("function", 1 << 16), ("jit", None),
+                                        ("jit", 1 << 16)])
+def test_noise_is_normal_of_its_standard_deviation(mode, block, monkeypatch):
+    """dp_gradient's noise over C * multiplier / B follows N(0, 1) (mean,
+    variance, kurtosis, Kolmogorov-Smirnov), eagerly (numpy), in a
+    tf.function (Box-Muller over TF's stateless uniforms) and under
+    jit_compile (the inverse normal CDF of them); each draw's two halves
+    independent: the large weight's (one draw, or traced blocks of rows
+    as the eager path's, ``block`` values at most) and the small sources'
+    vector (the weight and bias, one draw)."""
+    if block is not None:
+        monkeypatch.setattr(_per_example, "_TRACED_NOISE_BLOCK", block)
+    rng = np.random.default_rng(3)
+    big = tf.Variable(rng.normal(size=(300, 512)) * 0.05, dtype=tf.float32)
+    w = tf.Variable(rng.normal(size=(512, 48)) * 0.05, dtype=tf.float32)
+    b = tf.Variable(np.zeros(48), dtype=tf.float32)
+    x = tf.constant(rng.normal(size=(B, 300)), tf.float32)
+    clip, multiplier = 0.5, 3.0
+
+    def dp(noise):
+        with fasttape.GradientTape() as tape:
+            losses = tf.reduce_sum(tf.tanh(x @ big) @ w + b, -1)
+        grads = tape.dp_gradient(losses, [big, w, b], clip, noise, seed=11)
+        return tf.concat([tf.reshape(g, [-1]) for g in grads], 0)
+
+    step = dp if mode == "eager" else tf.function(dp, **MODES[mode])
+    noise = (step(multiplier).numpy() - step(0.0).numpy()) / (clip * multiplier / B)
+    rows = (block or _per_example._NOISE_CHUNK if mode == "eager"
+            else block or _per_example._TRACED_NOISE_BLOCK) // 512
+    draws = [(first * 512, (min(300, first + rows) - first) * 512)
+             for first in range(0, 300, rows)]
+    assert len(draws) == (1 if mode != "eager" and block is None else 3)
+    assert_standard_normal(noise, draws + [(300 * 512, 512 * 48 + 48)])
+    for (a, size), (b, _) in zip(draws, draws[1:]):     # blocks: other keys
+        assert abs(np.corrcoef(noise[a:a + size // 2],
+                               noise[b:b + size // 2])[0, 1]) < 3.3 / np.sqrt(size // 2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [tf.float64, tf.float16, tf.bfloat16])
+def test_traced_noise_of_other_float_dtypes(mode, dtype):
+    """The traced draw in float64 (TF's normal kernel without XLA, the
+    inverse CDF under it) and float16/bfloat16 (drawn in float32, cast):
+    the variable's dtype, N(0, sigma^2) to the dtype's precision, the same
+    values for the same seed, others for another."""
+    n, sigma = 20_001, 0.25
+    draw = tf.function(lambda seed: _per_example._traced_normal(
+        tf.TensorShape([n]), seed,
+        tf.constant(sigma, _per_example._DRAWN_AS.get(dtype, dtype)), dtype,
+        mode == "jit"), **MODES[mode])
+    first = draw(tf.constant([4, 1], tf.int64))
+    assert first.dtype == dtype
+    x = first.numpy().astype(np.float64) / sigma
+    if dtype == tf.float64:
+        assert_standard_normal(x, [(0, n)] if mode == "function" else [])
+    else:         # (a KS test would see the half dtype's rounding)
+        assert abs(x.mean()) < 0.025 and abs(x.var() - 1) < 0.035
+        assert abs(np.mean(x ** 4) - 3) < 0.25 and np.abs(x).max() < 6
+    np.testing.assert_array_equal(first, draw(tf.constant([4, 1], tf.int64)))
+    assert abs(np.corrcoef(x, draw(tf.constant([4, 2], tf.int64)).numpy()
+                           .astype(np.float64))[0, 1]) < 0.03
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -27,8 +27,9 @@ pass to the ruled ops' outputs calls the gradient functions with the real
 ops, the rules and the post-pass build their ops into the function, and
 the sources without a rule take rows by TF's pfor over one backward pass
 (a while loop where pfor cannot vectorize an op): exact whatever the
-model. Noise there is TF's stateless normal, seeded by ``seed`` or, unseeded,
-by a seed drawn at each call (_graph_noise). A batch unknown while tracing
+model. Noise there is drawn from TF's stateless uniform bits
+(_traced_normal), seeded by ``seed`` or, unseeded, by a seed drawn at each
+call (_graph_noise). A batch unknown while tracing
 (an input_signature with None) sends every source through rows.
 """
 
@@ -49,8 +50,10 @@ from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import array_ops_stack
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gen_random_ops
+from tensorflow.python.ops import gen_stateless_random_ops_v2
 from tensorflow.python.ops import linalg_ops_impl
 from tensorflow.python.ops import math_ops
+from tensorflow.python.ops import random_ops_util
 from tensorflow.python.ops import stateless_random_ops
 from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
 from tensorflow.python.ops.unconnected_gradients import UnconnectedGradients
@@ -1479,31 +1482,107 @@ def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
     return out
 
 
-# TF's traced noise algorithm, named: on CPU "auto_select" is Philox too
-# in TF's kernel, but under XLA it compiled to a generator 5-10x slower
-# (a 70K-value draw: about 45 ms against 5-7 ms). No exact sampler built of
-# TF ops was faster (70K float32 values in a tf.function, 2 loaded cores,
-# medians): Box-Muller on stateless_random_uniform (both values of each
-# pair used) 1.28 ms against 1.32 for this kernel, and the uniform draw alone
-# is 1.02 of it (Philox's bits are most of the cost); the stateful
-# RandomStandardNormal 1.39; float64 2.43; the radius from a float64 uniform
-# 1.58; under jit_compile each was slower than here. Drawing is left free to
-# start with the function (it depends on no forward op: the executor may
-# run it beside the forward pass, worth about 0.1 ms on the MLP here), and
-# calling the V2 kernel with its key and counter directly (22 ops, not 57)
-# saved nothing measurable.
+# The traced noise's bits: TF's stateless uniform, Philox named (on CPU
+# "auto_select" is Philox too, but under XLA it compiled to a generator
+# 5-10x slower). Its normals are drawn by whichever exact transform of
+# those uniforms costs least in the mode (_traced_normal).
 _NOISE_ALG = "philox"
+# Drawn in float32 and cast: a float16 or bfloat16 uniform has 10 or 7
+# random bits (its Box-Muller radius would stop at 3.7 standard deviations,
+# its inverse CDF at 3.3); TF's own normal of those dtypes is float32's,
+# cast.
+_DRAWN_AS = {dtypes.float16: dtypes.float32, dtypes.bfloat16: dtypes.float32}
+# Half the step of the uniform's grid (k 2^-23 in float32, k 2^-52 in
+# float64): the inverse CDF reads the grid's midpoints, symmetric about 1/2,
+# never 0 or 1.
+_HALF_STEP = {dtypes.float32: 2.0 ** -24, dtypes.float64: 2.0 ** -53}
+# Box-Muller's ops for fewer values cost more than TF's normal kernel (g +
+# noise in a tf.function, 2 loaded cores: 1,000 values 1.03x the kernel's
+# step, 4,000 0.78x, 16,000 0.75x).
+_BOX_MULLER_MIN = 2048
+
+
+def _traced_normal(shape, seed, stddev, dtype, in_xla):
+    """While tracing: normal values of shape ``shape`` (static) and
+    standard deviation ``stddev`` (a scalar tensor of the drawing dtype:
+    _DRAWN_AS, else ``dtype``), of dtype ``dtype``, keyed by ``seed`` (an
+    int64 pair tensor: the same seed, the same values).
+
+    Both transforms read TF's stateless uniform bits (the V2 kernel, Philox;
+    float32 values k 2^-23, float64 k 2^-52, in [0, 1)):
+    - in a graph without XLA, Box-Muller as TF's own normal kernel does it
+      (random_distributions.h: radius sqrt(-2 log u) of one uniform, angle
+      2 pi v of another, both of the pair kept), but as whole-tensor Eigen
+      ops, which vectorize, where TF's kernel runs the transform a pair of
+      values at a time: 1 - u in place of TF's u clamped to 1e-7, so the
+      radius reaches 5.65 standard deviations (TF's 5.68). float64 takes
+      TF's normal kernel there: Eigen's float64 cos and sin made the
+      vectorized transform slower than the kernel's scalar one; so does a
+      draw of fewer than _BOX_MULLER_MIN values, whose dozen ops cost more
+      than their work;
+    - under XLA, the inverse normal CDF (Ndtri) of the grid's midpoints,
+      which XLA fuses into the draw: its Box-Muller (and TF's normal,
+      compiled) cost about twice the uniform draw, this about the draw
+      alone; it reaches 5.3 standard deviations in float32 (quantiles
+      of a 2^23-point grid), 8.2 in float64."""
+    drawn = _DRAWN_AS.get(dtype, dtype)
+    n = shape.num_elements()
+    key, counter, alg = random_ops_util.get_key_counter_alg(seed, _NOISE_ALG)
+    if in_xla:
+        u = gen_stateless_random_ops_v2.stateless_random_uniform_v2(
+            _norm_rules._const([n], dtypes.int32), key, counter, alg,
+            dtype=drawn)
+        z = _norm_rules._ex("Mul", _norm_rules._ex("Ndtri", _norm_rules._ex(
+            "AddV2", u, _norm_rules._const(_HALF_STEP[drawn], drawn))), stddev)
+    elif drawn == dtypes.float64 or n < _BOX_MULLER_MIN:
+        z = _norm_rules._ex("Mul", gen_stateless_random_ops_v2.stateless_random_normal_v2(
+            _norm_rules._const([n], dtypes.int32), key, counter, alg,
+            dtype=drawn), stddev)
+    else:
+        half = (n + 1) >> 1
+        u = gen_stateless_random_ops_v2.stateless_random_uniform_v2(
+            _norm_rules._const([2, half], dtypes.int32), key, counter, alg,
+            dtype=drawn)
+        radius_u, angle_u = array_ops.split(u, 2)
+        # sqrt(-2 sigma^2 log(1 - u)): 1 - u is exact, in (0, 1]
+        radius = _norm_rules._ex("Sqrt", _norm_rules._ex(
+            "Mul", _norm_rules._ex("Log", _norm_rules._ex(
+                "Sub", _norm_rules._const(1.0, drawn), radius_u)),
+            _norm_rules._ex("Mul", _norm_rules._ex("Square", stddev),
+                            _norm_rules._const(-2.0, drawn))))
+        angle = _norm_rules._ex("Mul", angle_u,
+                                _norm_rules._const(2 * np.pi, drawn))
+        z = array_ops.concat(
+            [_norm_rules._ex("Mul", radius, _norm_rules._ex("Cos", angle)),
+             _norm_rules._ex("Mul", radius, _norm_rules._ex("Sin", angle))], 1)
+        z = _norm_rules._ex("Reshape", z, _norm_rules._const([-1], dtypes.int32))
+        if 2 * half != n:
+            z = z[:n]
+    if drawn != dtype:
+        z = math_ops.cast(z, dtype)
+    return _norm_rules._ex("Reshape", z, _norm_rules._const(
+        tuple(shape.as_list()), dtypes.int32))
+
+
+# A traced source's noise is drawn this many values at a time, at most (4
+# MiB of float32, with the draw's temporaries about three times that),
+# each block added before the next is drawn: a larger source holds no
+# full-size noise. Blocks of _NOISE_CHUNK (the eager path's) cost a
+# 512x512 weight's step 1.6x the noise of one draw (each block a dozen
+# ops, run one after another; 2 loaded cores).
+_TRACED_NOISE_BLOCK = 1 << 20
 
 
 def _graph_noise(seed, flat_raw, ks, scale, count):
     """While tracing: add_noise(k, g), g plus source k's normal noise of
-    standard deviation scale / count, for the sources ``ks``, by TF's
-    stateless normal. The sources of up to _NOISE_CHUNK values take theirs
+    standard deviation scale / count, for the sources ``ks``, drawn by
+    _traced_normal. The sources of up to _NOISE_CHUNK values take theirs
     from one vector per dtype (one kernel), cut at offsets that depend on
     the sources alone (a seed draws the same for a source whichever of
-    them the losses reach); a larger one's is drawn and added into g's own
-    buffer a block of rows at a time, each block drawn after the last one
-    is added (no full-size noise is held, as eagerly). Keyed by
+    them the losses reach); a larger one's in one draw up to
+    _TRACED_NOISE_BLOCK values, else drawn and added into g's own buffer a
+    block of rows at a time, each block drawn after the last one is added
+    (no full-size noise is held). Keyed by
     ``seed`` (an int, a pair of ints, an int tensor of either shape, or a
     pair of an int and an int tensor or variable, e.g. a step counter beside
     a seed): the same noise at each call with that seed. Unseeded, by a key drawn at each call of the function (a stateful
@@ -1541,13 +1620,16 @@ def _graph_noise(seed, flat_raw, ks, scale, count):
             [first, second], dtypes.int64))
 
     stddevs = {}
+    in_xla = control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
 
-    def stddev(dtype):
-        if dtype not in stddevs:
-            stddevs[dtype] = _norm_rules._ex(
-                "RealDiv", _norm_rules._const(scale, dtype),
-                math_ops.cast(count, dtype))
-        return stddevs[dtype]
+    def normal(shape, seed, dtype):
+        drawn = _DRAWN_AS.get(dtype, dtype)
+        if drawn not in stddevs:
+            stddevs[drawn] = _norm_rules._ex(
+                "RealDiv", _norm_rules._const(scale, drawn),
+                math_ops.cast(count, drawn))
+        return _traced_normal(tensor_shape.TensorShape(shape), seed,
+                              stddevs[drawn], dtype, in_xla)
 
     wanted = set(ks)
     shapes = {k: tensor_shape.TensorShape(s.shape) for k, s in enumerate(flat_raw)}
@@ -1562,15 +1644,11 @@ def _graph_noise(seed, flat_raw, ks, scale, count):
         if not wanted.intersection(members):
             continue
         sizes = [shapes[k].num_elements() for k in members]
-        vector = stateless_random_ops.stateless_random_normal(
-            [sum(sizes)], seed=key(0, j), stddev=stddev(dtype), dtype=dtype,
-            alg=_NOISE_ALG)
+        vector = normal([sum(sizes)], key(0, j), dtype)
         parts = array_ops.split(vector, sizes) if len(sizes) > 1 else [vector]
         for k, part in zip(members, parts):
             if k in wanted:
                 small[k] = array_ops.reshape(part, shapes[k])
-
-    in_xla = control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
 
     def add_noise(k, g):
         shape = shapes[k]
@@ -1595,9 +1673,7 @@ def _graph_noise(seed, flat_raw, ks, scale, count):
                 if k in small:
                     noise = small[k]
                 else:
-                    noise = stateless_random_ops.stateless_random_normal(
-                        shape, seed=key(1 + k, 0), stddev=stddev(g.dtype),
-                        dtype=g.dtype, alg=_NOISE_ALG)
+                    noise = normal(shape, key(1 + k, 0), g.dtype)
                 if not fresh:
                     return _norm_rules._ex(
                         "TensorScatterAdd", noise, _norm_rules._ex(
@@ -1613,15 +1689,15 @@ def _graph_noise(seed, flat_raw, ks, scale, count):
             return _norm_rules._ex("AddV2", g, small[k])
         cols = int(shape[-1]) if shape.rank and shape[-1] else 1
         rows = shape.num_elements() // cols
+        step = max(1, _TRACED_NOISE_BLOCK // cols)
+        if rows <= step:        # one draw (AddV2 reuses g's buffer)
+            return _norm_rules._ex("AddV2", g, normal(shape, key(1 + k, 0), g.dtype))
         flat = _norm_rules._ex("Reshape", g, _norm_rules._const(
             (rows, cols), dtypes.int32))
-        step = max(1, _NOISE_CHUNK // cols)
         for b, first in enumerate(range(0, rows, step)):
             last = min(rows, first + step)
             with ops.control_dependencies([flat] if b else []):
-                block = stateless_random_ops.stateless_random_normal(
-                    [last - first, cols], seed=key(1 + k, b),
-                    stddev=stddev(g.dtype), dtype=g.dtype, alg=_NOISE_ALG)
+                block = normal([last - first, cols], key(1 + k, b), g.dtype)
             if in_xla:      # (XLA places its buffers itself)
                 flat = _norm_rules._ex("TensorScatterAdd", flat, _norm_rules._const(
                     [[i] for i in range(first, last)], dtypes.int32), block)
