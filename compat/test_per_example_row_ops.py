@@ -72,6 +72,12 @@ PROBES = {
     "top_k_transposed": (
         lambda h: tf.transpose(tf.math.top_k(tf.transpose(h), B).values), "rows"),
     "roll_batch": (lambda h: tf.roll(h, 1, axis=0), "rows"),
+    # (while tracing, rows by a loop: pfor's Roll converter moves an axis
+    # counted from the end to the next one)
+    "roll_batch_from_the_end": (lambda h: tf.roll(h, [1, 2], axis=[-2, -1]), "rows"),
+    # (a leading ellipsis that stands for no axis: the batch reversed)
+    "ellipsis_reverse_batch": (lambda h: h[..., ::-1, :], "rows"),
+    "ellipsis_features": (lambda h: h[..., ::-1], "rule"),
     "reverse_v1_batch": (
         lambda h: tf.raw_ops.Reverse(tensor=h, dims=[True, False]), "rows"),
     "softmax_batch_vector": (lambda h: tf.nn.softmax(h[:, 0]), "rows"),

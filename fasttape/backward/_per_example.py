@@ -788,7 +788,7 @@ def _graph_rows(tape, losses, flat_raw, keys, basis=None):
         return [array_ops.zeros_like(s) if g is None
                 else ops.convert_to_tensor(g) for g, s in zip(grads, raw)]
 
-    if _loops_in_xla(tape_state, losses, flat) or _jacobians.grouped_conv_on_path(
+    if _loops_in_xla(tape_state, losses, flat) or _jacobians.pfor_wrong_on_path(
             tape_state, losses, flat):
         rows = pfor_ops.for_loop(loop_fn, [dtypes.as_dtype(s.dtype).base_dtype
                                            for s in raw], n)
