@@ -19,6 +19,7 @@ from compat.harness import TOLERANCES
 B, K = 4, 6
 DTYPE = tf.float64
 _V = tf.constant(np.random.default_rng(5).normal(size=(B, B)), DTYPE)
+_SCALE = tf.Variable(2.0, dtype=DTYPE)
 _KERNEL = tf.constant(np.random.default_rng(6).normal(size=(3, 1, 1, 1)), DTYPE)
 
 
@@ -78,6 +79,10 @@ PROBES = {
     # (a leading ellipsis that stands for no axis: the batch reversed)
     "ellipsis_reverse_batch": (lambda h: h[..., ::-1, :], "rows"),
     "ellipsis_features": (lambda h: h[..., ::-1], "rule"),
+    # (a shape read from the rows, the value broadcast no example's: a
+    # weight, so that the tape records it)
+    "broadcast_to_shape_of_rows": (
+        lambda h: h * tf.broadcast_to(_SCALE, tf.shape(h)), "rule"),
     "reverse_v1_batch": (
         lambda h: tf.raw_ops.Reverse(tensor=h, dims=[True, False]), "rows"),
     "softmax_batch_vector": (lambda h: tf.nn.softmax(h[:, 0]), "rows"),

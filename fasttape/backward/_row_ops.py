@@ -363,9 +363,10 @@ def _reverse_sequence(op):
 
 
 def _broadcast_to(op):
+    if not op.carries(0):
+        return True     # (only its shape from the rows: tf.shape(h))
     target = op.const(1)
-    return target is not None and _aligned(op.carried()[:1], [op.shape(0)],
-                                           tuple(target))
+    return target is not None and _aligned([0], [op.shape(0)], tuple(target))
 
 
 def _matmul(op):
