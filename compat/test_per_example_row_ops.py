@@ -231,3 +231,18 @@ def test_a_product_of_parameters_has_no_examples_rows(traced):
     for g, r in zip(got, ref):
         np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-9, atol=1e-12)
     assert rules == ["per-example rows"] * 2
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "an op that mixes rows across the batch axis without reducing over it "
+    "(a softmax over it, as here; a cumsum, sort or top_k along it, a [B, B] "
+    "product, a tile or repeat of it reshaped back) takes per-example rows: "
+    "row i is the gradient of losses[i] over the whole batch, which depends on "
+    "every example, so it is not example i's own gradient and clipping it "
+    "bounds no example's share; only reductions over the batch axis (Sum, "
+    "Mean, ...) and training batch norms raise"))
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "function"])
+def test_a_softmax_over_the_batch_mixes_examples(traced):
+    x, loss, variables = _model(PROBES["softmax_axis0"][0])
+    with pytest.raises(ValueError, match="mixes examples"):
+        _per_example(loss, x, variables, traced)
