@@ -246,3 +246,30 @@ def test_a_softmax_over_the_batch_mixes_examples(traced):
     x, loss, variables = _model(PROBES["softmax_axis0"][0])
     with pytest.raises(ValueError, match="mixes examples"):
         _per_example(loss, x, variables, traced)
+
+
+@tf.function
+def _centered(h):
+    return h - tf.reduce_mean(h, 0)
+
+
+_BODIES = {
+    "cond": lambda h: tf.cond(tf.constant(True), lambda: h - tf.reduce_mean(h, 0),
+                              lambda: h),
+    "while": lambda h: tf.while_loop(
+        lambda i, s: i < 1, lambda i, s: (i + 1, s - tf.reduce_mean(s, 0)), (0, h),
+        maximum_iterations=1)[1],
+    "function": _centered,
+}
+
+
+@pytest.mark.parametrize("where", list(_BODIES))
+def test_a_mean_over_the_batch_inside_a_traced_body_mixes_examples(where):
+    """Traced, a tf.cond's branch, a while loop's body and a nested
+    tf.function are one op on the path (an If, a While, a call): a mean
+    over the batch inside it mixes the examples, and raises as it does
+    eagerly, where its ops are on the path (it took rows: the gradients of
+    losses that each depend on every example)."""
+    x, loss, variables = _model(_BODIES[where])
+    with pytest.raises(ValueError, match="mixes examples"):
+        _per_example(loss, x, variables, True)

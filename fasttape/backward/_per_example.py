@@ -295,6 +295,49 @@ def _check_mixing(what, entry, shapes, batch, separable=()):
         raise _mixing_error(what, entry, batch)
 
 
+# The functions a traced call, loop or conditional runs (not a loop's
+# condition: it hands no gradient on)
+_BODIES = ("f", "body", "then_branch", "else_branch", "branches")
+
+
+def _check_bodies(what, entry, batch):
+    """_check_mixing on the ops of the functions a traced op on the path
+    runs (tf.cond's branches, a while loop's body, a nested tf.function),
+    and theirs: a reduction over the batch there mixes the examples as on
+    the path, where the analysis sees only the call (its rows would be
+    the gradients of losses that depend on every example). Ops of
+    floating outputs only (a batch's largest sequence length moves no
+    gradient)."""
+    if not isinstance(entry, _GraphEntry) or (batch is not None and batch < 2):
+        return
+    graph = ops.get_default_graph()
+    # (a nested tf.function's call is recorded under its function's name)
+    calls = [(graph, entry.op_type)]
+    op = _loop_op(entry.payload) if type(entry.payload) is EagerOp else None
+    todo, seen = ([op] if op is not None else []), set()
+    while calls or todo:
+        if not calls:
+            op = todo.pop()
+            for name in _BODIES:
+                try:
+                    fns = op.get_attr(name)
+                except (ValueError, AttributeError):
+                    continue
+                calls.extend((op.graph, getattr(fn, "name", None))
+                             for fn in (fns if isinstance(fns, list) else [fns]))
+            continue
+        where, fname = calls.pop()
+        if fname is None or fname in seen:
+            continue
+        seen.add(fname)
+        found = where._get_function(fname) or graph._get_function(fname)  # pylint: disable=protected-access
+        body = getattr(found, "graph", None)
+        for inner in body.get_operations() if body is not None else ():
+            if inner.outputs and inner.outputs[0].dtype.is_floating:
+                _check_mixing(what, _BodyEntry(inner), {}, batch)
+            todo.append(inner)
+
+
 # Analyses by the structure of the path they walked (see _analyse): a
 # training loop records the same program each step, and its analysis then
 # costs a lookup. Values hold no tensor: entry positions, rules, shapes.
@@ -500,6 +543,7 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
             if k is not None:
                 uses[k].append((entry, pos))
         _check_mixing(what, entry, shapes, batch, groups.separable)
+        _check_bodies(what, entry, batch)
         if (use_rules and id(entry) not in groups.accepted
                 and id(entry) not in followed
                 and not _row_ops.keeps_axis0(entry, shapes, batch, carrying)):
