@@ -273,3 +273,28 @@ def test_a_mean_over_the_batch_inside_a_traced_body_mixes_examples(where):
     x, loss, variables = _model(_BODIES[where])
     with pytest.raises(ValueError, match="mixes examples"):
         _per_example(loss, x, variables, True)
+
+
+def test_an_input_whose_batch_is_unknown_while_tracing_moved_across_it():
+    """The input's batch unknown while tracing ([None, B, 2]) but the
+    losses' known (a reshape to constant sizes): a Transpose that moves
+    the input's batch axis (then reshaped to [B, B, 2]: each row mixes
+    examples) is a mover, not a weight's tensor followed as one: the scale
+    before it takes rows, whose values equal the loop's (its Mul rule read
+    other examples' output gradients)."""
+    rng = np.random.default_rng(9)
+    x = tf.constant(rng.normal(size=(B, B, 2)), DTYPE)
+    w = tf.Variable(rng.normal(size=(2,)), dtype=DTYPE)
+    c = tf.constant(rng.normal(size=(B, 2)), DTYPE)
+
+    def loss(x):
+        z = tf.reshape(tf.transpose(x * w, [1, 0, 2]), [B, B, 2])
+        return tf.reduce_sum(tf.sin(z * c), axis=[1, 2])
+
+    @tf.function(input_signature=[tf.TensorSpec([None, B, 2], DTYPE)])
+    def step(x):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        return tape.per_example_gradients(losses, [w])[0]
+    np.testing.assert_allclose(step(x).numpy(), _reference(loss, x, [w])[0].numpy(),
+                               rtol=1e-9, atol=1e-12)

@@ -1920,7 +1920,11 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers):
         shape = shapes.get(tid)
         if shape is None and t is not None and t.dtype != dtypes.resource:
             shape = tuple(t.shape.as_list())
-        return 0 if shape and shape[0] == batch else -1
+        # (a leading axis unknown while tracing, or B*T: the batch's, as
+        # _row_ops takes it; -1 would let a Transpose of it pass as a
+        # weight's)
+        return 0 if shape and (shape[0] is None or shape[0] == batch or (
+            batch and shape[0] % batch == 0)) else -1
 
     produced = {o for entry in entries for o in entry.output_ids}
     lists = set()       # TensorLists: their axis is the batch's once stacked
