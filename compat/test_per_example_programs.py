@@ -119,6 +119,15 @@ def _raw_op(kind, rng, batch, variables):
     if kind == "matvec":
         w = var((K, K))
         return lambda h: tf.linalg.matvec(w, h)
+    if kind == "roll_from_the_end":
+        # (pfor's Roll converter misreads an axis counted from the end)
+        return lambda h: tf.roll(h, [1, 2], axis=[-2, -1])
+    if kind == "ellipsis_slice":
+        # (a leading ellipsis standing for no axis: the batch reversed)
+        return lambda h: h[..., ::-1, :]
+    if kind == "broadcast_to_shape":
+        scale = var((1,))
+        return lambda h: h * tf.broadcast_to(scale, tf.shape(h))
     assert kind == "param_per_row"
     p = var((batch, K))        # a parameter as long as the batch
     return lambda h: h * p + p
@@ -126,7 +135,8 @@ def _raw_op(kind, rng, batch, variables):
 
 RAW_KINDS = ["dense", "einsum_outer", "gather_batch_dims", "gather_twice", "while_over_time",
              "segment_sum_then_einsum", "cholesky", "roll_batch", "scan_batch",
-             "matvec", "param_per_row"]
+             "matvec", "param_per_row", "roll_from_the_end", "ellipsis_slice",
+             "broadcast_to_shape"]
 
 
 def _raw_program(kinds, batch, seed):
@@ -182,6 +192,8 @@ def test_drawn_keras_chains_traced(kinds, batch, seed):
 @example(kinds=["segment_sum_then_einsum", "while_over_time"], batch=2, seed=2)
 @example(kinds=["gather_batch_dims", "param_per_row", "scan_batch", "matvec"],
          batch=5, seed=3)
+@example(kinds=["roll_from_the_end", "dense", "ellipsis_slice", "broadcast_to_shape"],
+         batch=3, seed=5)
 def test_drawn_raw_op_chains_traced(kinds, batch, seed):
     _check(*_raw_program(["dense"] + kinds, batch, seed))
 

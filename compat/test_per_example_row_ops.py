@@ -19,6 +19,7 @@ from compat.harness import TOLERANCES
 B, K = 4, 6
 DTYPE = tf.float64
 _V = tf.constant(np.random.default_rng(5).normal(size=(B, B)), DTYPE)
+_SCALE = tf.Variable(2.0, dtype=DTYPE)
 _KERNEL = tf.constant(np.random.default_rng(6).normal(size=(3, 1, 1, 1)), DTYPE)
 
 
@@ -72,6 +73,16 @@ PROBES = {
     "top_k_transposed": (
         lambda h: tf.transpose(tf.math.top_k(tf.transpose(h), B).values), "rows"),
     "roll_batch": (lambda h: tf.roll(h, 1, axis=0), "rows"),
+    # (while tracing, rows by a loop: pfor's Roll converter moves an axis
+    # counted from the end to the next one)
+    "roll_batch_from_the_end": (lambda h: tf.roll(h, [1, 2], axis=[-2, -1]), "rows"),
+    # (a leading ellipsis that stands for no axis: the batch reversed)
+    "ellipsis_reverse_batch": (lambda h: h[..., ::-1, :], "rows"),
+    "ellipsis_features": (lambda h: h[..., ::-1], "rule"),
+    # (a shape read from the rows, the value broadcast no example's: a
+    # weight, so that the tape records it)
+    "broadcast_to_shape_of_rows": (
+        lambda h: h * tf.broadcast_to(_SCALE, tf.shape(h)), "rule"),
     "reverse_v1_batch": (
         lambda h: tf.raw_ops.Reverse(tensor=h, dims=[True, False]), "rows"),
     "softmax_batch_vector": (lambda h: tf.nn.softmax(h[:, 0]), "rows"),
@@ -220,3 +231,70 @@ def test_a_product_of_parameters_has_no_examples_rows(traced):
     for g, r in zip(got, ref):
         np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-9, atol=1e-12)
     assert rules == ["per-example rows"] * 2
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "an op that mixes rows across the batch axis without reducing over it "
+    "(a softmax over it, as here; a cumsum, sort or top_k along it, a [B, B] "
+    "product, a tile or repeat of it reshaped back) takes per-example rows: "
+    "row i is the gradient of losses[i] over the whole batch, which depends on "
+    "every example, so it is not example i's own gradient and clipping it "
+    "bounds no example's share; only reductions over the batch axis (Sum, "
+    "Mean, ...) and training batch norms raise"))
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "function"])
+def test_a_softmax_over_the_batch_mixes_examples(traced):
+    x, loss, variables = _model(PROBES["softmax_axis0"][0])
+    with pytest.raises(ValueError, match="mixes examples"):
+        _per_example(loss, x, variables, traced)
+
+
+@tf.function
+def _centered(h):
+    return h - tf.reduce_mean(h, 0)
+
+
+_BODIES = {
+    "cond": lambda h: tf.cond(tf.constant(True), lambda: h - tf.reduce_mean(h, 0),
+                              lambda: h),
+    "while": lambda h: tf.while_loop(
+        lambda i, s: i < 1, lambda i, s: (i + 1, s - tf.reduce_mean(s, 0)), (0, h),
+        maximum_iterations=1)[1],
+    "function": _centered,
+}
+
+
+@pytest.mark.parametrize("where", list(_BODIES))
+def test_a_mean_over_the_batch_inside_a_traced_body_mixes_examples(where):
+    """Traced, a tf.cond's branch, a while loop's body and a nested
+    tf.function are one op on the path (an If, a While, a call): a mean
+    over the batch inside it mixes the examples, and raises as it does
+    eagerly, where its ops are on the path (it took rows: the gradients of
+    losses that each depend on every example)."""
+    x, loss, variables = _model(_BODIES[where])
+    with pytest.raises(ValueError, match="mixes examples"):
+        _per_example(loss, x, variables, True)
+
+
+def test_an_input_whose_batch_is_unknown_while_tracing_moved_across_it():
+    """The input's batch unknown while tracing ([None, B, 2]) but the
+    losses' known (a reshape to constant sizes): a Transpose that moves
+    the input's batch axis (then reshaped to [B, B, 2]: each row mixes
+    examples) is a mover, not a weight's tensor followed as one: the scale
+    before it takes rows, whose values equal the loop's (its Mul rule read
+    other examples' output gradients)."""
+    rng = np.random.default_rng(9)
+    x = tf.constant(rng.normal(size=(B, B, 2)), DTYPE)
+    w = tf.Variable(rng.normal(size=(2,)), dtype=DTYPE)
+    c = tf.constant(rng.normal(size=(B, 2)), DTYPE)
+
+    def loss(x):
+        z = tf.reshape(tf.transpose(x * w, [1, 0, 2]), [B, B, 2])
+        return tf.reduce_sum(tf.sin(z * c), axis=[1, 2])
+
+    @tf.function(input_signature=[tf.TensorSpec([None, B, 2], DTYPE)])
+    def step(x):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        return tape.per_example_gradients(losses, [w])[0]
+    np.testing.assert_allclose(step(x).numpy(), _reference(loss, x, [w])[0].numpy(),
+                               rtol=1e-9, atol=1e-12)

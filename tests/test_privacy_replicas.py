@@ -68,6 +68,22 @@ CASES = textwrap.dedent('''
     out["uneven"] = max(float(np.max(np.abs(v.numpy() - r.numpy())))
                         for g, r in zip(got, want)
                         for v in strategy.experimental_local_results(g))
+    # float64, 4 and 3 examples: the division by 7 in float64's precision
+    with strategy.scope():
+        w64 = tf.Variable(rng.normal(size=(5, 3)))
+        b64 = tf.Variable(rng.normal(size=3))
+
+    def step64(xs, ys):
+        with fasttape.GradientTape() as tape:
+            losses = tf.reduce_sum(tf.sin(tf.matmul(xs, w64) + b64 - ys), axis=1)
+        return tape.dp_gradient(losses, [w64, b64], 0.5)
+    x64, y64 = x[:7].astype("float64"), y[:7].astype("float64")
+    got = strategy.run(step64, args=next(iter(strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x64, y64)).batch(7)))))
+    want = step64(x64, y64)
+    out["uneven float64"] = max(
+        float(np.max(np.abs(v.numpy() - r.numpy())) / np.max(np.abs(r.numpy())))
+        for g, r in zip(got, want) for v in strategy.experimental_local_results(g))
     # 4 examples in 2 microbatches on one replica, 2 in 2 on the other:
     # the sum of the 4 clipped microbatch gradients over 4
     shards = [(x[:4], y[:4]), (x[4:6], y[4:6])]
@@ -181,6 +197,8 @@ def test_replicas_equal_the_one_device_step(results, name):
 def test_uneven_replicas_divide_by_the_global_count(results):
     assert results["uneven"] < 1e-7
     assert results["uneven microbatches"] < 1e-7
+    # (a float32 count rounded it to 3e-8)
+    assert results["uneven float64"] < 1e-13
 
 
 def test_make_private_fit_on_two_replicas(results):

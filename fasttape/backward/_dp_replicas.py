@@ -51,12 +51,14 @@ def dp_gradient(ctx, tape, losses, sources, l2_norm_clip, noise_multiplier,
         seed if first else None)
     # its own microbatches (the batch, or num_microbatches, which
     # _per_example checked divides it)
+    # (counted in float64: a float32 ratio 4/7 would round float64
+    # gradients to float32's precision)
     if num_microbatches is not None:
-        m_local = constant_op.constant(float(num_microbatches))
+        m_local = constant_op.constant(float(num_microbatches), "float64")
     elif losses.shape[0] is not None:
-        m_local = constant_op.constant(float(losses.shape[0]))
+        m_local = constant_op.constant(float(losses.shape[0]), "float64")
     else:               # a batch unknown while tracing: the shard's, run time
-        m_local = math_ops.cast(array_ops.shape(losses)[0], "float32")
+        m_local = math_ops.cast(array_ops.shape(losses)[0], "float64")
     m_global = ctx.all_reduce(reduce_util.ReduceOp.SUM, m_local)
     flat = nest.flatten(local)
     # (dense: replica 0's noised table and the others' clipped rows, which

@@ -4,6 +4,7 @@ over the recorded trace, else TF's pfor or while loop over gradient().
 """
 
 from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
+import numpy as np
 from tensorflow.python.eager import backprop_util
 from tensorflow.python.eager import context
 from tensorflow.python.framework import composite_tensor_gradient
@@ -322,9 +323,9 @@ def _use_loop(target, batch=False, grouped=False):
     """Eager Jacobians of up to _LOOP_MAX_ROWS rows run as that many backward
     passes over the recorded trace: no tracing, no pfor rewrite, a fixed cost
     per row. Larger or symbolic ones go through TF's pfor, as in TF, but
-    where a grouped convolution is on the path (grouped_conv_on_path), where
-    pfor is wrong: eagerly they run as backward passes at any size, while
-    tracing as TF's while loop (experimental_use_pfor=False's)."""
+    where an op pfor converts wrongly is on the path (pfor_wrong_on_path):
+    eagerly they run as backward passes at any size, while tracing as
+    TF's while loop (experimental_use_pfor=False's)."""
     if not context.executing_eagerly() or not isinstance(target, ops.EagerTensor):
         return False
     shape = target.shape
@@ -398,11 +399,27 @@ def _backward_body(payload):
     return None
 
 
-def grouped_conv_on_path(tape_state, target, sources):
-    """Whether a grouped convolution is on the path from ``sources`` to
-    ``target``: recorded directly, inside a recorded function call (Keras 3
-    runs one in a jit_compile function), traced or eager (there, its
-    backward function's body). Then rows are built by a loop, not pfor."""
+def _roll_misread(inputs):
+    """Whether a Roll (or its gradient, a Roll) with these inputs is one
+    pfor converts wrongly: its converter adds 1 to the axis for the loop's,
+    so an axis counted from the end names the next one (TF 2.21; TF's own
+    vectorized_map is silently wrong there too). True where the axis is
+    not known."""
+    axis = inputs[2] if len(inputs) > 2 else None
+    try:
+        axis = None if axis is None else tensor_util.constant_value(axis)
+    except (TypeError, ValueError):
+        axis = None
+    return axis is None or bool((np.asarray(axis) < 0).any())
+
+
+def pfor_wrong_on_path(tape_state, target, sources):
+    """Whether an op pfor vectorizes wrongly is on the path from
+    ``sources`` to ``target``: a grouped convolution (see above), or a
+    Roll along an axis counted from the end (_roll_misread); recorded
+    directly, inside a recorded function call (Keras 3 runs one in a
+    jit_compile function), traced or eager (there, its backward function's
+    body). Then rows are built by a loop, not pfor."""
     ids = [t._id for t in sources if hasattr(t, "_id")]  # pylint: disable=protected-access
     if not hasattr(target, "_id"):
         return False
@@ -423,6 +440,8 @@ def grouped_conv_on_path(tape_state, target, sources):
             fmt = dict(zip(attrs[::2], attrs[1::2])).get("data_format", "NHWC")
             if _is_grouped(e.op_type, payload.inputs, fmt):
                 return True
+        if e.op_type == "Roll" and _roll_misread(getattr(payload, "inputs", None) or ()):
+            return True
         body = _backward_body(payload)
         if body is not None:
             todo.extend(body.get_operations())
@@ -437,6 +456,8 @@ def grouped_conv_on_path(tape_state, target, sources):
         if ((kind in _CONVOLUTIONS or kind in _FILTER_GRADS
              or kind in _INPUT_GRADS) and len(op.inputs) > 1
                 and _is_grouped(kind, op.inputs, op.get_attr("data_format"))):
+            return True
+        if kind == "Roll" and _roll_misread(op.inputs):
             return True
         for name in _CALLS:
             try:
@@ -453,8 +474,8 @@ def grouped_conv_on_path(tape_state, target, sources):
 
 
 def _pfor_wrong(tape, target, flat_raw, use_pfor, loop):
-    """Whether pfor would build these Jacobian rows and be wrong there (a
-    grouped convolution on the path): then they run as a loop."""
+    """Whether pfor would build these Jacobian rows and be wrong there
+    (pfor_wrong_on_path): then they run as a loop."""
     if not use_pfor or loop or not hasattr(target, "_id"):
         return False
     try:
@@ -462,4 +483,4 @@ def _pfor_wrong(tape, target, flat_raw, use_pfor, loop):
             [_gradient.handle_or_self(t) for t in flat_raw])
     except (TypeError, ValueError, AttributeError):
         return False   # not sources: TF's error comes from gradient()
-    return grouped_conv_on_path(tape._tape, target, flat)  # pylint: disable=protected-access
+    return pfor_wrong_on_path(tape._tape, target, flat)  # pylint: disable=protected-access

@@ -298,6 +298,49 @@ def _check_mixing(what, entry, shapes, batch, separable=()):
         raise _mixing_error(what, entry, batch)
 
 
+# The functions a traced call, loop or conditional runs (not a loop's
+# condition: it hands no gradient on)
+_BODIES = ("f", "body", "then_branch", "else_branch", "branches")
+
+
+def _check_bodies(what, entry, batch):
+    """_check_mixing on the ops of the functions a traced op on the path
+    runs (tf.cond's branches, a while loop's body, a nested tf.function),
+    and theirs: a reduction over the batch there mixes the examples as on
+    the path, where the analysis sees only the call (its rows would be
+    the gradients of losses that depend on every example). Ops of
+    floating outputs only (a batch's largest sequence length moves no
+    gradient)."""
+    if not isinstance(entry, _GraphEntry) or (batch is not None and batch < 2):
+        return
+    graph = ops.get_default_graph()
+    # (a nested tf.function's call is recorded under its function's name)
+    calls = [(graph, entry.op_type)]
+    op = _loop_op(entry.payload) if type(entry.payload) is EagerOp else None
+    todo, seen = ([op] if op is not None else []), set()
+    while calls or todo:
+        if not calls:
+            op = todo.pop()
+            for name in _BODIES:
+                try:
+                    fns = op.get_attr(name)
+                except (ValueError, AttributeError):
+                    continue
+                calls.extend((op.graph, getattr(fn, "name", None))
+                             for fn in (fns if isinstance(fns, list) else [fns]))
+            continue
+        where, fname = calls.pop()
+        if fname is None or fname in seen:
+            continue
+        seen.add(fname)
+        found = where._get_function(fname) or graph._get_function(fname)  # pylint: disable=protected-access
+        body = getattr(found, "graph", None)
+        for inner in body.get_operations() if body is not None else ():
+            if inner.outputs and inner.outputs[0].dtype.is_floating:
+                _check_mixing(what, _BodyEntry(inner), {}, batch)
+            todo.append(inner)
+
+
 # Analyses by the structure of the path they walked (see _analyse): a
 # training loop records the same program each step, and its analysis then
 # costs a lookup. Values hold no tensor: entry positions, rules, shapes.
@@ -503,6 +546,7 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
             if k is not None:
                 uses[k].append((entry, pos))
         _check_mixing(what, entry, shapes, batch, groups.separable)
+        _check_bodies(what, entry, batch)
         if (use_rules and id(entry) not in groups.accepted
                 and id(entry) not in followed
                 and not _row_ops.keeps_axis0(entry, shapes, batch, carrying)):
@@ -796,7 +840,7 @@ def _graph_rows(tape, losses, flat_raw, keys, basis=None):
         return [array_ops.zeros_like(s) if g is None
                 else ops.convert_to_tensor(g) for g, s in zip(grads, raw)]
 
-    if _loops_in_xla(tape_state, losses, flat) or _jacobians.grouped_conv_on_path(
+    if _loops_in_xla(tape_state, losses, flat) or _jacobians.pfor_wrong_on_path(
             tape_state, losses, flat):
         rows = pfor_ops.for_loop(loop_fn, [dtypes.as_dtype(s.dtype).base_dtype
                                            for s in raw], n)
@@ -1957,7 +2001,11 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers):
         shape = shapes.get(tid)
         if shape is None and t is not None and t.dtype != dtypes.resource:
             shape = tuple(t.shape.as_list())
-        return 0 if shape and shape[0] == batch else -1
+        # (a leading axis unknown while tracing, or B*T: the batch's, as
+        # _row_ops takes it; -1 would let a Transpose of it pass as a
+        # weight's)
+        return 0 if shape and (shape[0] is None or shape[0] == batch or (
+            batch and shape[0] % batch == 0)) else -1
 
     produced = {o for entry in entries for o in entry.output_ids}
     lists = set()       # TensorLists: their axis is the batch's once stacked

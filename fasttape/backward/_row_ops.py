@@ -308,7 +308,12 @@ def _strided_slice(op):
     def mask(name):
         return int(op.attr(name, 0) or 0) & 1
     if mask("ellipsis_mask"):
-        return True
+        # a leading ellipsis holds the batch axis unless it stands for no
+        # axis (x[..., ::-1, :] of a matrix reverses the batch): the
+        # entries after it, new axes aside, as many as the input's axes
+        rank = op.rank(0)
+        new_axes = bin(int(op.attr("new_axis_mask", 0) or 0)).count("1")
+        return rank is not None and len(begin) - 1 - new_axes < rank
     if mask("shrink_axis_mask") or mask("new_axis_mask") or strides[0] != 1:
         return False
     return ((mask("begin_mask") or begin[0] == 0)
@@ -358,9 +363,10 @@ def _reverse_sequence(op):
 
 
 def _broadcast_to(op):
+    if not op.carries(0):
+        return True     # (only its shape from the rows: tf.shape(h))
     target = op.const(1)
-    return target is not None and _aligned(op.carried()[:1], [op.shape(0)],
-                                           tuple(target))
+    return target is not None and _aligned([0], [op.shape(0)], tuple(target))
 
 
 def _matmul(op):
