@@ -452,6 +452,35 @@ def test_jacobian_of_a_grouped_convolution(dtype, wrt, where, keras_layer,
                      atol=1e-3 if dtype == "float32" else 1e-6)
 
 
+# -- found by the DP hunt: pfor's Roll along an axis counted from the end ------
+#
+# TF's pfor converter for Roll adds 1 to the axis for the loop's own, so
+# an axis counted from the end names the next one; tape.jacobian (pfor on)
+# and tf.vectorized_map are silently wrong there.
+
+@pytest.mark.parametrize("where", ["eager", "function"])
+def test_jacobian_of_a_roll_along_an_axis_from_the_end(where):
+    """TF's pfor jacobian through tf.roll(..., axis=-3) is wrong; fasttape's
+    equals the finite differences (it takes such rows by a loop)."""
+    x0 = np.random.default_rng(3).normal(size=(3, 4, 2))
+
+    def body(GT, x):
+        with GT() as tape:
+            tape.watch(x)
+            y = tf.roll(x * x, 1, axis=-3)
+        return [tape.jacobian(y, x)]
+
+    def case(FA, GT):
+        x = tf.constant(x0)
+        if where == "function":
+            return tf.function(lambda x: body(GT, x))(x)
+        return body(GT, x)
+
+    [oracle] = fd.central_difference(
+        lambda x: np.roll(x * x, 1, axis=-3), [x0])
+    fd.tf_wrong_here(case, [oracle], rtol=1e-6, atol=1e-6)
+
+
 # -- found by a generated hunt: forward-over-reverse through a while_loop -------
 
 @pytest.mark.parametrize("flow", ["while_loop", "cond"])
