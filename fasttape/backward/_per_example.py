@@ -530,7 +530,10 @@ def _check_mixing(what, entry, shapes, batch, separable=(), axes=None,
     if out is None and entry.output_meta:
         out = _meta_shape(entry.output_meta[0])
     for i, found in find(payload, ranks, (in_shapes, out)).items():
-        if i not in held:
+        if i not in held or (i and weights is None):
+            # (a traced body's op: no source is known there, and a
+            # product's second operand, a kernel as long as the batch,
+            # would pass for rows)
             continue
         if found is None:   # computed while tracing: maybe the batch's
             raise _mixing_error(what, entry, batch, verb, min(held[i]))
