@@ -447,8 +447,9 @@ def _batch_axes_of(entry, i, shape, batch, axes, weights, carrying):
     as long as the batch fools it); none where the leading size is a
     multiple of the batch's (folded with another axis: whether an op
     mixes it, its size cannot tell); else, for a tensor that may hold
-    examples' rows (``carrying``: its batch moved where the analysis lost
-    it), the followed axis, or each axis of the batch's size."""
+    examples' rows (``carrying``, None for all: its batch moved where the
+    analysis lost it), the followed axis, or each axis of the batch's
+    size."""
     tid = entry.input_ids[i]
     if (weights is not None and weights(tid)) or not shape:
         return set()
@@ -460,7 +461,8 @@ def _batch_axes_of(entry, i, shape, batch, axes, weights, carrying):
         return found - {0}      # (its 0 there a guess from the size too)
     if found:
         return found
-    if carrying and tid in carrying:
+    if carrying is None or tid in carrying:
+        # (None: a traced body's op, where no tensor's rows are known)
         return {a for a, n in enumerate(shape) if n in (batch, None)}
     return set()
 
