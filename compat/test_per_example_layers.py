@@ -182,14 +182,19 @@ def _mixing_case(mix):
     ("reverse_batch", "eager"), ("reverse_batch", "traced"), ("reverse_time", "eager"),
     ("tile_batch", "traced"), ("tile_batch", "jit"), ("tile_batch_runtime", "traced"),
     ("tile_batch_runtime", "jit")])
-def test_rows_moved_across_the_batch_take_rows(mix, mode):
-    """A weight read before rows move across the batch (a reversal along
-    it, a tile along it reshaped back to B rows) takes per-example rows,
-    not its op's rule (which would pair each example's input with another
-    example's output gradient: a wrong norm and clipping); one reversed in
-    time only takes its rule. Values equal the loop of each example's
-    loss on the whole batch."""
+def test_rows_moved_across_the_batch_raise(mix, mode):
+    """Rows moved across the batch (a reversal along it, a tile along it
+    reshaped back to B rows, by multiples known or computed while
+    tracing) give each loss other examples' rows: refused (rows would
+    hand each example another's gradient, its op's rule pair each
+    example's input with another's output gradient). Reversed in time
+    only, the weight takes its rule; values equal the loop of each
+    example's loss on the whole batch."""
     x, w, loss = _mixing_case(mix)
+    if mix != "reverse_time":
+        with pytest.raises(ValueError, match="mixes examples"):
+            _dp_rows(x, loss, [w], mode)
+        return
     rows = _dp_rows(x, loss, [w], mode)
     assert rows == ([] if mix == "reverse_time" else ["w:0 (2,)"]), rows
     _check_path(x, loss, [w], mode, "some")

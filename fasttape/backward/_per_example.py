@@ -82,9 +82,7 @@ _DT_RESOURCE = dtypes.resource.as_datatype_enum
 # Ops that pass a source on unchanged (a variable's read; while tracing,
 # TF's record of a tensor or handle captured by the function).
 _TRANSPARENT = frozenset({"ReadVariableOp", "Identity", "captured_value"})
-# Ops that reduce over axes given by their second input.
 _RESHAPES = frozenset({"Reshape", "ExpandDims", "Squeeze"})
-_REDUCERS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm"})
 _BATCH_NORMS = frozenset({"FusedBatchNorm", "FusedBatchNormV2",
                           "FusedBatchNormV3"})
 _SAME_SHAPE = _row_ops.SAME_SHAPE
@@ -244,7 +242,7 @@ def _end(tape, tape_state):
         tape._tape = None  # pylint: disable=protected-access
 
 
-def _mixing_error(what, entry, batch):
+def _mixing_error(what, entry, batch, verb="reduces over", axis=0):
     record = _anomaly.record_of(entry.payload)
     if record is not None and record.stack:
         where = "at " + str(_frames.Where(record.stack[0][:2]))
@@ -253,7 +251,7 @@ def _mixing_error(what, entry, batch):
                  "see its line)")
     return ValueError(
         f"GradientTape.{what}: `losses` mixes examples: a {entry.op_type} op "
-        f"{where} reduces over the batch axis (axis 0, of size {batch}) on "
+        f"{where} {verb} the batch axis (axis {axis}, of size {batch}) on "
         "the path from the sources to `losses`, so one example's loss "
         "depends on the others and has no per-example gradient. Compute one "
         "loss per example (reduce over the other axes only), and use layers "
@@ -261,7 +259,236 @@ def _mixing_error(what, entry, batch):
         "with training=False).")
 
 
-def _check_mixing(what, entry, shapes, batch, separable=()):
+# Ops that mix the examples along some axes of their inputs: op type ->
+# (what it does there, finder). A finder takes (payload, ranks of the
+# inputs) and returns {input index: its mixing axes (None: computed while
+# tracing, so maybe the batch's)}. The op mixes the examples where the
+# batch axis of such an input is among them.
+
+_UNSAVED = object()
+
+
+def _given(payload, i):
+    """Input i's value (_config's), or _UNSAVED where the recording kept
+    no such input."""
+    inputs = payload.inputs
+    if len(inputs) <= i or inputs[i] is None:
+        return _UNSAVED
+    return _value(inputs[i])
+
+
+def _axes_at(i, data=0):
+    """Axes given by input i (a reduction's, a cumsum's, a reverse's)."""
+    def find(payload, ranks, io=None):
+        value = _given(payload, i)
+        if value is _UNSAVED:
+            return {}
+        return {data: None if value is None else list(nest.flatten(value))}
+    return find
+
+
+def _last_axis(payload, ranks, io=None):
+    """A softmax's or top_k's: along the last axis."""
+    return {0: [ranks[0] - 1] if ranks[0] else None}
+
+
+def _moved_axes(i, moves):
+    """Axes along which input i's values are not all kept in place:
+    moves(value) -> the axes (a roll's by shifts, a tile's by
+    multiples)."""
+    def find(payload, ranks, io=None):
+        value = _given(payload, i)
+        if value is _UNSAVED:
+            return {}
+        return {0: None if value is None else moves(payload, value, ranks[0])}
+    return find
+
+
+def _rolled(payload, shifts, rank):
+    axes = _given(payload, 2)
+    if axes is None or axes is _UNSAVED:
+        return None
+    shifts, axes = nest.flatten(shifts), nest.flatten(axes)
+    if len(shifts) == 1:
+        shifts = shifts * len(axes)
+    return [a for s, a in zip(shifts, axes) if s != 0]
+
+
+def _masked(payload, dims, rank):
+    """Reverse (TF's first, by a mask of axes)."""
+    return [a for a, d in enumerate(nest.flatten(dims)) if d]
+
+
+def _tiled(payload, ranks, io=None):
+    """Tile: the axes of a multiple other than 1; multiples computed while
+    tracing (UpSampling's repeat): the axes its output is not as long as
+    its input along (each at least one: one multiple there)."""
+    multiples = _given(payload, 1)
+    if multiples is _UNSAVED:
+        return {}
+    if multiples is not None:
+        return {0: [a for a, m in enumerate(nest.flatten(multiples)) if m != 1]}
+    ins, out = io if io else (None, None)
+    if not ins or not ins[0] or not out or len(ins[0]) != len(out):
+        return {0: None}
+    return {0: [a for a, (n, m) in enumerate(zip(ins[0], out))
+                if n is None or n < 1 or n != m]}
+
+
+def _gathered(payload, ranks, io=None):
+    """GatherV2: along its axis (input 2), unless the indices pick each
+    row in place."""
+    axis = _given(payload, 2)
+    if axis is _UNSAVED:
+        return {}
+    if axis is None:
+        return {0: None}
+    indices = _given(payload, 1)
+    params = payload.inputs[0]
+    if indices not in (None, _UNSAVED) and ranks[0] and params is not None:
+        size = params.shape[int(axis) % ranks[0]] if params.shape.rank else None
+        if size is not None and nest.flatten(indices) == list(range(size)):
+            return {}
+    return {0: [axis]}
+
+
+def _gathered_nd(payload, ranks, io=None):
+    """GatherNd: along the leading axes its indices' last axis indexes."""
+    indices = payload.inputs[1] if len(payload.inputs) > 1 else None
+    if indices is None:
+        return {}
+    depth = indices.shape[-1] if indices.shape.rank else None
+    return {0: None if depth is None else list(range(depth))}
+
+
+def _contracted(payload, ranks, io=None):
+    """MatMul, BatchMatMul: the axes each operand is summed over."""
+    first = (_norm_rules.attr(payload, "transpose_a")
+             or _norm_rules.attr(payload, "adj_x"))
+    second = (_norm_rules.attr(payload, "transpose_b")
+              or _norm_rules.attr(payload, "adj_y"))
+    if not ranks[0] or not ranks[1]:
+        return {0: None, 1: None}
+    return {0: [ranks[0] - 2 if first else ranks[0] - 1],
+            1: [ranks[1] - 1 if second else ranks[1] - 2]}
+
+
+def _einsum_contracted(payload, ranks, io=None):
+    """Einsum: the axes whose labels are not in the output."""
+    equation = _norm_rules.attr(payload, "equation")
+    if isinstance(equation, bytes):
+        equation = equation.decode()
+    if not equation or "->" not in equation:
+        return {i: None for i in range(len(ranks))}
+    ins, out = equation.replace(" ", "").split("->")
+    found = {}
+    for i, (labels, rank) in enumerate(zip(ins.split(","), ranks)):
+        if rank is None:
+            found[i] = None
+            continue
+        head, _, tail = labels.partition("...")
+        at = list(enumerate(head)) + [
+            (rank - len(tail) + j, c) for j, c in enumerate(tail)]
+        found[i] = [a for a, c in at if c not in out]
+    return found
+
+
+_MIXERS = {}
+for _op in ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm"):
+    _MIXERS[_op] = ("reduces over", _axes_at(1))
+for _op in ("Cumsum", "Cumprod", "CumulativeLogsumexp"):
+    _MIXERS[_op] = ("accumulates along", _axes_at(1))
+for _op in ("Softmax", "LogSoftmax"):
+    _MIXERS[_op] = ("normalises along", _last_axis)
+for _op in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+    _MIXERS[_op] = ("sums products along", _contracted)
+_MIXERS.update({
+    "TopKV2": ("sorts along", _last_axis),
+    "Einsum": ("sums products along", _einsum_contracted),
+    "ReverseV2": ("reverses", _axes_at(1)),
+    "Reverse": ("reverses", _moved_axes(1, _masked)),
+    "Roll": ("rolls along", _moved_axes(1, _rolled)),
+    "Tile": ("tiles", _tiled),
+    "GatherV2": ("gathers along", _gathered),
+    "GatherNd": ("gathers along", _gathered_nd),
+})
+del _op
+# (their output's shape is not their input's: reductions, products, gathers)
+_MIXERS_OF_SHAPE = frozenset({
+    "Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "MatMul",
+    "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Tile",
+    "GatherV2", "GatherNd"})
+
+
+def _input_shape(entry, i, shapes):
+    """Input i's shape where known: saved, recorded, or (the data input
+    of a softmax, sort, cumsum ... whose gradient keeps only its output)
+    its output's rank and leading size."""
+    t = entry.payload.inputs[i]
+    if t is not None and t.dtype == dtypes.resource:
+        return None
+    shape = shapes.get(entry.input_ids[i])
+    if shape is None and t is not None and t.shape.rank is not None:
+        shape = tuple(t.shape.as_list())
+    if shape is None and i == 0 and entry.op_type not in _MIXERS_OF_SHAPE:
+        out = shapes.get(entry.output_ids[0]) if entry.output_ids else None
+        if out is None and entry.output_meta:
+            out = _meta_shape(entry.output_meta[0])
+        shape = out
+    return shape
+
+
+def _batch_axes_of(entry, i, shape, batch, axes, weights, carrying):
+    """The axes of input i one of which may be its batch's (the op mixes
+    the examples where it mixes along all of them): a weight's none; axis
+    0 where its leading size may be the batch (unknown while tracing),
+    and the axis _track_batch_axis followed the batch to, if another (it
+    takes inputs off the path to lead with the batch: a time-major input
+    as long as the batch fools it); none where the leading size is a
+    multiple of the batch's (folded with another axis: whether an op
+    mixes it, its size cannot tell); else, for a tensor that may hold
+    examples' rows (``carrying``, None for all: its batch moved where the
+    analysis lost it), the followed axis, or each axis of the batch's
+    size."""
+    tid = entry.input_ids[i]
+    if (weights is not None and weights(tid)) or not shape:
+        return set()
+    tracked = axes.get(tid, -1) if axes else -1
+    found = {tracked} if tracked >= 0 else set()
+    if shape[0] in (batch, None):
+        return found | {0}
+    if batch and shape[0] % batch == 0:
+        return found - {0}      # (its 0 there a guess from the size too)
+    if found:
+        return found
+    if carrying is None or tid in carrying:
+        # (None: a traced body's op, where no tensor's rows are known)
+        return {a for a, n in enumerate(shape) if n in (batch, None)}
+    return set()
+
+
+def _pairs_examples(entry, shapes, batch, weights, carrying):
+    """A MatMul of two tensors that may hold examples' rows (``carrying``)
+    whose product is [B, B] (h @ tf.transpose(h)): each row pairs an
+    example with every other."""
+    if entry.op_type != "MatMul" or batch is None or not carrying:
+        return False
+    ids = entry.input_ids[:2]
+    if len(ids) < 2 or any(weights(i) or i not in carrying for i in ids):
+        return False
+    out = shapes.get(entry.output_ids[0]) if entry.output_ids else None
+    if out is None and entry.output_meta:
+        out = _meta_shape(entry.output_meta[0])
+    return tuple(out or ()) == (batch, batch)
+
+
+def _check_mixing(what, entry, shapes, batch, separable=(), axes=None,
+                  weights=None, carrying=None):
+    """Raise where ``entry`` mixes the examples: a training batch norm
+    whose statistics may span several, an op of _MIXERS along an input's
+    batch axis (``axes``: _track_batch_axis's, where it followed it; else
+    axis 0 of an input that may lead with the batch, not a source's value
+    that ``weights`` names), a [B, B] product of two computed tensors."""
     op_type = entry.op_type
     payload = entry.payload
     inputs = getattr(payload, "inputs", None)
@@ -283,19 +510,38 @@ def _check_mixing(what, entry, shapes, batch, separable=()):
                     or shape[0] == batch or int(np.prod(shape)) % batch == 0):
                 raise _mixing_error(what, entry, batch)
         return
-    if op_type not in _REDUCERS or len(inputs) < 2 or inputs[1] is None:
+    if weights is not None and _pairs_examples(entry, shapes, batch, weights,
+                                               carrying):
+        raise _mixing_error(what, entry, batch, "pairs each example with "
+                            "every other along")
+    mixer = _MIXERS.get(op_type)
+    if mixer is None:
         return
-    shape = shapes.get(entry.input_ids[0])
-    if shape is None and inputs[0] is not None and inputs[0].shape.rank is not None:
-        shape = tuple(inputs[0].shape.as_list())
-    if not shape or shape[0] not in (batch, None):
+    verb, find = mixer
+    held, ranks, in_shapes = {}, [], []
+    for i in range(min(len(inputs), len(entry.input_ids))):
+        shape = _input_shape(entry, i, shapes)
+        in_shapes.append(shape)
+        ranks.append(None if shape is None else len(shape))
+        found = _batch_axes_of(entry, i, shape, batch, axes, weights, carrying)
+        if found:
+            held[i] = found
+    if not held:
         return
-    value = _value(inputs[1])
-    if value is None:       # axes computed while tracing: maybe the batch's
-        raise _mixing_error(what, entry, batch)
-    axes = [int(a) % len(shape) for a in nest.flatten(value)]
-    if 0 in axes:
-        raise _mixing_error(what, entry, batch)
+    out = shapes.get(entry.output_ids[0]) if entry.output_ids else None
+    if out is None and entry.output_meta:
+        out = _meta_shape(entry.output_meta[0])
+    for i, found in find(payload, ranks, (in_shapes, out)).items():
+        if i not in held or (i and weights is None):
+            # (a traced body's op: no source is known there, and a
+            # product's second operand, a kernel as long as the batch,
+            # would pass for rows)
+            continue
+        if found is None:   # computed while tracing: maybe the batch's
+            raise _mixing_error(what, entry, batch, verb, min(held[i]))
+        rank = ranks[i]
+        if held[i] <= {int(a) % rank if rank else int(a) for a in found}:
+            raise _mixing_error(what, entry, batch, verb, min(held[i]))
 
 
 # The functions a traced call, loop or conditional runs (not a loop's
@@ -500,8 +746,11 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
         for tid in entry.input_ids:
             consumers.setdefault(tid, []).append(entry)
     groups = _row_groups(entries, shapes, consumers, batch)
+    # (the axes it followed before it lost the batch, if it did: where
+    # _check_mixing looks for it)
+    seen = {}
     followed, axes, loops = _track_batch_axis(entries, shapes, batch, alias,
-                                              consumers)
+                                              consumers, seen)
     movers = []
     produced = frozenset(o for entry in entries for o in entry.output_ids)
     # tensors that may hold examples' rows (_row_ops): a tensor source that
@@ -512,6 +761,10 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
                and s.shape[0] == batch}
     carrying = {sid for sid, k in alias.items() if k in batched}
     weak = set()
+
+    def weights(tid):
+        """A source's value that holds no example (a variable's)."""
+        return tid in alias and alias[tid] not in batched
 
     def may_rule(entry, pos):
         rule = _norm_rules.candidate(entry.op_type, entry.payload)
@@ -545,7 +798,8 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
             k = alias.get(tid)
             if k is not None:
                 uses[k].append((entry, pos))
-        _check_mixing(what, entry, shapes, batch, groups.separable)
+        _check_mixing(what, entry, shapes, batch, groups.separable, seen,
+                      weights, carrying)
         _check_bodies(what, entry, batch)
         if (use_rules and id(entry) not in groups.accepted
                 and id(entry) not in followed
@@ -1976,7 +2230,7 @@ _TRACKED = frozenset({"Transpose", "Unpack", "Pack", "StridedSlice", "Split",
                       "SplitV", "Tile", "ReverseV2"})
 
 
-def _track_batch_axis(entries, shapes, batch, alias, consumers):
+def _track_batch_axis(entries, shapes, batch, alias, consumers, seen=None):
     """Where a recurrent layer runs time-major (Keras' RNNs: Transpose to
     [T, B, ...], Unpack over time, a step's Split of its gates along the
     features, Pack of the outputs and a StridedSlice of the last), the
@@ -1985,8 +2239,9 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers):
     it is lost (a reduction, unpack or slice along it, an op other than
     these and elementwise ones on a tensor whose batch is not on axis 0,
     a result whose batch is not on axis 0). Inputs off the path are taken
-    to lead with the batch, as _row_ops takes them."""
-    axes = {}
+    to lead with the batch, as _row_ops takes them. ``seen``: a dict to
+    fill with the axes (those followed before the batch is lost too)."""
+    axes = {} if seen is None else seen
     followed = set()
     loops = {}      # id of a While's entry -> its plans (_loop_proof)
     none = (set(), None, {})

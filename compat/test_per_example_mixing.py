@@ -1,0 +1,132 @@
+"""Ops that mix the examples along the batch axis without reducing over
+it (a softmax or a cumsum along it, a sort, a [B, B] product, a tile of
+the batch, a roll, reverse or gather of it) make each loss depend on the
+other examples: per-example gradients, norms and DP gradients refuse them
+("`losses` mixes examples"), eagerly and traced. The same op along a
+feature axis keeps the examples apart: its per-example gradients equal a
+loop over single examples, each through the model alone."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import fasttape
+
+B, D, K = 4, 3, 6
+DTYPE = tf.float64
+
+
+def _carried(h, step):
+    """A while loop whose carry goes through ``step`` (traced: one While
+    op on the path, its body checked)."""
+    return tf.while_loop(lambda i, s: i < 2, lambda i, s: (i + 1, step(s)),
+                         (0, h), maximum_iterations=2)[1]
+
+
+# name -> (op along the batch axis, the same op along the features)
+OPS = {
+    "softmax": (lambda h: tf.nn.softmax(h, axis=0), tf.nn.softmax),
+    "softmax_of_a_vector": (lambda h: h * tf.nn.softmax(h[:, 0])[:, None],
+                            lambda h: h * tf.nn.softmax(h[:, :2])[:, :1]),
+    "log_softmax": (lambda h: tf.nn.log_softmax(h, axis=0), tf.nn.log_softmax),
+    "cumsum": (lambda h: tf.cumsum(h, axis=0), lambda h: tf.cumsum(h, axis=1)),
+    "cumulative_logsumexp": (lambda h: tf.math.cumulative_logsumexp(h, axis=0),
+                             lambda h: tf.math.cumulative_logsumexp(h, axis=1)),
+    "sort": (lambda h: tf.sort(h, axis=0), lambda h: tf.sort(h, axis=1)),
+    "product_with_itself": (lambda h: h @ tf.transpose(h),
+                            lambda h: tf.matmul(h[:, :, None], h[:, None, :])),
+    "einsum_over_the_batch": (lambda h: tf.einsum("ij,jk->ik", tf.ones([B, B], DTYPE), h),
+                              lambda h: tf.einsum("bi,ij->bj", h, tf.ones([K, 2], DTYPE))),
+    "tile_reshaped_back": (lambda h: tf.reshape(tf.tile(h, [2, 1]), [B, 2 * K]),
+                           lambda h: tf.tile(h, [1, 2])),
+    "roll": (lambda h: tf.roll(h, 1, axis=0), lambda h: tf.roll(h, 1, axis=1)),
+    "reverse": (lambda h: tf.reverse(h, [0]), lambda h: tf.reverse(h, [1])),
+    "gather": (lambda h: tf.gather(h, [1, 0, 3, 2]),
+               lambda h: tf.gather(h, [2, 0, 5], axis=1)),
+    "while_carry_rolled": (lambda h: _carried(h, lambda s: s + 0.5 * tf.roll(s, 1, 0)),
+                           lambda h: _carried(h, lambda s: s + 0.5 * tf.roll(s, 1, 1))),
+}
+
+
+def _model(op):
+    rng = np.random.default_rng(11)
+    x = tf.constant(rng.normal(size=(B, D)), DTYPE)
+    w = tf.Variable(rng.normal(size=(D, K)) * 0.5, dtype=DTYPE, name="w")
+    head = tf.Variable([0.7], dtype=DTYPE, name="head")
+
+    def loss(x):
+        z = op(tf.tanh(x @ w))
+        z = tf.reshape(z, [tf.shape(x)[0], -1])
+        return tf.reduce_sum(tf.sin(z * head + z), axis=1)
+    return x, loss, [w, head]
+
+
+def _loop(loss, x, variables):
+    """Each example's own gradient: the model applied to it alone."""
+    rows = []
+    for i in range(B):
+        with tf.GradientTape() as tape:
+            li = loss(x[i:i + 1])[0]
+        rows.append(tape.gradient(li, variables))
+    return [np.stack([r[k].numpy() for r in rows]) for k in range(len(variables))]
+
+
+def _per_example(loss, x, variables, traced):
+    def step(x):
+        with fasttape.GradientTape(persistent=True) as tape:
+            losses = loss(x)
+        return (tape.per_example_gradients(losses, variables),
+                tape.per_example_norms(losses, variables))
+    return tf.function(step)(x) if traced else step(x)
+
+
+TRACED = pytest.mark.parametrize("traced", [False, True], ids=["eager", "function"])
+
+
+@TRACED
+@pytest.mark.parametrize("name", list(OPS))
+def test_an_op_along_the_batch_axis_mixes_examples(name, traced):
+    x, loss, variables = _model(OPS[name][0])
+    with pytest.raises(ValueError, match="mixes examples"):
+        _per_example(loss, x, variables, traced)
+
+
+# (a few: each traces its model and runs the loop)
+TWINS = ["softmax", "cumsum", "sort", "product_with_itself",
+         "tile_reshaped_back", "roll", "gather"]
+
+
+@TRACED
+@pytest.mark.parametrize("name", TWINS)
+def test_the_same_op_along_the_features_equals_the_loop(name, traced):
+    x, loss, variables = _model(OPS[name][1])
+    want = _loop(loss, x, variables)
+    got, norms = _per_example(loss, x, variables, traced)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), r, rtol=1e-9, atol=1e-12)
+    flat = np.concatenate([r.reshape(B, -1) for r in want], 1)
+    np.testing.assert_allclose(norms.numpy(), np.linalg.norm(flat, axis=1),
+                               rtol=1e-9)
+
+
+def test_the_error_says_what_the_op_does():
+    x, loss, variables = _model(OPS["cumsum"][0])
+    with pytest.raises(ValueError, match="Cumsum op .* accumulates along the "
+                       "batch axis .* Compute one loss per example"):
+        _per_example(loss, x, variables, False)
+
+
+@TRACED
+def test_a_sum_over_time_of_a_time_major_tensor_as_long_as_the_batch(traced):
+    """[T, B, d] with T == B: a Sum over axis 0 sums over time (the batch
+    axis followed through the Transpose is 1), not over the examples."""
+    rng = np.random.default_rng(12)
+    x = tf.constant(rng.normal(size=(B, B, D)), DTYPE)
+    w = tf.Variable(rng.normal(size=(D, 2)), dtype=DTYPE)
+
+    def loss(x):
+        h = tf.transpose(tf.tanh(x @ w), [1, 0, 2])
+        return tf.reduce_sum(tf.sin(tf.reduce_sum(h, 0)), 1)
+    want = _loop(loss, x, [w])
+    got, _ = _per_example(loss, x, [w], traced)
+    np.testing.assert_allclose(got[0].numpy(), want[0], rtol=1e-9, atol=1e-12)
