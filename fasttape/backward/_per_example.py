@@ -393,14 +393,16 @@ def _einsum_contracted(payload, ranks, io=None):
     return found
 
 
+_REDUCERS = ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm")
+_PRODUCTS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
 _MIXERS = {}
-for _op in ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm"):
+for _op in _REDUCERS:
     _MIXERS[_op] = ("reduces over", _axes_at(1))
 for _op in ("Cumsum", "Cumprod", "CumulativeLogsumexp"):
     _MIXERS[_op] = ("accumulates along", _axes_at(1))
 for _op in ("Softmax", "LogSoftmax"):
     _MIXERS[_op] = ("normalises along", _last_axis)
-for _op in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+for _op in _PRODUCTS:
     _MIXERS[_op] = ("sums products along", _contracted)
 _MIXERS.update({
     "TopKV2": ("sorts along", _last_axis),
@@ -414,10 +416,16 @@ _MIXERS.update({
 })
 del _op
 # (their output's shape is not their input's: reductions, products, gathers)
-_MIXERS_OF_SHAPE = frozenset({
-    "Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "MatMul",
-    "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Tile",
-    "GatherV2", "GatherNd"})
+_MIXERS_OF_SHAPE = frozenset(
+    _REDUCERS + _PRODUCTS + ("Einsum", "Tile", "GatherV2", "GatherNd"))
+
+
+def _output_shape(entry, shapes):
+    """The first output's shape where known: worked out, or recorded."""
+    out = shapes.get(entry.output_ids[0]) if entry.output_ids else None
+    if out is None and entry.output_meta:
+        out = _meta_shape(entry.output_meta[0])
+    return out
 
 
 def _input_shape(entry, i, shapes):
@@ -431,10 +439,7 @@ def _input_shape(entry, i, shapes):
     if shape is None and t is not None and t.shape.rank is not None:
         shape = tuple(t.shape.as_list())
     if shape is None and i == 0 and entry.op_type not in _MIXERS_OF_SHAPE:
-        out = shapes.get(entry.output_ids[0]) if entry.output_ids else None
-        if out is None and entry.output_meta:
-            out = _meta_shape(entry.output_meta[0])
-        shape = out
+        shape = _output_shape(entry, shapes)
     return shape
 
 
@@ -476,10 +481,7 @@ def _pairs_examples(entry, shapes, batch, weights, carrying):
     ids = entry.input_ids[:2]
     if len(ids) < 2 or any(weights(i) or i not in carrying for i in ids):
         return False
-    out = shapes.get(entry.output_ids[0]) if entry.output_ids else None
-    if out is None and entry.output_meta:
-        out = _meta_shape(entry.output_meta[0])
-    return tuple(out or ()) == (batch, batch)
+    return tuple(_output_shape(entry, shapes) or ()) == (batch, batch)
 
 
 def _check_mixing(what, entry, shapes, batch, separable=(), axes=None,
@@ -528,9 +530,7 @@ def _check_mixing(what, entry, shapes, batch, separable=(), axes=None,
             held[i] = found
     if not held:
         return
-    out = shapes.get(entry.output_ids[0]) if entry.output_ids else None
-    if out is None and entry.output_meta:
-        out = _meta_shape(entry.output_meta[0])
+    out = _output_shape(entry, shapes)
     for i, found in find(payload, ranks, (in_shapes, out)).items():
         if i not in held or (i and weights is None):
             # (a traced body's op: no source is known there, and a
@@ -770,9 +770,7 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
         rule = _norm_rules.candidate(entry.op_type, entry.payload)
         if rule is None:
             return False
-        out = shapes.get(entry.output_ids[0]) if entry.output_ids else None
-        if out is None and entry.output_meta:
-            out = _meta_shape(entry.output_meta[0])
+        out = _output_shape(entry, shapes)
         src = shapes.get(entry.input_ids[pos])
         if out is None or src is None:
             return True
@@ -2731,9 +2729,7 @@ def _out_shapes(entry, pos, shapes, in_shape):
         return [tuple(d // n if a == axis else d for a, d in enumerate(in_shape))] * n, op
     if len(entry.output_ids) != 1:
         return None
-    out = shapes.get(entry.output_ids[0])
-    if out is None and entry.output_meta:
-        out = _meta_shape(entry.output_meta[0])
+    out = _output_shape(entry, shapes)
     if op == "StridedSlice":
         pads = _slice_pads(entry, in_shape) if pos == 0 else None
         if pads is None:
