@@ -49,7 +49,6 @@ from tensorflow.python.framework import random_seed
 from tensorflow.python.framework import tensor_shape
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import array_ops_stack
-from tensorflow.python.ops import cond
 from tensorflow.python.ops import control_flow_assert
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gen_random_ops
@@ -1075,12 +1074,18 @@ def _graph_rows(tape, losses, flat_raw, keys, basis=None):
     raw = [flat_raw[k] for k in keys]
     flat = [_gradient.handle_or_self(s) for s in raw]
     tape_state = tape._tape  # pylint: disable=protected-access
+    cut = None
     if basis is not None:
         n = int(basis.shape[0])
     elif losses.shape[0] is not None:
         n = int(losses.shape[0])
     else:
-        n = array_ops.shape(losses)[0]
+        # (over no examples, a replica's empty shard, TF's pfor builds rows
+        # of the wrong shape, [0, 1, 3] for a [5, 3] MatMul weight's, or
+        # fails, in a Conv2D's filter gradient: one iteration, its seed
+        # empty, cut off after)
+        cut = array_ops.shape(losses)[0]
+        n = math_ops.maximum(cut, 1)
     connected = []
 
     def loop_fn(i):
@@ -1101,6 +1106,8 @@ def _graph_rows(tape, losses, flat_raw, keys, basis=None):
                                            for s in raw], n)
     else:
         rows = pfor_ops.pfor(loop_fn, n)
+    if cut is not None:
+        rows = [r[:cut] for r in rows]
     return {k: r if c else None for k, r, c in zip(keys, rows, connected)}
 
 
@@ -1803,31 +1810,6 @@ def _noised(out, flat_raw, stddev, seed):
     return [g if g is None else add_noise(k, g) for k, g in enumerate(out)]
 
 
-def _shard_sums(tape, tape_state, losses, flat, flat_raw, clip, m):
-    """While tracing, a replica's shard of a size unknown until run time:
-    its clipped sums (undivided, no noise) under a tf.cond on the size,
-    zeros for an empty shard. (Over no examples TF's pfor builds rows of
-    the wrong shape, [0, 1, 3] for a [5, 3] MatMul weight, or fails, in a
-    Conv2D's filter gradient.)"""
-    kept = []
-
-    def clipped():
-        out = _dp_traced(tape, tape_state, losses, flat, flat_raw, None, clip,
-                         m, 0.0, None, divide=None)
-        kept.extend(k for k, g in enumerate(out) if g is not None)
-        return [ops.convert_to_tensor(out[k]) for k in kept]
-
-    def empty():        # (traced after clipped(): cond_v2 builds it second)
-        return [_zeros(flat_raw[k]) for k in kept]
-
-    sums = cond.cond(math_ops.greater(array_ops.shape(losses)[0], 0),
-                     clipped, empty)
-    out = [None] * len(flat)
-    for k, g in zip(kept, sums if kept else ()):
-        out[k] = g
-    return out
-
-
 def _empty_sums(tape_state, losses, flat, flat_raw):
     """dp_gradient's clipped sums over a batch of no examples (a replica's
     empty shard): zeros, None for a source the losses do not reach (where
@@ -1861,15 +1843,10 @@ def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
     noise by _graph_noise. ``m`` None: the batch is unknown while tracing
     (every example its own microbatch, m read at run time); ``batch`` None
     with ``m`` given: the microbatches' size read at run time
-    (_microbatch_basis). ``divide`` as dp_gradient's (None: not, in
-    _shard_sums' branch for a shard that holds examples)."""
+    (_microbatch_basis). ``divide`` as dp_gradient's."""
     if batch == 0:
         return _noised(_empty_sums(tape_state, losses, flat, flat_raw),
                        flat_raw, clip * noise_multiplier, seed)
-    if batch is None and divide is False:
-        return _noised(_shard_sums(tape, tape_state, losses, flat, flat_raw,
-                                   clip, m), flat_raw,
-                       clip * noise_multiplier, seed)
     if m == batch:
         analysis = _analyse("dp_gradient", tape_state, losses, flat, flat_raw,
                             batch)
