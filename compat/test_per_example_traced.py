@@ -440,6 +440,25 @@ def test_microbatches_of_a_batch_known_at_run_time(mode):
         step(*[x[:3] for x in xs])
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_microbatches_refused_while_tracing_a_known_batch(mode):
+    """A batch known while tracing that num_microbatches does not divide:
+    the eager error, raised while tracing (autograph raises it again as
+    itself: InvalidArgumentError and ValueError)."""
+    xs, loss, variables = _mlp(tf.float32)
+
+    @tf.function(**MODES[mode])
+    def micro(*xs):
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        return tape.dp_gradient(losses, variables, 1.0, num_microbatches=4)
+
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"num_microbatches \(4\) must divide the batch size") as e:
+        micro(*xs)
+    assert isinstance(e.value, ValueError)
+
+
 @pytest.mark.parametrize("case", ["embedding_resource", "sequence_gram",
                                   "folded_rows", "einsum_heads"])
 def test_traced_sequence_length_unknown_while_tracing(case):

@@ -1742,10 +1742,8 @@ class IndivisibleBatchError(errors.InvalidArgumentError, ValueError):
     """dp_gradient's num_microbatches does not divide the batch size, or
     the batch holds no example: TF's InvalidArgumentError, which a function
     whose batch is known only at run time raises for it, and a ValueError
-    (an argument's)."""
-
-    def __init__(self, message):
-        super().__init__(None, None, message)
+    (an argument's). Made as TF's: (node_def, op, message), which
+    autograph needs to raise it again from a function being traced."""
 
 
 _EMPTY = ("dp_gradient: a batch of no examples has no microbatch to divide "
@@ -2146,10 +2144,10 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
             f"num_microbatches must be at least 1, got {num_microbatches!r}")
     m = batch if num_microbatches is None else int(num_microbatches)
     if batch == 0 and divide:
-        raise IndivisibleBatchError(_EMPTY)
+        raise IndivisibleBatchError(None, None, _EMPTY)
     if batch and batch % m:
         raise IndivisibleBatchError(
-            f"{_indivisible(m)}; the batch size: {batch}")
+            None, None, f"{_indivisible(m)}; the batch size: {batch}")
     clip = float(l2_norm_clip)
     if not context.executing_eagerly():
         try:
