@@ -440,6 +440,31 @@ def test_microbatches_of_a_batch_known_at_run_time(mode):
         step(*[x[:3] for x in xs])
 
 
+@pytest.mark.parametrize("microbatches", [None, 2])
+@pytest.mark.parametrize("mode", ["eager"] + list(MODES))
+def test_a_batch_of_no_examples_is_refused(mode, microbatches):
+    """No example, no microbatch to divide by: InvalidArgumentError in
+    every mode (under XLA, which drops assertions, a reshape named for it
+    fails, or with microbatches TF's pfor over their empty rows, first),
+    not a gradient of zeros or of noise over 0."""
+    xs, loss, variables = _mlp(tf.float32)
+    spec = [tf.TensorSpec([None] + x.shape[1:].as_list(), x.dtype) for x in xs]
+
+    def step(*xs):
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        return tape.dp_gradient(losses, variables, 1.0, 1.0,
+                                num_microbatches=microbatches)
+
+    if mode != "eager":
+        step = tf.function(step, input_signature=spec, **MODES[mode])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=(
+            "a batch of no examples" if mode != "jit"
+            else "dp_gradient_needs_a_batch_of_examples" if microbatches is None
+            else None)):
+        step(*[x[:0] for x in xs])
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_microbatches_refused_while_tracing_a_known_batch(mode):
     """A batch known while tracing that num_microbatches does not divide:

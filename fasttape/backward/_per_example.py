@@ -1757,34 +1757,39 @@ def _indivisible(m):
             "examples that is a multiple of the batch size)")
 
 
-def _nonempty(losses):
-    """While tracing, the losses' batch unknown: an assertion that it holds
-    examples (as eagerly: none, no microbatch to divide by)."""
-    return control_flow_assert.Assert(
-        math_ops.greater(array_ops.shape(losses)[0], 0), [_EMPTY])
+def _examples_one(losses, dtype):
+    """While tracing, the batch unknown: a 1 of ``dtype`` (a factor of the
+    divisor) that fails on a batch of no examples (as eagerly: no
+    microbatch to divide by): an assertion, and under XLA, which drops
+    assertions, a reshape named for it."""
+    n = array_ops.shape(losses)[0]
+    check = control_flow_assert.Assert(math_ops.greater(n, 0), [_EMPTY])
+    with ops.control_dependencies([check]):
+        one = array_ops.reshape(
+            array_ops.ones([1], dtype),
+            array_ops.reshape(math_ops.minimum(n, 1), [1]),
+            name="dp_gradient_needs_a_batch_of_examples")
+    return array_ops.reshape(one, [])
 
 
-def _microbatch_basis(losses, m, batch, divide=True):
+def _microbatch_basis(losses, m, batch):
     """[m, B]: row j averages microbatch j's losses, examples j B/m to
     (j+1) B/m - 1 (TF Privacy's reshape of the losses to [m, B/m], each
     row's mean). ``batch`` None: B read at run time, where a B that m does
     not divide fails with IndivisibleBatchError's message (an assertion's
     InvalidArgumentError; under XLA, which drops assertions, the reshape to
     [m, B] fails, an InvalidArgumentError too). A B of 0 (a replica's empty
-    shard, ``divide`` false) gives an empty basis: every microbatch's
-    gradient is 0."""
+    shard) gives an empty basis: every microbatch's gradient is 0."""
     eye = linalg_ops_impl.eye(m, dtype=losses.dtype)
     if batch is not None:
         size = batch // m
         return array_ops.repeat(eye, size, axis=1) / size
     n = array_ops.shape(losses)[0]
     size = n // m
-    checks = [control_flow_assert.Assert(
+    check = control_flow_assert.Assert(
         math_ops.equal(n - size * m, 0),
-        [f"{_indivisible(m)}; the batch size:", n])]
-    if divide:
-        checks.append(_nonempty(losses))
-    with ops.control_dependencies(checks):
+        [f"{_indivisible(m)}; the batch size:", n])
+    with ops.control_dependencies([check]):
         basis = array_ops.reshape(
             array_ops.repeat(eye, size, axis=1), array_ops_stack.stack([m, n]),
             name="num_microbatches_must_divide_the_batch_size")
@@ -1861,7 +1866,7 @@ def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
                             batch, use_rules=False)
         ruled, rows = {}, _rows(tape, losses, flat_raw,
                                 list(analysis.fallback),
-                                _microbatch_basis(losses, m, batch, divide))
+                                _microbatch_basis(losses, m, batch))
     _note_fallback("dp_gradient", tape, flat_raw, analysis)
     spec, feeds, _ = _post_plan(ruled, rows, flat_raw, {},
                                 _op_types(analysis, ruled))
@@ -1872,10 +1877,11 @@ def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
     if not divide:
         count = _norm_rules._const(1, dtype)
     elif m is None:
-        with ops.control_dependencies([_nonempty(losses)]):
-            count = math_ops.cast(array_ops.shape(losses)[0], dtype)
+        count = math_ops.cast(array_ops.shape(losses)[0], dtype)
     else:
         count = _norm_rules._const(m, dtype)
+    if divide and batch is None:
+        count = count * _examples_one(losses, dtype)
     clip_t = _norm_rules._const(clip, dtype)
     noised = noise_multiplier > 0
     # (a table's clipped rows stay IndexedSlices: scattered into its noise
