@@ -26,10 +26,11 @@ RULED = ["mlp", "sequence_gram", "einsum_heads", "conv_same",
          "folded_rows"]
 
 
-def _expected_dp(ref, m):
-    """TF Privacy's clipped mean (noise 0) from per-example gradients, at a
-    clip norm between the microbatches' norms (some clipped, some not)."""
-    micro = [tf.reduce_mean(tf.reshape(g, [m, B // m] + g.shape[1:].as_list()), 1)
+def _expected_dp(ref, m, n=B):
+    """TF Privacy's clipped mean (noise 0) from per-example gradients (of
+    the first n examples), at a clip norm between the microbatches' norms
+    (some clipped, some not)."""
+    micro = [tf.reduce_mean(tf.reshape(g[:n], [m, n // m] + g.shape[1:].as_list()), 1)
              for g in ref]
     norms = tf.sqrt(tf.add_n([tf.reduce_sum(tf.reshape(g, [m, -1]) ** 2, 1)
                               for g in micro]))
@@ -395,20 +396,6 @@ def test_traced_unknown_batch_takes_rows():
         _close(g, r[:3], tf.float32)
 
 
-def _microbatched(ref, m, n):
-    """The hand-written DP step (noise 0) of the first n examples in m
-    microbatches: each microbatch's gradient the mean of its examples',
-    clipped, summed, divided by m; at a clip norm between the
-    microbatches' norms."""
-    micro = [tf.reduce_mean(tf.reshape(g[:n], [m, n // m] + g.shape[1:].as_list()), 1)
-             for g in ref]
-    norms = tf.sqrt(tf.add_n([tf.reduce_sum(tf.reshape(g, [m, -1]) ** 2, 1)
-                              for g in micro]))
-    clip = float(np.median(norms.numpy()))
-    scale = clip / tf.maximum(norms, clip)
-    return clip, [tf.tensordot(scale, g, 1) / m for g in micro]
-
-
 @pytest.mark.parametrize("mode", ["eager"] + list(MODES))
 def test_microbatches_of_a_batch_known_at_run_time(mode):
     """num_microbatches where the batch is unknown while tracing (as
@@ -426,7 +413,7 @@ def test_microbatches_of_a_batch_known_at_run_time(mode):
         return tape.dp_gradient(losses, variables, clip, num_microbatches=2)
 
     for n in (6, 4):
-        clip, expected = _microbatched(ref, 2, n)
+        clip, expected = _expected_dp(ref, 2, n)
         step = functools.partial(micro, clip)
         if mode != "eager":
             step = tf.function(step, input_signature=spec, **MODES[mode])
