@@ -225,6 +225,19 @@ CASES = textwrap.dedent('''
         out["compiled fit, last batch of one"] = {
             "error": type(e).__name__, "message": str(e)[:300]}
 
+    # no example on either replica: one device's error for an empty batch,
+    # raised by every replica after the collectives
+    empty = [strategy.experimental_distribute_values_from_function(
+        lambda ctx, k=k: tf.constant((x[:0], y[:0])[k])) for k in (0, 1)]
+    for name, run in (("eager", eager), ("compiled", lambda *a: static(*a[:2]))):
+        try:
+            run(*empty, 0.0, None, None)
+            out["no example, " + name] = "no error"
+        except Exception as e:
+            out["no example, " + name] = [
+                type(e).__name__, isinstance(e, tf.errors.InvalidArgumentError),
+                "a batch of no examples" in str(e)]
+
     print("RESULT" + json.dumps(out))
 ''')
 
@@ -278,6 +291,12 @@ def test_one_example_over_two_replicas(results, name):
     case = results[name]
     _check(case, devices=case.get("devices", ()) if "compiled" in name
            else ("CPU:0", "CPU:1"))
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_no_example_on_any_replica(results, mode):
+    assert results["no example, " + mode][1:] == [True, True], results[
+        "no example, " + mode]
 
 
 def test_compiled_fit_with_a_last_batch_of_one_on_two_replicas(results):

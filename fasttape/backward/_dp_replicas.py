@@ -62,15 +62,14 @@ def dp_gradient(ctx, tape, losses, sources, l2_norm_clip, noise_multiplier,
     # a replica without noise returns as IndexedSlices, reduce as one)
     present = [ops.convert_to_tensor(g) for g in flat if g is not None]
     summed = ctx.all_reduce(reduce_util.ReduceOp.SUM, present) if present else []
+    # (no example on any replica: one device's error for an empty batch)
     if context.executing_eagerly():
         if not m_global.numpy() > 0:      # (the same on every replica)
-            raise ValueError("dp_gradient: a global batch of no examples has "
-                             "no microbatch to divide the clipped sum by.")
+            raise _per_example.IndivisibleBatchError(
+                None, None, _per_example.EMPTY_BATCH)
     else:
-        check = control_flow_assert.Assert(
-            math_ops.greater(m_global, 0),
-            ["dp_gradient: a global batch of no examples has no microbatch "
-             "to divide the clipped sum by."])
+        check = control_flow_assert.Assert(math_ops.greater(m_global, 0),
+                                           [_per_example.EMPTY_BATCH])
         with ops.control_dependencies([check]):
             m_global = array_ops.identity(m_global)
     divided = iter([g / math_ops.cast(m_global, g.dtype) for g in summed])

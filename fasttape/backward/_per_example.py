@@ -1746,7 +1746,7 @@ class IndivisibleBatchError(errors.InvalidArgumentError, ValueError):
     autograph needs to raise it again from a function being traced."""
 
 
-_EMPTY = ("dp_gradient: a batch of no examples has no microbatch to divide "
+EMPTY_BATCH = ("dp_gradient: a batch of no examples has no microbatch to divide "
           "the clipped sum by.")
 
 
@@ -1763,7 +1763,7 @@ def _examples_one(losses, dtype):
     microbatch to divide by): an assertion, and under XLA, which drops
     assertions, a reshape named for it."""
     n = array_ops.shape(losses)[0]
-    check = control_flow_assert.Assert(math_ops.greater(n, 0), [_EMPTY])
+    check = control_flow_assert.Assert(math_ops.greater(n, 0), [EMPTY_BATCH])
     with ops.control_dependencies([check]):
         one = array_ops.reshape(
             array_ops.ones([1], dtype),
@@ -2150,7 +2150,7 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
             f"num_microbatches must be at least 1, got {num_microbatches!r}")
     m = batch if num_microbatches is None else int(num_microbatches)
     if batch == 0 and divide:
-        raise IndivisibleBatchError(None, None, _EMPTY)
+        raise IndivisibleBatchError(None, None, EMPTY_BATCH)
     if batch and batch % m:
         raise IndivisibleBatchError(
             None, None, f"{_indivisible(m)}; the batch size: {batch}")
