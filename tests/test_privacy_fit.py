@@ -361,6 +361,25 @@ def test_tf_keras_fit_equals_the_reference_dp_step():
     assert set(history) == {"loss", "accuracy"} and history["loss"][0] > 0
 
 
+def test_tf_keras_compiled_fit_microbatches_with_a_smaller_last_batch():
+    """tf_keras traces its step with the batch unknown after the first
+    batch's size changes: the microbatches cut at run time."""
+    import tf_keras
+    model = tf_keras.Sequential([
+        tf_keras.layers.Dense(8, activation="tanh", input_shape=(6,)),
+        tf_keras.layers.Dense(3)])
+    model.set_weights(_build(_sequential).get_weights())
+    model.compile(tf_keras.optimizers.SGD(0.5),
+                  tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    privacy.make_private(model, l2_norm_clip=CLIP, noise_multiplier=0.0,
+                         num_microbatches=4)
+    model.fit(*_data(_sequential, 2 * BATCH + 4), batch_size=BATCH,
+              shuffle=False, verbose=0)
+    want, _ = _reference(_sequential, keras.optimizers.SGD(0.5), microbatches=4,
+                         n=2 * BATCH + 4)
+    _assert_same(model, want)
+
+
 @pytest.mark.parametrize("run_eagerly", [True, False])
 def test_a_batch_normalization_on_the_input_is_refused(run_eagerly):
     """BatchNormalization in training mode normalizes by the batch's
