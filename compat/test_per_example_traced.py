@@ -4,6 +4,8 @@ against a loop of B single-example tf.GradientTape's (eager), for every op
 rule and for the rows fallback; noise, mixing, an unknown batch,
 retracing, TF's leak checks."""
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -24,10 +26,11 @@ RULED = ["mlp", "sequence_gram", "einsum_heads", "conv_same",
          "folded_rows"]
 
 
-def _expected_dp(ref, m):
-    """TF Privacy's clipped mean (noise 0) from per-example gradients, at a
-    clip norm between the microbatches' norms (some clipped, some not)."""
-    micro = [tf.reduce_mean(tf.reshape(g, [m, B // m] + g.shape[1:].as_list()), 1)
+def _expected_dp(ref, m, n=B):
+    """TF Privacy's clipped mean (noise 0) from per-example gradients (of
+    the first n examples), at a clip norm between the microbatches' norms
+    (some clipped, some not)."""
+    micro = [tf.reduce_mean(tf.reshape(g[:n], [m, n // m] + g.shape[1:].as_list()), 1)
              for g in ref]
     norms = tf.sqrt(tf.add_n([tf.reduce_sum(tf.reshape(g, [m, -1]) ** 2, 1)
                               for g in micro]))
@@ -392,14 +395,80 @@ def test_traced_unknown_batch_takes_rows():
     for g, r in zip(step(*half)[0], ref):
         _close(g, r[:3], tf.float32)
 
-    @tf.function(input_signature=spec)
+
+@pytest.mark.parametrize("mode", ["eager"] + list(MODES))
+def test_microbatches_of_a_batch_known_at_run_time(mode):
+    """num_microbatches where the batch is unknown while tracing (as
+    Keras' fit traces its step): the microbatches cut at run time, each
+    batch's as eagerly; a batch they do not divide raises
+    InvalidArgumentError in every mode (eagerly and while tracing
+    IndivisibleBatchError, also a ValueError)."""
+    xs, loss, variables = _mlp(tf.float32)
+    ref = _reference(loss, xs, variables)
+    spec = [tf.TensorSpec([None] + x.shape[1:].as_list(), x.dtype) for x in xs]
+
+    def micro(clip, *xs):
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        return tape.dp_gradient(losses, variables, clip, num_microbatches=2)
+
+    for n in (6, 4):
+        clip, expected = _expected_dp(ref, 2, n)
+        step = functools.partial(micro, clip)
+        if mode != "eager":
+            step = tf.function(step, input_signature=spec, **MODES[mode])
+        for g, e in zip(step(*[x[:n] for x in xs]), expected):
+            _close(g, e, tf.float32)
+    # (under XLA, which drops assertions, the reshape that cuts them fails,
+    # named for it)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=(
+            "num_microbatches_must_divide_the_batch_size" if mode == "jit"
+            else r"num_microbatches \(2\) must divide the batch size")):
+        step(*[x[:3] for x in xs])
+
+
+@pytest.mark.parametrize("microbatches", [None, 2])
+@pytest.mark.parametrize("mode", ["eager"] + list(MODES))
+def test_a_batch_of_no_examples_is_refused(mode, microbatches):
+    """No example, no microbatch to divide by: InvalidArgumentError in
+    every mode (under XLA, which drops assertions, a reshape named for it
+    fails, or with microbatches TF's pfor over their empty rows, first),
+    not a gradient of zeros or of noise over 0."""
+    xs, loss, variables = _mlp(tf.float32)
+    spec = [tf.TensorSpec([None] + x.shape[1:].as_list(), x.dtype) for x in xs]
+
+    def step(*xs):
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        return tape.dp_gradient(losses, variables, 1.0, 1.0,
+                                num_microbatches=microbatches)
+
+    if mode != "eager":
+        step = tf.function(step, input_signature=spec, **MODES[mode])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=(
+            "a batch of no examples" if mode != "jit"
+            else "dp_gradient_needs_a_batch_of_examples" if microbatches is None
+            else None)):
+        step(*[x[:0] for x in xs])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_microbatches_refused_while_tracing_a_known_batch(mode):
+    """A batch known while tracing that num_microbatches does not divide:
+    the eager error, raised while tracing (autograph raises it again as
+    itself: InvalidArgumentError and ValueError)."""
+    xs, loss, variables = _mlp(tf.float32)
+
+    @tf.function(**MODES[mode])
     def micro(*xs):
         with fasttape.GradientTape() as tape:
             losses = loss(*xs)
-        return tape.dp_gradient(losses, variables, 1.0, num_microbatches=2)
+        return tape.dp_gradient(losses, variables, 1.0, num_microbatches=4)
 
-    with pytest.raises(ValueError, match="num_microbatches .* batch size known"):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"num_microbatches \(4\) must divide the batch size") as e:
         micro(*xs)
+    assert isinstance(e.value, ValueError)
 
 
 @pytest.mark.parametrize("case", ["embedding_resource", "sequence_gram",

@@ -249,11 +249,13 @@ def make_private(model: Any, *, l2_norm_clip: float, noise_multiplier: float,
         overrides ``__call__``.
       ValueError: for an ``l2_norm_clip`` that is not positive, a negative
         ``noise_multiplier`` or a ``num_microbatches`` below 1; at the
-        first step, for a batch ``num_microbatches`` does not divide, a
-        model compiled without a loss, a loss with no value per example,
+        first step, for a model compiled without a loss, a loss with no value per example,
         ``"mean_with_sample_weight"`` with sample weights, several
         losses on one output, or a trainable ``BatchNormalization`` layer
         (its batch statistics mix the examples).
+      tf.errors.InvalidArgumentError: at the step of a batch
+        ``num_microbatches`` does not divide (the last one of a dataset,
+        often: batch it with ``drop_remainder=True``), compiled or eagerly.
       NotImplementedError: at the first step, with a
         ``LossScaleOptimizer`` (mixed_float16's loss scaling).
       RuntimeError: at the first step, where the Keras installed lacks or

@@ -588,15 +588,20 @@ class GradientTape:
           ``optimizer.apply_gradients``.
 
         Raises:
-          ValueError: as per_example_gradients(), for a num_microbatches
-            that does not divide B, or for a source listed twice.
+          ValueError: as per_example_gradients(), or for a source listed
+            twice.
+          tf.errors.InvalidArgumentError: for a num_microbatches that does
+            not divide B, or a B of 0: eagerly and while tracing where B is
+            known (then also a ValueError), else when the function runs.
           RuntimeError: as per_example_gradients().
 
         In a replica of a tf.distribute strategy (``strategy.run``), each
-        replica clips its own examples, the clipped sums are summed across
-        replicas, the noise is added once and the division is by the
-        global number of microbatches: every replica gets the gradient of
-        the whole global batch (apply it without another cross-replica sum).
+        replica clips its own examples (num_microbatches of them, if
+        given; none from a replica whose shard is empty), the clipped sums
+        are summed across replicas, the noise is added once and the
+        division is by the global number of microbatches: every replica
+        gets the gradient of the whole global batch (apply it without
+        another cross-replica sum).
         """
         ctx = _dp_replicas.replica_context()
         if ctx is not None:

@@ -60,9 +60,8 @@ def _build(make):
     return make()
 
 
-def _data(make):
+def _data(make, n=BATCH * STEPS):
     rng = np.random.default_rng(0)
-    n = BATCH * STEPS
     if make is _sequence:
         return (rng.normal(size=(n, 4, 6)).astype("float32"),
                 rng.normal(size=(n, 4, 3)).astype("float32"))
@@ -77,17 +76,18 @@ def _loss(make, reduction="sum_over_batch_size"):
 
 
 def _reference(make, optimizer, sample_weight=None, microbatches=None,
-               loss_weight=1.0):
-    """Weights and per-step mean losses of the hand-written DP-SGD steps."""
+               loss_weight=1.0, n=BATCH * STEPS):
+    """Weights and per-step mean losses of the hand-written DP-SGD steps
+    (n examples: a last batch of fewer than BATCH)."""
     model = _build(make)
-    x, y = _data(make)
+    x, y = _data(make, n)
     loss_fn = _loss(make, reduction=None)
-    m = microbatches or BATCH
-    size = BATCH // m
     step_losses = []
-    for s in range(STEPS):
-        rows = slice(s * BATCH, (s + 1) * BATCH)
+    for s in range(0, n, BATCH):
+        rows = slice(s, s + BATCH)
         xb, yb = x[rows], y[rows]
+        m = microbatches or len(xb)
+        size = len(xb) // m
         wb = None if sample_weight is None else sample_weight[rows]
         total = [tf.zeros_like(v) for v in model.trainable_variables]
         losses = []
@@ -120,11 +120,11 @@ def _reference(make, optimizer, sample_weight=None, microbatches=None,
 
 
 def _fit(make, optimizer, run_eagerly=True, sample_weight=None,
-         loss_weights=None, **dp):
+         loss_weights=None, jit_compile=False, n=BATCH * STEPS, **dp):
     model = _build(make)
-    x, y = _data(make)
+    x, y = _data(make, n)
     model.compile(optimizer, _loss(make), run_eagerly=run_eagerly,
-                  loss_weights=loss_weights,
+                  jit_compile=jit_compile, loss_weights=loss_weights,
                   metrics=[] if make is _sequence else ["accuracy"])
     privacy.make_private(model, l2_norm_clip=CLIP, **dict(
         dict(noise_multiplier=0.0), **dp))
@@ -174,6 +174,29 @@ def test_microbatches_and_loss_weights():
     want, _ = _reference(_sequential, keras.optimizers.SGD(0.5), microbatches=4,
                          loss_weight=0.05)
     _assert_same(model, want)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled", "jit"])
+def test_microbatches_with_a_smaller_last_batch(mode):
+    """Batches of 8, 8 and 4 in 4 microbatches: compiled, fit traces its
+    step with the batch unknown, and each batch's microbatches are cut at
+    run time, as eagerly."""
+    model, _ = _fit(_sequential, keras.optimizers.SGD(0.5), num_microbatches=4,
+                    run_eagerly=mode == "eager", jit_compile=mode == "jit",
+                    n=2 * BATCH + 4)
+    want, _ = _reference(_sequential, keras.optimizers.SGD(0.5), microbatches=4,
+                         n=2 * BATCH + 4)
+    _assert_same(model, want)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_last_batch_the_microbatches_do_not_divide(mode):
+    """Batches of 8, 8 and 3 in 2 microbatches: TF's InvalidArgumentError
+    at the last batch, eagerly (also a ValueError) and compiled alike."""
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"num_microbatches \(2\) must divide the batch size"):
+        _fit(_sequential, keras.optimizers.SGD(0.5), num_microbatches=2,
+             run_eagerly=mode == "eager", n=2 * BATCH + 3)
 
 
 def test_seeded_noise_repeats_and_differs_step_to_step():
@@ -336,6 +359,25 @@ def test_tf_keras_fit_equals_the_reference_dp_step():
     for a, b in zip(model.trainable_variables, ref.trainable_variables):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=2e-5, atol=2e-6)
     assert set(history) == {"loss", "accuracy"} and history["loss"][0] > 0
+
+
+def test_tf_keras_compiled_fit_microbatches_with_a_smaller_last_batch():
+    """tf_keras traces its step with the batch unknown after the first
+    batch's size changes: the microbatches cut at run time."""
+    import tf_keras
+    model = tf_keras.Sequential([
+        tf_keras.layers.Dense(8, activation="tanh", input_shape=(6,)),
+        tf_keras.layers.Dense(3)])
+    model.set_weights(_build(_sequential).get_weights())
+    model.compile(tf_keras.optimizers.SGD(0.5),
+                  tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    privacy.make_private(model, l2_norm_clip=CLIP, noise_multiplier=0.0,
+                         num_microbatches=4)
+    model.fit(*_data(_sequential, 2 * BATCH + 4), batch_size=BATCH,
+              shuffle=False, verbose=0)
+    want, _ = _reference(_sequential, keras.optimizers.SGD(0.5), microbatches=4,
+                         n=2 * BATCH + 4)
+    _assert_same(model, want)
 
 
 @pytest.mark.parametrize("run_eagerly", [True, False])

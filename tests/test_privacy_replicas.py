@@ -161,6 +161,83 @@ CASES = textwrap.dedent('''
     out["tf_keras fit"] = {
         "diff": max(float(np.max(np.abs(a - c))) for a, c in zip(two, one)),
         "loss": [two_loss, one_loss]}
+    # Last: a case that fails in a collective aborts the later ones
+    # ("Restart your program to reset").
+    # One example over the two replicas: the other's shard is empty, adds
+    # zeros and no microbatch; the step is the one-device step on that
+    # example. Eagerly, in a function (shards known while tracing), from an
+    # iterator in a function (each shard's size read at run time), and with
+    # the example on replica 1: replica 0, empty, still adds the noise once.
+    def one_example(run, noise=0.0, seed=None, microbatches=None, one=step):
+        try:
+            got = run(noise, seed, microbatches)
+        except Exception as e:
+            return {"error": type(e).__name__, "message": str(e)[:300]}
+        want = one(x[:1], y[:1], noise, seed, microbatches)
+        return {"devices": sorted({v.device[-5:] for g in got
+                                   for v in strategy.experimental_local_results(g)}),
+                "diff": max(float(np.max(np.abs(v.numpy() - r.numpy())))
+                            for g, r in zip(got, want)
+                            for v in strategy.experimental_local_results(g)),
+                "scale": max(float(np.max(np.abs(r.numpy()))) for r in want)}
+    single = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x[:1], y[:1])).batch(1))
+    one = next(iter(single))
+    out["one example"] = one_example(lambda *a: eager(*one, *a))
+    out["one example, microbatches"] = one_example(
+        lambda *a: eager(*one, *a), microbatches=1)
+    static = tf.function(lambda xs, ys: strategy.run(
+        step, args=(xs, ys, 0.0, None, None)))
+    out["one example, compiled"] = one_example(lambda *_: static(*one))
+    from_iterator = tf.function(lambda it, m: strategy.run(
+        step, args=(*next(it), 0.0, None, m)))
+    out["one example, compiled, batch unknown"] = one_example(
+        lambda *_: from_iterator(iter(single), None))
+    out["one example, compiled, batch unknown, microbatches"] = one_example(
+        lambda *_: from_iterator(iter(single), 1), microbatches=1)
+    second = [strategy.experimental_distribute_values_from_function(
+        lambda ctx, k=k: tf.constant(((x[:0], y[:0]), (x[:1], y[:1]))[
+            ctx.replica_id_in_sync_group][k])) for k in (0, 1)]
+    out["one example on replica 1, seeded noise"] = one_example(
+        lambda *a: eager(*second, *a), 1.0, 3)
+    # (traced noise: a function's draw for that seed)
+    noised = tf.function(lambda xs, ys: strategy.run(
+        step, args=(xs, ys, 1.0, 3, None)))
+    out["one example on replica 1, seeded noise, compiled"] = one_example(
+        lambda *_: noised(*second), 1.0, 3, one=tf.function(step))
+
+    # compiled fit, 9 examples in batches of 4: the last one's single
+    # example leaves a replica an empty shard
+    def fitted_nine(scope):
+        with scope:
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+            model.compile(keras.optimizers.SGD(0.5), "mse")
+            privacy.make_private(model, l2_norm_clip=0.5, noise_multiplier=0.0)
+        x9, y9 = np.concatenate([x, x[:1]]), np.concatenate([y, y[:1]])
+        model.fit(x9, y9, batch_size=4, shuffle=False, verbose=0)
+        return [v.numpy() for v in model.trainable_variables]
+    try:
+        out["compiled fit, last batch of one"] = max(
+            float(np.max(np.abs(a - c))) for a, c in zip(
+                fitted_nine(strategy.scope()), fitted_nine(contextlib.nullcontext())))
+    except Exception as e:
+        out["compiled fit, last batch of one"] = {
+            "error": type(e).__name__, "message": str(e)[:300]}
+
+    # no example on either replica: one device's error for an empty batch,
+    # raised by every replica after the collectives
+    empty = [strategy.experimental_distribute_values_from_function(
+        lambda ctx, k=k: tf.constant((x[:0], y[:0])[k])) for k in (0, 1)]
+    for name, run in (("eager", eager), ("compiled", lambda *a: static(*a[:2]))):
+        try:
+            run(*empty, 0.0, None, None)
+            out["no example, " + name] = "no error"
+        except Exception as e:
+            out["no example, " + name] = [
+                type(e).__name__, isinstance(e, tf.errors.InvalidArgumentError),
+                "a batch of no examples" in str(e)]
+
     print("RESULT" + json.dumps(out))
 ''')
 
@@ -199,6 +276,33 @@ def test_uneven_replicas_divide_by_the_global_count(results):
     assert results["uneven microbatches"] < 1e-7
     # (a float32 count rounded it to 3e-8)
     assert results["uneven float64"] < 1e-13
+
+
+@pytest.mark.parametrize("name", [
+    "one example", "one example, microbatches", "one example, compiled",
+    "one example, compiled, batch unknown",
+    "one example, compiled, batch unknown, microbatches",
+    "one example on replica 1, seeded noise",
+    "one example on replica 1, seeded noise, compiled"])
+def test_one_example_over_two_replicas(results, name):
+    """An empty shard adds zeros and no microbatch (it may be replica 0's,
+    which still adds the noise once): the one-device step on the example,
+    eagerly and traced."""
+    case = results[name]
+    _check(case, devices=case.get("devices", ()) if "compiled" in name
+           else ("CPU:0", "CPU:1"))
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_no_example_on_any_replica(results, mode):
+    assert results["no example, " + mode][1:] == [True, True], results[
+        "no example, " + mode]
+
+
+def test_compiled_fit_with_a_last_batch_of_one_on_two_replicas(results):
+    case = results["compiled fit, last batch of one"]
+    assert not isinstance(case, dict), case
+    assert case < 1e-6
 
 
 def test_make_private_fit_on_two_replicas(results):

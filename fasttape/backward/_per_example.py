@@ -42,12 +42,14 @@ import numpy as np
 from tensorflow.python.eager import context
 from tensorflow.python.framework import constant_op
 from tensorflow.python.framework import dtypes
+from tensorflow.python.framework import errors
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import random_seed
 from tensorflow.python.framework import tensor_shape
 from tensorflow.python.ops import array_ops
 from tensorflow.python.ops import array_ops_stack
+from tensorflow.python.ops import control_flow_assert
 from tensorflow.python.ops import control_flow_util
 from tensorflow.python.ops import gen_random_ops
 from tensorflow.python.ops import gen_stateless_random_ops_v2
@@ -1072,12 +1074,18 @@ def _graph_rows(tape, losses, flat_raw, keys, basis=None):
     raw = [flat_raw[k] for k in keys]
     flat = [_gradient.handle_or_self(s) for s in raw]
     tape_state = tape._tape  # pylint: disable=protected-access
+    cut = None
     if basis is not None:
         n = int(basis.shape[0])
     elif losses.shape[0] is not None:
         n = int(losses.shape[0])
     else:
-        n = array_ops.shape(losses)[0]
+        # (over no examples, a replica's empty shard, TF's pfor builds rows
+        # of the wrong shape, [0, 1, 3] for a [5, 3] MatMul weight's, or
+        # fails, in a Conv2D's filter gradient: one iteration, its seed
+        # empty, cut off after)
+        cut = array_ops.shape(losses)[0]
+        n = math_ops.maximum(cut, 1)
     connected = []
 
     def loop_fn(i):
@@ -1098,6 +1106,8 @@ def _graph_rows(tape, losses, flat_raw, keys, basis=None):
                                            for s in raw], n)
     else:
         rows = pfor_ops.pfor(loop_fn, n)
+    if cut is not None:
+        rows = [r[:cut] for r in rows]
     return {k: r if c else None for k, r, c in zip(keys, rows, connected)}
 
 
@@ -1728,12 +1738,118 @@ def _dp_finish(tape_state, losses, flat_raw, analysis, ruled, rows, clip, m,
     return spec
 
 
+class IndivisibleBatchError(errors.InvalidArgumentError, ValueError):
+    """dp_gradient's num_microbatches does not divide the batch size, or
+    the batch holds no example: TF's InvalidArgumentError, which a function
+    whose batch is known only at run time raises for it, and a ValueError
+    (an argument's). Made as TF's: (node_def, op, message), which
+    autograph needs to raise it again from a function being traced."""
+
+
+EMPTY_BATCH = ("dp_gradient: a batch of no examples has no microbatch to divide "
+          "the clipped sum by.")
+
+
+def _indivisible(m):
+    return (f"dp_gradient: num_microbatches ({m}) must divide the batch "
+            "size, as in TF Privacy (give every batch a multiple of it: a "
+            "dataset batched with drop_remainder=True, or a number of "
+            "examples that is a multiple of the batch size)")
+
+
+def _examples_one(losses, dtype):
+    """While tracing, the batch unknown: a 1 of ``dtype`` (a factor of the
+    divisor) that fails on a batch of no examples (as eagerly: no
+    microbatch to divide by): an assertion, and under XLA, which drops
+    assertions, a reshape named for it."""
+    n = array_ops.shape(losses)[0]
+    check = control_flow_assert.Assert(math_ops.greater(n, 0), [EMPTY_BATCH])
+    with ops.control_dependencies([check]):
+        one = array_ops.reshape(
+            array_ops.ones([1], dtype),
+            array_ops.reshape(math_ops.minimum(n, 1), [1]),
+            name="dp_gradient_needs_a_batch_of_examples")
+    return array_ops.reshape(one, [])
+
+
+def _microbatch_basis(losses, m, batch):
+    """[m, B]: row j averages microbatch j's losses, examples j B/m to
+    (j+1) B/m - 1 (TF Privacy's reshape of the losses to [m, B/m], each
+    row's mean). ``batch`` None: B read at run time, where a B that m does
+    not divide fails with IndivisibleBatchError's message (an assertion's
+    InvalidArgumentError; under XLA, which drops assertions, the reshape to
+    [m, B] fails, an InvalidArgumentError too). A B of 0 (a replica's empty
+    shard) gives an empty basis: every microbatch's gradient is 0."""
+    eye = linalg_ops_impl.eye(m, dtype=losses.dtype)
+    if batch is not None:
+        size = batch // m
+        return array_ops.repeat(eye, size, axis=1) / size
+    n = array_ops.shape(losses)[0]
+    size = n // m
+    check = control_flow_assert.Assert(
+        math_ops.equal(n - size * m, 0),
+        [f"{_indivisible(m)}; the batch size:", n])
+    with ops.control_dependencies([check]):
+        basis = array_ops.reshape(
+            array_ops.repeat(eye, size, axis=1), array_ops_stack.stack([m, n]),
+            name="num_microbatches_must_divide_the_batch_size")
+    return basis / math_ops.cast(size, losses.dtype)
+
+
+def _zeros(source):
+    return array_ops.zeros(
+        source.shape if source.shape.is_fully_defined()
+        else array_ops.shape(source), dtypes.as_dtype(source.dtype).base_dtype)
+
+
+def _noised(out, flat_raw, stddev, seed):
+    """While tracing: each clipped sum of ``out`` (None: none) plus noise of
+    standard deviation ``stddev`` (_graph_noise), none at 0."""
+    if not stddev > 0:
+        return out
+    add_noise = _graph_noise(seed, flat_raw,
+                             [k for k, g in enumerate(out) if g is not None],
+                             stddev, 1)
+    return [g if g is None else add_noise(k, g) for k, g in enumerate(out)]
+
+
+def _empty_sums(tape_state, losses, flat, flat_raw):
+    """dp_gradient's clipped sums over a batch of no examples (a replica's
+    empty shard): zeros, None for a source the losses do not reach (where
+    the plain gradient has None)."""
+    reached = _gradient.compute(tape_state, [losses], flat,
+                                [array_ops.ones_like(losses)], flat_raw,
+                                UnconnectedGradients.NONE, retain=True)
+    return [None if g is None else _zeros(s) for g, s in zip(reached, flat_raw)]
+
+
+def _vector_noise(out, noise, flat_raw):
+    """Eagerly, an empty shard's zeros (_empty_sums): those of the sources
+    in the noise vector (``noise``: a _Noise, or None) replaced by their
+    noise from it, as _post_pass adds it (so a seed draws what it draws
+    for a shard with examples); returns them as _post_plan's spec notes
+    them, (k, offset, size)."""
+    if noise is None:
+        return ()
+    noised = tuple((k, *noise.at[k]) for k, g in enumerate(out)
+                   if g is not None and k in noise.at)
+    for k, offset, size in noised:
+        out[k] = array_ops.reshape(
+            array_ops.slice(noise.tensor(), [offset], [size]), flat_raw[k].shape)
+    return noised
+
+
 def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
-               noise_multiplier, seed):
+               noise_multiplier, seed, divide=True):
     """dp_gradient while tracing: the ruled pass, the rows, and the eager
     path's post-pass (_post_pass, the same rules) built into the function;
     noise by _graph_noise. ``m`` None: the batch is unknown while tracing
-    (every example its own microbatch, m read at run time)."""
+    (every example its own microbatch, m read at run time); ``batch`` None
+    with ``m`` given: the microbatches' size read at run time
+    (_microbatch_basis). ``divide`` as dp_gradient's."""
+    if batch == 0:
+        return _noised(_empty_sums(tape_state, losses, flat, flat_raw),
+                       flat_raw, clip * noise_multiplier, seed)
     if m == batch:
         analysis = _analyse("dp_gradient", tape_state, losses, flat, flat_raw,
                             batch)
@@ -1748,11 +1864,9 @@ def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
         # (as eagerly: a microbatch's gradient goes through rows)
         analysis = _analyse("dp_gradient", tape_state, losses, flat, flat_raw,
                             batch, use_rules=False)
-        size = batch // m
-        basis = array_ops.repeat(
-            linalg_ops_impl.eye(m, dtype=losses.dtype), size, axis=1) / size
         ruled, rows = {}, _rows(tape, losses, flat_raw,
-                                list(analysis.fallback), basis)
+                                list(analysis.fallback),
+                                _microbatch_basis(losses, m, batch))
     _note_fallback("dp_gradient", tape, flat_raw, analysis)
     spec, feeds, _ = _post_plan(ruled, rows, flat_raw, {},
                                 _op_types(analysis, ruled))
@@ -1760,8 +1874,14 @@ def _dp_traced(tape, tape_state, losses, flat, flat_raw, batch, clip, m,
     if not spec[3]:
         return out
     dtype = flat_raw[spec[3][0][0]].dtype
-    count = (math_ops.cast(array_ops.shape(losses)[0], dtype) if m is None
-             else _norm_rules._const(m, dtype))
+    if not divide:
+        count = _norm_rules._const(1, dtype)
+    elif m is None:
+        count = math_ops.cast(array_ops.shape(losses)[0], dtype)
+    else:
+        count = _norm_rules._const(m, dtype)
+    if divide and batch is None:
+        count = count * _examples_one(losses, dtype)
     clip_t = _norm_rules._const(clip, dtype)
     noised = noise_multiplier > 0
     # (a table's clipped rows stay IndexedSlices: scattered into its noise
@@ -2014,7 +2134,10 @@ def _seed_pair(x):
 
 
 def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
-                num_microbatches=None, seed=None):
+                num_microbatches=None, seed=None, divide=True):
+    """``divide`` False (a replica's share, _dp_replicas): the clipped sum
+    plus noise, not divided by the number of microbatches; a batch of no
+    examples (an empty shard) then sums to zeros."""
     tape_state, batch, flat_raw, flat = _start(tape, losses, sources,
                                                "dp_gradient")
     if not l2_norm_clip > 0:
@@ -2022,31 +2145,34 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
     if noise_multiplier < 0:
         raise ValueError(
             f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
+    if num_microbatches is not None and int(num_microbatches) < 1:
+        raise ValueError(
+            f"num_microbatches must be at least 1, got {num_microbatches!r}")
     m = batch if num_microbatches is None else int(num_microbatches)
-    if batch is None and m is not None:
-        raise ValueError(
-            f"dp_gradient: num_microbatches ({num_microbatches}) needs the "
-            "batch size known while tracing (give the tf.function an "
-            "input_signature with a fixed batch, or leave num_microbatches "
-            "unset).")
-    if m is not None and (m < 1 or batch % m):
-        raise ValueError(
-            f"num_microbatches ({num_microbatches}) must divide the batch size "
-            f"({batch}), as in TF Privacy.")
+    if batch == 0 and divide:
+        raise IndivisibleBatchError(None, None, EMPTY_BATCH)
+    if batch and batch % m:
+        raise IndivisibleBatchError(
+            None, None, f"{_indivisible(m)}; the batch size: {batch}")
     clip = float(l2_norm_clip)
     if not context.executing_eagerly():
         try:
             out = _dp_traced(tape, tape_state, losses, flat, flat_raw, batch,
-                             clip, m, float(noise_multiplier), seed)
+                             clip, m, float(noise_multiplier), seed, divide)
         finally:
             _end(tape, tape_state)
         return _pack(sources, flat_raw, out)
-    stddev = clip * float(noise_multiplier) / m
+    count = m if divide else 1
+    stddev = clip * float(noise_multiplier) / count
     out = [None] * len(flat)
     rng = _noise_rng(seed) if stddev > 0 else None
     noise = _Noise(flat_raw, stddev, rng) if stddev > 0 else None
     try:
-        if m == batch:
+        if batch == 0:
+            out, analysis = _empty_sums(tape_state, losses, flat,
+                                        flat_raw), None
+            spec = (None, None, _vector_noise(out, noise, flat_raw))
+        elif m == batch:
             analysis = _analyse("dp_gradient", tape_state, losses, flat,
                                 flat_raw, batch, keep_entries=True)
             planned = _fused_plan(analysis, noise)
@@ -2059,7 +2185,7 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
                 # the backward pass and the post-pass: one function
                 try:
                     spec = _dp_finish(tape_state, losses, flat_raw, analysis,
-                                      fused[0], {}, clip, m, noise, out,
+                                      fused[0], {}, clip, count, noise, out,
                                       fused[1], planned and planned[2])
                 except _NotFusable:
                     pass
@@ -2071,19 +2197,18 @@ def dp_gradient(tape, losses, sources, l2_norm_clip, noise_multiplier=0.0,
                 rows = _rows(tape, losses, flat_raw, list(analysis.fallback),
                              uses=analysis.uses, grads=use_grads)
                 spec = _dp_finish(tape_state, losses, flat_raw, analysis,
-                                  ruled, rows, clip, m, noise, out)
+                                  ruled, rows, clip, count, noise, out)
         else:
             # TF Privacy: losses reshaped to [m, B/m] and averaged per
             # microbatch; a microbatch's gradient goes through rows.
             analysis = _analyse("dp_gradient", tape_state, losses, flat,
                                 flat_raw, batch, use_rules=False)
-            size = batch // m
-            basis = array_ops.repeat(
-                linalg_ops_impl.eye(m, dtype=losses.dtype), size, axis=1) / size
-            rows = _rows(tape, losses, flat_raw, list(analysis.fallback), basis)
+            rows = _rows(tape, losses, flat_raw, list(analysis.fallback),
+                         _microbatch_basis(losses, m, batch))
             spec = _dp_finish(tape_state, losses, flat_raw, analysis, {}, rows,
-                              clip, m, noise, out)
-        _note_fallback("dp_gradient", tape, flat_raw, analysis)
+                              clip, count, noise, out)
+        if analysis is not None:
+            _note_fallback("dp_gradient", tape, flat_raw, analysis)
     finally:
         _end(tape, tape_state)
     noised = {k for k, _, _ in spec[2]} if stddev > 0 else ()
