@@ -759,6 +759,36 @@ def test_volume_kernel_gradients_from_the_inputs_slices(kernel, dilations, paddi
     assert taken and set(taken) == {kernel + (6, 2)}
 
 
+def test_volume_offsets_only_with_more_input_channels(monkeypatch):
+    """A Conv3D at stride 1 with K > 2 N but fewer input channels than
+    outputs (2 to 8, float64: no loop of examples) takes the gathered
+    volume patches, not the offsets' slices (_Conv3D._sliced, whose
+    products [kw cout, T'] x [T', cin] run slowly with few input channels);
+    per-example gradients, norms and the clipped sum equal the loop's."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    sliced, gathered = [], []
+    original_sliced, original_gathered = _norm_rules._Conv3D._sliced, _norm_rules._gathered  # pylint: disable=protected-access
+
+    def spy_sliced(self, x, *args, **kwargs):
+        sliced.append(tuple(x.shape))
+        return original_sliced(self, x, *args, **kwargs)
+
+    def spy_gathered(x, *args):
+        gathered.append(tuple(x.shape))
+        return original_gathered(x, *args)
+    monkeypatch.setattr(_norm_rules._Conv3D, "_sliced", spy_sliced)  # pylint: disable=protected-access
+    monkeypatch.setattr(_norm_rules, "_gathered", spy_gathered)
+    rng = np.random.default_rng(5)
+    x = tf.constant(rng.normal(size=(B, 4, 5, 3, 2)), tf.float64)
+    w = tf.Variable(rng.normal(size=(3, 2, 2, 2, 8)) * 0.3, dtype=tf.float64)
+
+    def loss(x):
+        return tf.reduce_sum(tf.tanh(tf.nn.conv3d(x, w, [1] * 5, "SAME")) ** 2,
+                             axis=[1, 2, 3, 4])
+    _assert_loops_values("eager", loss, x, w)
+    assert gathered and not sliced
+
+
 @pytest.mark.parametrize("kernel,strides,dilations,padding,transposed", [
     ((3, 3, 3), 1, 1, "SAME", False), ((2, 3, 2), (2, 1, 2), 1, "VALID", False),
     ((2, 2, 3), 1, (2, 1, 2), "SAME", False), ((3, 2, 2), 2, 1, "SAME", True)])
