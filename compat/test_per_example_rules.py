@@ -628,10 +628,10 @@ def _dilated_values_and_patched_rows(mode, monkeypatch, image, kernel, dilations
     return rows
 
 
-def _assert_loops_values(mode, loss, x, w):
-    """Per-example gradients, norms and the clipped sum of w (float64),
-    from one tape each in ``mode``, equal the loop of single-example
-    tapes'."""
+def _assert_loops_values(mode, loss, x, w, dtype=tf.float64):
+    """Per-example gradients, norms and the clipped sum of w (float64,
+    or ``dtype``'s tolerance), from one tape each in ``mode``, equal the
+    loop of single-example tapes'."""
     ref = _reference(loss, [x], [w])[0]
     norms = _ref_norms([ref])
     clip = float(np.median(norms.numpy()))
@@ -643,9 +643,9 @@ def _assert_loops_values(mode, loss, x, w):
                 tape.per_example_norms(losses, [w]),
                 tape.dp_gradient(losses, [w], clip, 0.0)[0])
     got, got_norms, clipped = _run(mode, step, x)
-    _close(got, ref, tf.float64)
-    _close(got_norms, norms, tf.float64)
-    _close(clipped, tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B, tf.float64)
+    _close(got, ref, dtype)
+    _close(got_norms, norms, dtype)
+    _close(clipped, tf.tensordot(clip / tf.maximum(norms, clip), ref, 1) / B, dtype)
 
 
 @pytest.mark.parametrize("kernel,strides,padding,transposed", [
@@ -757,6 +757,74 @@ def test_volume_kernel_gradients_from_the_inputs_slices(kernel, dilations, paddi
         return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3, 4])
     _assert_loops_values(mode, loss, x, w)
     assert taken and set(taken) == {kernel + (6, 2)}
+
+
+def test_volume_offsets_only_with_more_input_channels(monkeypatch):
+    """A Conv3D at stride 1 with K > 2 N but fewer input channels than
+    outputs (2 to 8, float64: no loop of examples) takes the gathered
+    volume patches, not the offsets' slices (_Conv3D._sliced, whose
+    products [kw cout, T'] x [T', cin] run slowly with few input channels);
+    per-example gradients, norms and the clipped sum equal the loop's."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    sliced, gathered = [], []
+    original_sliced, original_gathered = _norm_rules._Conv3D._sliced, _norm_rules._gathered  # pylint: disable=protected-access
+
+    def spy_sliced(self, x, *args, **kwargs):
+        sliced.append(tuple(x.shape))
+        return original_sliced(self, x, *args, **kwargs)
+
+    def spy_gathered(x, *args):
+        gathered.append(tuple(x.shape))
+        return original_gathered(x, *args)
+    monkeypatch.setattr(_norm_rules._Conv3D, "_sliced", spy_sliced)  # pylint: disable=protected-access
+    monkeypatch.setattr(_norm_rules, "_gathered", spy_gathered)
+    rng = np.random.default_rng(5)
+    x = tf.constant(rng.normal(size=(B, 4, 5, 3, 2)), tf.float64)
+    w = tf.Variable(rng.normal(size=(3, 2, 2, 2, 8)) * 0.3, dtype=tf.float64)
+
+    def loss(x):
+        return tf.reduce_sum(tf.tanh(tf.nn.conv3d(x, w, [1] * 5, "SAME")) ** 2,
+                             axis=[1, 2, 3, 4])
+    _assert_loops_values("eager", loss, x, w)
+    assert gathered and not sliced
+
+
+@pytest.mark.parametrize("kernel,strides,dilations,padding,transposed", [
+    ((3, 3, 3), 1, 1, "SAME", False), ((2, 3, 2), (2, 1, 2), 1, "VALID", False),
+    ((2, 2, 3), 1, (2, 1, 2), "SAME", False), ((3, 2, 2), 2, 1, "SAME", True)])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_volume_kernel_gradients_one_example_at_a_time(kernel, strides, dilations, padding,
+                                                       transposed, mode, monkeypatch):
+    """Float32 where oneDNN runs, past _LOOPED_3D_MIN_POSITIONS and
+    _LOOPED_3D_MIN_MACS (0 here): each example's Conv3D kernel gradient by
+    TF's kernel gradient of its rows alone (_Conv3D._by_example: stride 1
+    and unequal strides, SAME and VALID, a dilated one on SpaceToBatchND's
+    blocks, a Conv3DTranspose's forward convolution); per-example
+    gradients, norms and the clipped sum equal the loop's, eagerly and in
+    a tf.function."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    if not _norm_rules._groups_run():  # pylint: disable=protected-access
+        pytest.skip("one example at a time where TF's oneDNN kernels run")
+    monkeypatch.setattr(_norm_rules, "_LOOPED_3D_MIN_POSITIONS", 0)
+    monkeypatch.setattr(_norm_rules, "_LOOPED_3D_MIN_MACS", 0)
+    taken = _spy_taken(monkeypatch, _norm_rules._Conv3D, "_by_example")  # pylint: disable=protected-access
+    rng = np.random.default_rng(sum(kernel) + 7)
+    x = tf.constant(rng.normal(size=(B, 6, 5, 4, 3)), tf.float32)
+    w = tf.Variable(rng.normal(size=kernel + (3, 4)) * 0.3, dtype=tf.float32)
+    step = strides if isinstance(strides, tuple) else (strides,) * 3
+
+    def loss(x):
+        if transposed:      # (K [kd, kh, kw, cy 3, cx 4]: x's 3 channels to 4)
+            y = tf.nn.conv3d_transpose(
+                tf.nn.conv3d(x, tf.ones((1, 1, 1, 3, 4)) * 0.1, [1] * 5, "SAME"), w,
+                [x.shape[0], 12, 10, 8, 3], (1,) + step + (1,), padding)
+        elif dilations == 1:
+            y = tf.nn.conv3d(x, w, (1,) + step + (1,), padding)
+        else:
+            y = tf.nn.convolution(x, w, padding=padding, dilations=dilations)
+        return tf.reduce_sum(tf.tanh(y) ** 2, axis=[1, 2, 3, 4])
+    _assert_loops_values(mode, loss, x, w, tf.float32)
+    assert taken and set(taken) == {kernel + (3, 4)}
 
 
 @pytest.mark.parametrize("kernel,dilation,padding", [

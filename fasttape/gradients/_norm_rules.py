@@ -1027,6 +1027,20 @@ _MAX_SLICED_BYTES = 1 << 26
 # took 0.85-1.3x their time.
 _PATCH_CHUNK_BYTES = 4 << 20
 _CHUNKED_FROM_BYTES = 24 << 20
+# A Conv3D's per-example kernel gradients in float32 where oneDNN runs,
+# one example at a time (_Conv3D._by_example), from this many output
+# positions and products (T K N) an example. Traced, 3x3x3, B 32-128,
+# 4-16 channels to 8-32: with 12^3 positions (3-24 million products) it
+# took 0.44-0.57x the time of the gathered patches (0.64-0.71x that of the
+# offsets' slices, _per_offset); with 8^3 (1.8-3.5 million) 0.9-1.25x, at
+# 6^3 (stride 2) 1.3x: each example's kernel gradient costs oneDNN about
+# a fixed 0.1-0.2 ms. (In float64, Eigen's kernel gradient of one example
+# at a time took 5-9x the patches'.) The positions of one image: a dilated
+# convolution's blocks are smaller (B16 12^3 16 -> 32, 2x2x2 dilated 2, 8
+# blocks of 5^3: the DP step took 1.35x the plain one's time with them,
+# 1.28x with the patches).
+_LOOPED_3D_MIN_POSITIONS = 1000
+_LOOPED_3D_MIN_MACS = 2_000_000
 # Copying one value of a convolution's patches (a strided slice, then the
 # stack) took about the time of this many products of their batched product
 # (float64, B 128, 64 positions: 2.1 ns against 0.24 ns): _Conv2DBlocks.
@@ -1616,11 +1630,21 @@ class _Conv3D(_Conv2DBlocks):
         the gathered patches: kd kh kw strided slices of x, each against
         g, took 5-20x their time, traced, B 16-64, 8^3-12^3, 8-16 channels
         to 2-8, 2x2x2 and 3x3x3 at stride 2, float32 and float64: TF
-        copies a strided slice value by value.)"""
+        copies a strided slice value by value.) Only with more input
+        channels than outputs: each offset's product is [kw cout, T'] by
+        [T', cin], which with few input channels does the patches'
+        products at a fraction of their speed (traced, 3x3x3 at stride 1,
+        B 16-128, 8^3-12^3: 4 channels to 32 took 3-5x the gathered
+        patches' time, 8 to 16 1.6x, 16 to 16 1.1-1.5x; 16 to 8 0.35-1x,
+        8 to 4 0.4-0.6x)."""
+        by_example = self._by_example(payload, g, src_shape)
+        if by_example is not None:
+            return by_example
         x = payload.inputs[0]
         shape = self._sliceable(payload, g, src_shape)
         strides = list(attr(payload, "strides"))
-        if shape is None or strides != [1] * 5 or None in x.shape[1:]:
+        if (shape is None or strides != [1] * 5 or None in x.shape[1:]
+                or src_shape[3] <= src_shape[4]):
             return None
         b, t, _ = shape
         dilations = list(attr(payload, "dilations") or [1] * 5)
@@ -1630,6 +1654,39 @@ class _Conv3D(_Conv2DBlocks):
             return None
         return self._sliced(x, g, src_shape, _blocks(payload),
                             _decoded(payload, "padding"), strides, dilations)
+
+    def _by_example(self, payload, g, src_shape):
+        """[B] + src_shape: each example's kernel gradient by TF's own
+        kernel gradient of its rows (of every block), one example at a
+        time, where oneDNN runs it (float32, _groups_run), the ghost norm
+        does not serve, at most _MAX_LOOPED examples each have at least
+        _LOOPED_3D_MIN_POSITIONS output positions (in each block of a
+        dilated one's: oneDNN's kernel runs on a block's) and
+        _LOOPED_3D_MIN_MACS products; else None. No patches; the plain step's products, each
+        example's kernel at oneDNN's speed."""
+        x = payload.inputs[0]
+        if (x.dtype not in _GROUPED_DTYPES or x.shape.rank != 5 or None in x.shape
+                or None in g.shape or len(src_shape) != 5
+                or list(attr(payload, "dilations") or [1] * 5) != [1] * 5
+                or not _groups_run()):
+            return None
+        nb = _blocks(payload)
+        b = x.shape[0] // nb
+        positions = g.shape[1:-1].num_elements()    # (an image's: a block's)
+        t = positions * nb
+        k, n = int(np.prod(src_shape[:-1])), src_shape[-1]
+        if (b > _MAX_LOOPED or positions < _LOOPED_3D_MIN_POSITIONS
+                or t * k * n < _LOOPED_3D_MIN_MACS
+                or (t * t < k * n and self._ghost(b, t, k, n, x.dtype, payload))):
+            return None
+        xs = _ex("Reshape", x, _const((nb, b) + tuple(x.shape[1:]), dtypes.int32))
+        gs = _ex("Reshape", g, _const((nb, b) + tuple(g.shape[1:]), dtypes.int32))
+        sizes = _const(tuple(src_shape), dtypes.int32)
+        return array_ops_stack.stack([gen_nn_ops.conv3d_backprop_filter_v2(
+            xi, sizes, gi, strides=list(attr(payload, "strides")),
+            padding=_decoded(payload, "padding"), data_format="NDHWC")
+            for xi, gi in zip(array_ops_stack.unstack(xs, axis=1),
+                              array_ops_stack.unstack(gs, axis=1))])
 
     def _sliced(self, x, g, src_shape, nb, padding, strides=(1,) * 5, dilations=None):
         """[B] + src_shape: each example's kernel gradient, many input
