@@ -1044,8 +1044,6 @@ _ROW_MIXERS = {
 }
 
 
-# (V @ h, a cumsum along the batch, a gather_nd permuting it: refused)
-_REFUSED_MIXERS = (None, "cumsum_over_the_batch", "gather_nd_of_rows")
 
 
 @pytest.mark.parametrize("mode,mixer", [
@@ -1055,35 +1053,27 @@ _REFUSED_MIXERS = (None, "cumsum_over_the_batch", "gather_nd_of_rows")
     for mixer in [None] + list(_ROW_MIXERS)
     # (XLA compiles no sparse product: TF's own step fails there too)
     if not (name == "jit" and mixer == "sparse_product")])
-def test_rows_mixed_after_a_rule_take_rows(mode, mixer):
+def test_rows_mixed_after_a_rule_are_refused(mode, mixer):
     """V @ h with V [B, B] (mixer None), a cumsum or segment sum over the
     batch, a gather_nd of rows, a pad along the batch, a linear solve or a
-    sparse product against the rows, after a dense layer: eager, traced and jit, the weight takes the exact rows, never its
-    MatMul rule on another example's rows."""
+    sparse product against the rows, after a dense layer: eager, traced
+    and jit, refused (the known mixers say what they do; the others are
+    not known to keep the examples apart): rows taken over the whole
+    batch would be no example's own gradients."""
     xs, loss, variables = _mixed_by_a_product(tf.float32)
     if mixer is not None:
         w = variables[0]
 
         def loss(x):
             return tf.reduce_sum(tf.sin(_ROW_MIXERS[mixer](tf.tanh(x @ w))), -1)
-    rules = []
 
     def step(x):
         with fasttape.GradientTape(persistent=True) as tape:
             losses = loss(x)
-        out = tape.per_example_gradients(losses, variables)
-        rules.append(tape.summary().per_example_rules[1])
-        return out
+        return tape.per_example_gradients(losses, variables)
     run = step if mode is None else tf.function(step, **mode)
-    if mixer in _REFUSED_MIXERS:
-        with pytest.raises(ValueError, match="mixes examples"):
-            run(*xs)
-        return
-    ref = _full_batch_reference(loss, xs, variables)
-    got = run(*xs)
-    for g, r in zip(got, ref):
-        _close(g, r, tf.float32)
-    assert [how for _, how in rules[-1]] == ["per-example rows"]
+    with pytest.raises(ValueError, match="mix(es)? examples"):
+        run(*xs)
 
 
 @pytest.mark.parametrize("mode", ["eager", "function"])
