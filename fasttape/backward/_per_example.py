@@ -898,7 +898,7 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
     seen, trail = {}, {}
     followed, axes, loops = _track_batch_axis(entries, shapes, batch, alias,
                                               consumers, seen, trail)
-    kept = trail["followed"] | trail["apart"] | groups.accepted
+    kept = trail["followed"] | trail["apart"] | groups.accepted | groups.apart
     refused = None      # (the first op not known to keep examples apart)
     movers = []
     produced = frozenset(o for entry in entries for o in entry.output_ids)
@@ -2261,12 +2261,15 @@ class _Groups:
     the analysis proves (see _row_groups): ``accepted`` (ids of entries
     _row_ops.keeps_axis0 would refuse), ``blocks`` (id of a convolution's entry ->
     its number of space-to-batch blocks), ``separable`` (ids of training
-    batch norms whose statistics never mix two examples)."""
+    batch norms whose statistics never mix two examples), ``apart`` (ids
+    of the reshapes around such a batch norm while the batch is unknown:
+    they keep the examples apart, the rules unproved)."""
 
     def __init__(self):
         self.accepted = set()
         self.blocks = {}
         self.separable = set()
+        self.apart = set()      # (ids of reshapes that keep the examples apart)
 
 
 _CONVS = frozenset({"Conv2D", "DepthwiseConv2dNative", "Conv3D"})
@@ -2371,8 +2374,15 @@ def _row_groups(entries, shapes, consumers, batch):
             groups.separable.add(id(entry))
             users = [consumers.get(o, ()) for o in entry.output_ids]
             out = users[0][0] if len(users[0]) == 1 else None
-            if (any(users[1:]) or out is None or out.op_type != "Reshape"
-                    or batch is None
+            if any(users[1:]) or out is None or out.op_type != "Reshape":
+                continue
+            back_to = _output_shape(out, shapes)
+            if batch is None and back_to and tuple(back_to[1:]) == tuple(
+                    source[1:]) and None not in source[1:]:
+                # (an example's values back in one row each, the batch
+                # unknown while tracing: rows, the examples kept apart)
+                groups.apart.update((id(into), id(out)))
+            if (batch is None
                     or _leading(shapes.get(out.output_ids[0]) or ()) != batch):
                 continue    # (the reshapes unproved: rows, by _row_ops)
             groups.accepted.update((id(into), id(out)))
@@ -2499,6 +2509,12 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers, seen=None,
             followed.add(id(entry))     # a tensor without the batch (a weight's)
             out = -1
         else:
+            if op in _SEGMENTS:
+                # (segment ids off the path: no rows, whatever their length)
+                ins = ins[:1] + [
+                    -1 if tid not in produced and i + 1 < len(inputs)
+                    and inputs[i + 1] is not None and inputs[i + 1].dtype.is_integer
+                    else a for i, (tid, a) in enumerate(zip(entry.input_ids[1:], ins[1:]))]
             batched = {a for a in ins if a >= 0}
             if len(batched) > 1:
                 return lose(entry)
@@ -2849,6 +2865,9 @@ def _moved_axis(entry, shapes, axis, batch):
 
 
 _REDUCES = frozenset(_REDUCERS + ("All", "Any", "ArgMax", "ArgMin"))
+_SEGMENTS = frozenset({"SegmentSum", "SegmentMean", "SegmentMax", "SegmentMin",
+                       "SegmentProd", "UnsortedSegmentSum", "UnsortedSegmentMax",
+                       "UnsortedSegmentMin", "UnsortedSegmentProd"})
 
 
 def _apart_axis(entry, shapes, ins, axis):
@@ -2877,6 +2896,12 @@ def _apart_axis(entry, shapes, ins, axis):
         return axis if keep else axis - len([a for a in reduced if a < axis])
     if op in ("Softmax", "LogSoftmax"):
         return axis if rank is not None and axis != rank - 1 else None
+    if op in _SEGMENTS and ins[0] == axis and all(a < 0 for a in ins[1:]):
+        # segments of the leading axes (the ids' rank), the batch's after
+        ids = _input_shape(entry, 1, shapes)
+        if ids is None or axis < len(ids):
+            return None
+        return axis - len(ids) + 1
     if op == "Squeeze":
         dims = along(_norm_rules.attr(payload, "squeeze_dims") or None)
         return (None if not dims or axis in dims
