@@ -4,8 +4,9 @@ axis, ones on no list), eager and traced (a few under jit_compile),
 against the gradient of each loss of the full batch by tf.GradientTape,
 in float64. An op rule reads row j of its op's output gradient as example
 j's; the analysis trusts only the ops it knows keep the rows
-(backward._row_ops), and sends the parameters read before any other op to
-the exact per-example rows."""
+(backward._row_ops), sends the parameters read before an op that keeps
+the examples apart while it moves them to the exact per-example rows,
+and refuses an op not known to keep them apart."""
 
 import numpy as np
 import pytest
@@ -41,9 +42,9 @@ def _back(img):
 
 # name -> (h [B, K] -> a tensor leading with B, what the dense layer before
 # it takes: "rule" where the op provably keeps the rows, "rows" where it
-# may not (a row-wise op on no list takes them too: exact, slower), "any";
-# "mixes" where the op mixes the examples along the batch axis: the
-# analysis raises)
+# keeps the examples apart but moves them (exact, slower), "any"; "mixes"
+# where the op mixes the examples along the batch axis, or is not known to
+# keep them apart: the analysis raises)
 PROBES = {
     # row-wise
     "softmax": (tf.nn.softmax, "rule"),

@@ -8,10 +8,17 @@ that keeps the batch axis leading, a reduction, slice, concat or
 transpose over the other axes, a product whose rows are its first
 operand's. ``keeps_axis0`` says whether an op provably does so. An op type
 that is not in ROW_OPS, or whose condition fails or cannot be proved (a
-shape or a config value unknown), may move rows: the analysis then sends
-the sources read before it to per-example rows, which are exact whatever
-the op does and cost a backward pass per example. So an op nobody listed
-costs speed, never a wrong gradient.
+shape or a config value unknown), may move rows.
+
+Rows (the gradient of losses[i] over the whole batch's forward pass) are
+example i's own gradient only where losses[i] depends on example i
+alone, so the same table is also the allowlist for keeping the examples
+apart (``keeps_apart``): an op that moves the batch axis in a way the
+analysis follows (a time-major transpose, a proved loop: _per_example's
+_track_batch_axis) sends the sources read before it to rows; an op not
+in ROW_OPS, or whose condition fails where the batch axis is 0, or that
+is not elementwise where the analysis followed it elsewhere, is refused
+(an op nobody listed costs a loud error, never a wrong gradient).
 
 Only tensors that may hold rows matter (``carrying``): those computed on
 the path from one whose leading axis may be the batch's (the input batch,
