@@ -596,7 +596,7 @@ def _check_bodies(what, entry, batch):
         return
     graph = ops.get_default_graph()
     traced = isinstance(entry, _GraphEntry)
-    if not traced and _function_graph(graph, graph, entry.op_type) is None:
+    if not traced and not context.context().has_function(entry.op_type):
         return
     # (a nested tf.function's call is recorded under its function's name)
     calls = [(graph, entry.op_type)]
@@ -697,8 +697,9 @@ def _runs_functions(entry):
     if isinstance(entry, _GraphEntry) and entry.op_type in _CALLS:
         return True
     # (a tf.function's call is recorded under its function's name)
-    graph = ops.get_default_graph()
-    return _function_graph(graph, graph, entry.op_type) is not None
+    name = entry.op_type
+    return (ops.get_default_graph()._get_function(name) is not None  # pylint: disable=protected-access
+            or context.context().has_function(name))
 
 
 def _apart_error(what, entry, batch):
