@@ -2521,9 +2521,10 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers, seen=None,
                 return lose(entry)
             # (no input with the batch: a Reshape of rows folded with time
             # to [B, ...], taken to lead with it as inputs off the path)
+            # (a scalar holds no batch, known or not)
+            shape = shapes.get(entry.output_ids[0]) if entry.output_ids else ()
             out = batched.pop() if batched else (
-                0 if _leading(shapes.get(entry.output_ids[0]) or ()) == batch
-                else -1) if entry.output_ids else -1
+                0 if shape != () and _leading(shape or ()) == batch else -1)
             if out > 0 and op not in _row_ops.ELEMENTWISE:
                 out = _apart_axis(entry, shapes, ins, out)
                 if out is None:
