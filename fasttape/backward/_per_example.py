@@ -2323,8 +2323,9 @@ def _row_groups(entries, shapes, consumers, batch):
         return entry
 
     for entry in entries:
-        if entry.op_type == "BatchToSpaceND" and batch is not None:
-            # (a batch unknown while tracing: rows; the blocks go unproved)
+        if entry.op_type == "BatchToSpaceND":
+            # (a batch unknown while tracing: rows, the blocks keep the
+            # examples apart; the rules go unproved)
             block = _config(entry.payload, 1)
             if not block or only_use(entry.input_ids[0]) is None:
                 continue
@@ -2334,13 +2335,18 @@ def _row_groups(entries, shapes, consumers, batch):
                     or only_use(conv.output_ids[0]) is None):
                 continue
             x = conv.payload.inputs[0]
-            if x is None or x.shape[0] != nb * batch:
+            if x is None or (batch is not None and x.shape[0] != nb * batch):
                 continue
             s2b = back(conv.input_ids[0])
             if s2b is False or (s2b is not None and not (
                     s2b.op_type == "SpaceToBatchND"
                     and _config(s2b.payload, 1) == block
                     and only_use(s2b.output_ids[0]) is not None)):
+                continue
+            if batch is None:
+                groups.apart.add(id(entry))
+                if s2b is not None:
+                    groups.apart.add(id(s2b))
                 continue
             groups.accepted.add(id(entry))
             if s2b is not None:

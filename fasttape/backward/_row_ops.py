@@ -271,6 +271,8 @@ def _unknown_lead_keeps(op, lead_in, lead_out):
     both sides, each output row a whole input row or a piece of one (its
     other axes known: their size divides an input row's)."""
     shape, out = op.shape(0), op.out_shape()
+    if lead_out == -1:
+        lead_out = None     # (a target of [-1, ...]: the rows as many as fit)
     if lead_in is not None or lead_out is not None or not shape or not out:
         return False
     if _batch_lead(op):
@@ -282,7 +284,55 @@ def _unknown_lead_keeps(op, lead_in, lead_out):
         size_in *= d
     for d in out[1:]:
         size_out *= d
-    return size_out > 0 and size_in % size_out == 0
+    if size_out > 0 and size_in % size_out == 0:
+        return True
+    # rows merged (Keras' Dense on [B, T, d] folds to [B*T, d] and back):
+    # each example's rows as its fold made them
+    rows = _rows_per_example(op.inputs[0] if op.inputs else None)
+    return bool(rows) and size_out > 0 and (rows * size_in) % size_out == 0
+
+
+_ROW_WISE = frozenset({"MatMul", "BiasAdd", "BiasAddV1"}) | UNARY | BROADCASTING
+
+
+def _rows_per_example(t, depth=0, row=None):
+    """How many rows of a traced tensor [k*B, ...] (the batch unknown while
+    tracing) each example holds, where a Reshape made it from [B, ...]
+    (a leading axis unknown, the others known) and only row-wise ops
+    (a product whose rows are its first operand's, elementwise ones of
+    its shape) lie between; else None."""
+    op = getattr(t, "op", None)
+    if op is None or depth > 16 or t.shape.rank is None:
+        return None
+    if op.type == "Reshape":
+        src = op.inputs[0].shape
+        before = op.inputs[0].op
+        if before.type == "Transpose" and (value(before.inputs[1]) or [1])[0] != 0:
+            return None     # (the batch moved off the leading axis)
+        if row is None and None not in t.shape[1:]:
+            row = 1
+            for d in t.shape[1:]:
+                row *= d
+        if (src.rank is None or src.rank < 2 or src[0] is not None
+                or None in src[1:] or not row):
+            return None
+        size = 1
+        for d in src[1:]:
+            size *= d
+        return size // row if size % row == 0 else None
+    if op.type not in _ROW_WISE or not op.inputs:
+        return None
+    first = op.inputs[0]
+    if op.type == "MatMul":
+        if op.get_attr("transpose_a"):
+            return None
+        kernel = op.inputs[1].shape
+        # (its rows as long as the kernel's contracted axis)
+        row = kernel[1 if op.get_attr("transpose_b") else 0] if kernel.rank == 2 else None
+        return _rows_per_example(first, depth + 1, row)
+    if not first.shape.is_compatible_with(t.shape) or first.shape.rank != t.shape.rank:
+        return None
+    return _rows_per_example(first, depth + 1, row)
 
 
 def _reshape(op):
