@@ -216,3 +216,24 @@ def test_the_same_op_along_the_features_equals_the_loop(name, traced):
     flat = np.concatenate([r.reshape(B, -1) for r in want], 1)
     np.testing.assert_allclose(norms.numpy(), np.linalg.norm(flat, axis=1),
                                rtol=1e-9)
+
+
+def test_a_dense_on_a_sequence_with_the_batch_unknown_equals_the_loop():
+    """tf.tensordot on [B, T, d] with B unknown while tracing (Keras'
+    Dense on a sequence): [B*T, d] @ W reshaped back to [B, T, n] keeps
+    each example's rows together (their count read off the fold that made
+    them): not refused, the loop's values."""
+    rng = np.random.default_rng(13)
+    x = tf.constant(rng.normal(size=(B, 5, D)), DTYPE)
+    w = tf.Variable(rng.normal(size=(D, 2)), dtype=DTYPE)
+
+    def loss(x):
+        return tf.reduce_sum(tf.sin(tf.tensordot(x, w, [[2], [0]])), axis=[1, 2])
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 5, D], DTYPE)])
+    def step(x):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        return tape.per_example_gradients(losses, [w])
+    np.testing.assert_allclose(step(x)[0].numpy(), _loop(loss, x, [w])[0],
+                               rtol=1e-9, atol=1e-12)
