@@ -14,6 +14,7 @@ import fasttape
 
 B, D, K = 4, 3, 6
 DTYPE = tf.float64
+MIXES = "mix(es)? examples"
 
 
 def _carried(h, step):
@@ -87,26 +88,13 @@ TRACED = pytest.mark.parametrize("traced", [False, True], ids=["eager", "functio
 @pytest.mark.parametrize("name", list(OPS))
 def test_an_op_along_the_batch_axis_mixes_examples(name, traced):
     x, loss, variables = _model(OPS[name][0])
-    with pytest.raises(ValueError, match="mixes examples"):
+    with pytest.raises(ValueError, match=MIXES):
         _per_example(loss, x, variables, traced)
 
 
 # (a few: each traces its model and runs the loop)
 TWINS = ["softmax", "cumsum", "sort", "product_with_itself",
          "tile_reshaped_back", "roll", "gather"]
-
-
-@TRACED
-@pytest.mark.parametrize("name", TWINS)
-def test_the_same_op_along_the_features_equals_the_loop(name, traced):
-    x, loss, variables = _model(OPS[name][1])
-    want = _loop(loss, x, variables)
-    got, norms = _per_example(loss, x, variables, traced)
-    for g, r in zip(got, want):
-        np.testing.assert_allclose(g.numpy(), r, rtol=1e-9, atol=1e-12)
-    flat = np.concatenate([r.reshape(B, -1) for r in want], 1)
-    np.testing.assert_allclose(norms.numpy(), np.linalg.norm(flat, axis=1),
-                               rtol=1e-9)
 
 
 def test_the_error_says_what_the_op_does():
@@ -130,3 +118,122 @@ def test_a_sum_over_time_of_a_time_major_tensor_as_long_as_the_batch(traced):
     want = _loop(loss, x, [w])
     got, _ = _per_example(loss, x, [w], traced)
     np.testing.assert_allclose(got[0].numpy(), want[0], rtol=1e-9, atol=1e-12)
+
+
+# Ops that move the examples' rows across the batch axis without being
+# known mixers: no table says they keep the examples apart, so the
+# analysis refuses them ("may mix examples", naming the op); each the
+# same along the features, known to keep them apart, equals the loop.
+def _fold_batch(h):
+    """The batch folded into another axis and back in another order."""
+    return tf.reshape(tf.transpose(tf.reshape(h, [2, B // 2, K]), [1, 0, 2]),
+                      [B, K])
+
+
+def _over_rows(fn):
+    """fn along the rows of h: h's transpose, and back."""
+    return lambda h: tf.transpose(fn(tf.transpose(h)))
+
+
+def _fft(h):
+    return tf.math.real(tf.signal.fft(tf.cast(h, tf.complex128)))
+
+
+_EYE = tf.eye(2, dtype=DTYPE)
+MOVERS = {
+    "negative_stride_slice": (lambda h: h[::-1], lambda h: h[:, ::-1], "StridedSlice"),
+    "concat_of_slices": (lambda h: tf.concat([h[1:], h[:1]], 0),
+                         lambda h: tf.concat([h[:, 1:], h[:, :1]], 1), "StridedSlice"),
+    "unstack_stack": (lambda h: tf.stack(tf.unstack(h)[::-1]),
+                      lambda h: tf.stack(tf.unstack(h, axis=1)[::-1], 1), "Unpack"),
+    "split_concat": (lambda h: tf.concat(tf.split(h, 2, 0)[::-1], 0),
+                     lambda h: tf.concat(tf.split(h, 2, 1)[::-1], 1), "Split"),
+    "broadcast_of_one_row": (lambda h: tf.broadcast_to(h[:1], [B, K]) + h,
+                             lambda h: tf.broadcast_to(h[:, :1], [B, K]) + h,
+                             "StridedSlice"),
+    "batch_folded_and_back": (_fold_batch, lambda h: tf.reshape(
+        tf.transpose(tf.reshape(h, [-1, 2, K // 2]), [0, 2, 1]), [-1, K]), "Reshape"),
+    "fft_over_the_batch": (_over_rows(_fft), _fft, "FFT"),
+    "inverse_of_a_batch_matrix": (
+        lambda h: tf.linalg.inv(h[:, :B] + 3 * tf.eye(B, dtype=DTYPE)),
+        lambda h: tf.reshape(tf.linalg.inv(tf.reshape(h[:, :4], [-1, 2, 2]) + 3 * _EYE),
+                             [-1, 4]), "MatrixInverse"),
+    # (inside a traced loop's body, or a tf.function called eagerly: its
+    # ops checked the same way)
+    "while_carry_flipped": (lambda h: _carried(h, lambda s: s[::-1] * 0.5 + s),
+                            lambda h: _carried(h, lambda s: s[:, ::-1] * 0.5 + s),
+                            "StridedSlice"),
+    "function_flips_the_batch": (tf.function(lambda h: h[::-1]),
+                                 tf.function(lambda h: h[:, ::-1]), "StridedSlice"),
+}
+
+
+@TRACED
+@pytest.mark.parametrize("name", list(MOVERS))
+def test_an_op_not_known_to_keep_examples_apart_is_refused(name, traced):
+    x, loss, variables = _model(MOVERS[name][0])
+    with pytest.raises(ValueError, match=f"may mix examples: a {MOVERS[name][2]} op"
+                       " .*not known to keep examples apart"):
+        _per_example(loss, x, variables, traced)
+
+
+def _unknown_batch(loss, variables):
+    @tf.function(input_signature=[tf.TensorSpec([None, D], DTYPE)])
+    def step(x):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        return tape.per_example_gradients(losses, variables)
+    return step
+
+
+def test_a_move_across_a_batch_unknown_while_tracing_is_refused():
+    """The batch unknown while tracing (every source takes rows by pfor):
+    a negative-stride slice of it is refused as eagerly, the same along the
+    features equals the loop."""
+    x, loss, variables = _model(MOVERS["negative_stride_slice"][0])
+    with pytest.raises(ValueError, match="a StridedSlice op .*not known to keep"):
+        _unknown_batch(loss, variables)(x)
+    x, loss, variables = _model(MOVERS["negative_stride_slice"][1])
+    want = _loop(loss, x, variables)
+    for g, r in zip(_unknown_batch(loss, variables)(x), want):
+        np.testing.assert_allclose(g.numpy(), r, rtol=1e-9, atol=1e-12)
+
+
+# (the same moves along the features: a few)
+MOVING_TWINS = ["negative_stride_slice", "unstack_stack", "batch_folded_and_back",
+                "fft_over_the_batch", "inverse_of_a_batch_matrix",
+                "while_carry_flipped", "function_flips_the_batch"]
+
+
+@TRACED
+@pytest.mark.parametrize("name", TWINS + MOVING_TWINS)
+def test_the_same_op_along_the_features_equals_the_loop(name, traced):
+    x, loss, variables = _model(OPS[name][1] if name in OPS else MOVERS[name][1])
+    want = _loop(loss, x, variables)
+    got, norms = _per_example(loss, x, variables, traced)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), r, rtol=1e-9, atol=1e-12)
+    flat = np.concatenate([r.reshape(B, -1) for r in want], 1)
+    np.testing.assert_allclose(norms.numpy(), np.linalg.norm(flat, axis=1),
+                               rtol=1e-9)
+
+
+def test_a_dense_on_a_sequence_with_the_batch_unknown_equals_the_loop():
+    """tf.tensordot on [B, T, d] with B unknown while tracing (Keras'
+    Dense on a sequence): [B*T, d] @ W reshaped back to [B, T, n] keeps
+    each example's rows together (their count read off the fold that made
+    them): not refused, the loop's values."""
+    rng = np.random.default_rng(13)
+    x = tf.constant(rng.normal(size=(B, 5, D)), DTYPE)
+    w = tf.Variable(rng.normal(size=(D, 2)), dtype=DTYPE)
+
+    def loss(x):
+        return tf.reduce_sum(tf.sin(tf.tensordot(x, w, [[2], [0]])), axis=[1, 2])
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 5, D], DTYPE)])
+    def step(x):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        return tape.per_example_gradients(losses, [w])
+    np.testing.assert_allclose(step(x)[0].numpy(), _loop(loss, x, [w])[0],
+                               rtol=1e-9, atol=1e-12)

@@ -471,8 +471,14 @@ def test_microbatches_refused_while_tracing_a_known_batch(mode):
     assert isinstance(e.value, ValueError)
 
 
-@pytest.mark.parametrize("case", ["embedding_resource", "sequence_gram",
-                                  "folded_rows", "einsum_heads"])
+@pytest.mark.parametrize("case", [
+    "embedding_resource", "sequence_gram",
+    pytest.param("folded_rows", marks=pytest.mark.xfail(
+        strict=True, raises=ValueError, reason=(
+            "rows folded with a sequence length unknown while tracing, "
+            "unfolded to a constant length ([-1, 5, n]): whether each row "
+            "stays within one example cannot be told while tracing, refused"))),
+    "einsum_heads"])
 def test_traced_sequence_length_unknown_while_tracing(case):
     """A batch known while tracing, a sequence length not (input_signature
     [B, None, ...]): the rules that read it at run time, rows for the

@@ -43,6 +43,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import constant_op
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import errors
+from tensorflow.python.framework import function_def_to_graph
 from tensorflow.python.framework import indexed_slices
 from tensorflow.python.framework import ops
 from tensorflow.python.framework import random_seed
@@ -244,13 +245,18 @@ def _end(tape, tape_state):
         tape._tape = None  # pylint: disable=protected-access
 
 
-def _mixing_error(what, entry, batch, verb="reduces over", axis=0):
+def _where(entry):
+    """Where ``entry``'s op was recorded, for an error: its line, if the
+    forward pass ran under fasttape.detect_anomaly()."""
     record = _anomaly.record_of(entry.payload)
     if record is not None and record.stack:
-        where = "at " + str(_frames.Where(record.stack[0][:2]))
-    else:
-        where = ("(record the forward pass under fasttape.detect_anomaly() to "
-                 "see its line)")
+        return "at " + str(_frames.Where(record.stack[0][:2]))
+    return ("(record the forward pass under fasttape.detect_anomaly() to "
+            "see its line)")
+
+
+def _mixing_error(what, entry, batch, verb="reduces over", axis=0):
+    where = _where(entry)
     return ValueError(
         f"GradientTape.{what}: `losses` mixes examples: a {entry.op_type} op "
         f"{where} {verb} the batch axis (axis {axis}, of size {batch}) on "
@@ -551,6 +557,32 @@ def _check_mixing(what, entry, shapes, batch, separable=(), axes=None,
 _BODIES = ("f", "body", "then_branch", "else_branch", "branches")
 
 
+def _function_graph(where, graph, fname):
+    """The graph of the function ``fname``: traced in ``where`` or
+    ``graph``, or (an eager call of a tf.function, recorded under its
+    function's name) the eager context's; None if there is none."""
+    found = where._get_function(fname) or graph._get_function(fname)  # pylint: disable=protected-access
+    body = getattr(found, "graph", None)
+    if body is None and isinstance(fname, str):
+        ctx = context.context()
+        if ctx.has_function(fname):
+            body = function_def_to_graph.function_def_to_graph(
+                ctx.get_function_def(fname))
+    return body
+
+
+def _may_hold_rows(t, batch):
+    """Whether a function's input may hold examples' rows: a TensorList
+    (its elements a time step's), or a tensor with an axis that may be
+    the batch's (of its size, a multiple of it, or unknown)."""
+    if t.dtype == dtypes.variant:
+        return True
+    if t.dtype == dtypes.resource or not t.shape.rank:
+        return t.dtype != dtypes.resource and t.shape.rank is None
+    return any(n is None or (batch and n % batch == 0) or batch is None
+               for n in t.shape.as_list())
+
+
 def _check_bodies(what, entry, batch):
     """_check_mixing on the ops of the functions a traced op on the path
     runs (tf.cond's branches, a while loop's body, a nested tf.function),
@@ -558,13 +590,20 @@ def _check_bodies(what, entry, batch):
     the path, where the analysis sees only the call (its rows would be
     the gradients of losses that depend on every example). Ops of
     floating outputs only (a batch's largest sequence length moves no
-    gradient)."""
-    if not isinstance(entry, _GraphEntry) or (batch is not None and batch < 2):
+    gradient). And _row_ops.keeps_apart on each op there that reads a
+    tensor that may hold examples' rows (_may_hold_rows for the
+    functions' inputs, and what is computed from them), the batch taken
+    to lead where no axis is followed."""
+    if batch is not None and batch < 2:
         return
     graph = ops.get_default_graph()
+    traced = isinstance(entry, _GraphEntry)
+    if not traced and not context.context().has_function(entry.op_type):
+        return
     # (a nested tf.function's call is recorded under its function's name)
     calls = [(graph, entry.op_type)]
-    op = _loop_op(entry.payload) if type(entry.payload) is EagerOp else None
+    op = (_loop_op(entry.payload) if traced and type(entry.payload) is EagerOp
+          else None)
     todo, seen = ([op] if op is not None else []), set()
     while calls or todo:
         if not calls:
@@ -581,12 +620,121 @@ def _check_bodies(what, entry, batch):
         if fname is None or fname in seen:
             continue
         seen.add(fname)
-        found = where._get_function(fname) or graph._get_function(fname)  # pylint: disable=protected-access
-        body = getattr(found, "graph", None)
-        for inner in body.get_operations() if body is not None else ():
-            if inner.outputs and inner.outputs[0].dtype.is_floating:
-                _check_mixing(what, _BodyEntry(inner), {}, batch)
-            todo.append(inner)
+        body = _function_graph(where, graph, fname)
+        if body is not None:
+            todo.extend(_check_body(what, body, batch))
+
+
+def _check_body(what, body, batch):
+    """_check_bodies' walk over one function's ops: _check_mixing on
+    those of floating outputs; on those that read a tensor that may hold
+    examples' rows, _row_ops.keeps_apart with the batch axis followed
+    from its inputs (taken to lead there: a loop's carry, a branch's
+    input) through the ops that move it (_moved_axis, _apart_axis), back
+    on axis 0 at the function's outputs. Returns its ops (for the
+    functions they run)."""
+    carrying, axes = set(), {}
+    for inner in body.get_operations():
+        if inner.type == "Placeholder":
+            if _may_hold_rows(inner.outputs[0], batch):
+                carrying.add(inner.outputs[0]._id)  # pylint: disable=protected-access
+            continue
+        ids = [t._id for t in inner.inputs]  # pylint: disable=protected-access
+        held = [axes.get(t, 0) if t in carrying else -1 for t in ids]
+        if max(held, default=-1) < 0 and not (
+                inner.outputs and inner.outputs[0].dtype.is_floating):
+            continue
+        body_entry = _BodyEntry(inner)
+        if inner.outputs and inner.outputs[0].dtype.is_floating:
+            _check_mixing(what, body_entry, {}, batch)
+        if max(held, default=-1) < 0:
+            continue
+        carrying.update(body_entry.output_ids)
+        out = _body_op_axis(body_entry, held, batch, carrying, axes)
+        if out is None:
+            raise _apart_error(what, body_entry, batch)
+        for o in body_entry.output_ids:
+            axes[o] = out
+    for t in body.outputs:
+        if axes.get(t._id, 0) > 0:  # pylint: disable=protected-access
+            raise _apart_error(what, _BodyEntry(t.op), batch)
+    return body.get_operations()
+
+
+def _body_op_axis(entry, held, batch, carrying, axes):
+    """The batch axis of a function op's outputs, given its inputs' (held:
+    -1 where one holds no rows); None where the op is not known to keep
+    the examples apart."""
+    op = entry.op_type
+    if op in _CALLS:
+        return 0        # (its functions checked in turn)
+    batched = {a for a in held if a >= 0}
+    if op in _TRACKED:
+        data = held[1] if op == "Split" and len(held) > 1 else held[0]
+        if op == "Pack" and len(set(held)) > 1:
+            return None
+        if data >= 0:
+            out = _moved_axis(entry, {}, data, batch)
+            if out is not None:
+                return out
+    if batched == {0}:
+        return 0 if _row_ops.keeps_apart(entry, {}, batch, carrying, axes) else None
+    if len(batched) != 1:
+        return None
+    axis = batched.pop()
+    if op in _row_ops.ELEMENTWISE:
+        return axis if _row_ops.keeps_apart(entry, {}, batch, carrying) else None
+    return _apart_axis(entry, {}, held, axis)
+
+
+# Ops that run functions (_BODIES): where the batch axis is not followed
+# through one (_loop_proof), its functions' ops are checked instead
+_CALLS = frozenset({"While", "StatelessWhile", "If", "StatelessIf", "Case",
+                    "StatelessCase", "PartitionedCall",
+                    "StatefulPartitionedCall"})
+
+
+def _runs_functions(entry):
+    """Whether ``entry`` runs functions (checked by _check_bodies)."""
+    if isinstance(entry, _GraphEntry) and entry.op_type in _CALLS:
+        return True
+    # (a tf.function's call is recorded under its function's name)
+    name = entry.op_type
+    return (ops.get_default_graph()._get_function(name) is not None  # pylint: disable=protected-access
+            or context.context().has_function(name))
+
+
+def _apart_error(what, entry, batch):
+    return ValueError(
+        f"GradientTape.{what}: `losses` may mix examples: a {entry.op_type} "
+        f"op {_where(entry)} is not known to keep examples apart along the batch "
+        f"axis (of size {batch}) on the path from "
+        "the sources to `losses`, so one example's loss may depend on the "
+        "others; per-example gradients are given only where every op on "
+        "the path is known to keep the examples apart (see "
+        "docs/privacy.md). Compute each example's loss from its own row, "
+        "with ops along the other axes.")
+
+
+def _not_apart(entry, shapes, batch, carrying, axes, kept, lost):
+    """``entry`` where it reads a tensor that may hold examples' rows
+    (``carrying``) and is not known to keep the examples apart: neither
+    an op whose move of the batch axis was followed or whose layout was
+    proved (``kept``), nor one _row_ops.keeps_apart knows, with the batch
+    axes ``axes`` followed, nor one that runs functions (their ops are
+    checked: _check_bodies, where the batch leads), else None. ``lost``:
+    the entry at which the batch axis was lost (refused)."""
+    if id(entry) in kept or (batch is not None and batch < 2):
+        return None
+    if not any(tid in carrying for tid in entry.input_ids):
+        return None
+    if entry is not lost and _runs_functions(entry):
+        return None     # (where its inputs hold the batch on axis 0)
+    if entry is not lost and _row_ops.keeps_apart(entry, shapes, batch,
+                                                  carrying, axes):
+        return None
+    return entry
+
 
 
 # Analyses by the structure of the path they walked (see _analyse): a
@@ -750,9 +898,11 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
     groups = _row_groups(entries, shapes, consumers, batch)
     # (the axes it followed before it lost the batch, if it did: where
     # _check_mixing looks for it)
-    seen = {}
+    seen, trail = {}, {}
     followed, axes, loops = _track_batch_axis(entries, shapes, batch, alias,
-                                              consumers, seen)
+                                              consumers, seen, trail)
+    kept = trail["followed"] | trail["apart"] | groups.accepted | groups.apart
+    refused = None      # (the first op not known to keep examples apart)
     movers = []
     produced = frozenset(o for entry in entries for o in entry.output_ids)
     # tensors that may hold examples' rows (_row_ops): a tensor source that
@@ -801,6 +951,9 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
         _check_mixing(what, entry, shapes, batch, groups.separable, seen,
                       weights, carrying)
         _check_bodies(what, entry, batch)
+        if refused is None:
+            refused = _not_apart(entry, shapes, batch, carrying, seen, kept,
+                                 trail.get("lost"))
         if (use_rules and id(entry) not in groups.accepted
                 and id(entry) not in followed
                 and not _row_ops.keeps_axis0(entry, shapes, batch, carrying)):
@@ -817,6 +970,9 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
             shape = _meta_shape(meta)
             if shape is not None:
                 shapes[o] = shape
+    if refused is not None:
+        # (after the walk: an op that mixes the examples says what it does)
+        raise _apart_error(what, refused, batch)
     before = _before(movers, entries)
     result = _Analysis()
     for k, used in uses.items():
@@ -2231,12 +2387,15 @@ class _Groups:
     the analysis proves (see _row_groups): ``accepted`` (ids of entries
     _row_ops.keeps_axis0 would refuse), ``blocks`` (id of a convolution's entry ->
     its number of space-to-batch blocks), ``separable`` (ids of training
-    batch norms whose statistics never mix two examples)."""
+    batch norms whose statistics never mix two examples), ``apart`` (ids
+    of the reshapes around such a batch norm while the batch is unknown:
+    they keep the examples apart, the rules unproved)."""
 
     def __init__(self):
         self.accepted = set()
         self.blocks = {}
         self.separable = set()
+        self.apart = set()      # (ids of reshapes that keep the examples apart)
 
 
 _CONVS = frozenset({"Conv2D", "DepthwiseConv2dNative", "Conv3D"})
@@ -2289,8 +2448,9 @@ def _row_groups(entries, shapes, consumers, batch):
         return entry
 
     for entry in entries:
-        if entry.op_type == "BatchToSpaceND" and batch is not None:
-            # (a batch unknown while tracing: rows; the blocks go unproved)
+        if entry.op_type == "BatchToSpaceND":
+            # (a batch unknown while tracing: rows, the blocks keep the
+            # examples apart; the rules go unproved)
             block = _config(entry.payload, 1)
             if not block or only_use(entry.input_ids[0]) is None:
                 continue
@@ -2300,13 +2460,18 @@ def _row_groups(entries, shapes, consumers, batch):
                     or only_use(conv.output_ids[0]) is None):
                 continue
             x = conv.payload.inputs[0]
-            if x is None or x.shape[0] != nb * batch:
+            if x is None or (batch is not None and x.shape[0] != nb * batch):
                 continue
             s2b = back(conv.input_ids[0])
             if s2b is False or (s2b is not None and not (
                     s2b.op_type == "SpaceToBatchND"
                     and _config(s2b.payload, 1) == block
                     and only_use(s2b.output_ids[0]) is not None)):
+                continue
+            if batch is None:
+                groups.apart.add(id(entry))
+                if s2b is not None:
+                    groups.apart.add(id(s2b))
                 continue
             groups.accepted.add(id(entry))
             if s2b is not None:
@@ -2341,8 +2506,15 @@ def _row_groups(entries, shapes, consumers, batch):
             groups.separable.add(id(entry))
             users = [consumers.get(o, ()) for o in entry.output_ids]
             out = users[0][0] if len(users[0]) == 1 else None
-            if (any(users[1:]) or out is None or out.op_type != "Reshape"
-                    or batch is None
+            if any(users[1:]) or out is None or out.op_type != "Reshape":
+                continue
+            back_to = _output_shape(out, shapes)
+            if batch is None and back_to and tuple(back_to[1:]) == tuple(
+                    source[1:]) and None not in source[1:]:
+                # (an example's values back in one row each, the batch
+                # unknown while tracing: rows, the examples kept apart)
+                groups.apart.update((id(into), id(out)))
+            if (batch is None
                     or _leading(shapes.get(out.output_ids[0]) or ()) != batch):
                 continue    # (the reshapes unproved: rows, by _row_ops)
             groups.accepted.update((id(into), id(out)))
@@ -2353,7 +2525,8 @@ _TRACKED = frozenset({"Transpose", "Unpack", "Pack", "StridedSlice", "Split",
                       "SplitV", "Tile", "ReverseV2"})
 
 
-def _track_batch_axis(entries, shapes, batch, alias, consumers, seen=None):
+def _track_batch_axis(entries, shapes, batch, alias, consumers, seen=None,
+                      trail=None):
     """Where a recurrent layer runs time-major (Keras' RNNs: Transpose to
     [T, B, ...], Unpack over time, a step's Split of its gates along the
     features, Pack of the outputs and a StridedSlice of the last), the
@@ -2363,12 +2536,28 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers, seen=None):
     these and elementwise ones on a tensor whose batch is not on axis 0,
     a result whose batch is not on axis 0). Inputs off the path are taken
     to lead with the batch, as _row_ops takes them. ``seen``: a dict to
-    fill with the axes (those followed before the batch is lost too)."""
+    fill with the axes (those followed before the batch is lost too).
+    ``trail``: a dict to fill with "followed" (the entries followed, before
+    the batch is lost too), "apart" (entries whose batch axis is not 0
+    that keep the examples apart: _apart_axis) and "lost" (the entry at
+    which it is lost, or None). With the batch unknown while tracing, the walk fills ``seen``
+    and ``trail`` only (a leading axis unknown is taken for the batch's):
+    every source takes rows then."""
     axes = {} if seen is None else seen
-    followed = set()
+    followed = set() if trail is None else trail.setdefault("followed", set())
+    # (ops on a batch off axis 0 that keep the examples apart, not followed:
+    # _row_ops.keeps_axis0 still decides whether they are movers)
+    apart = set() if trail is None else trail.setdefault("apart", set())
     loops = {}      # id of a While's entry -> its plans (_loop_proof)
     none = (set(), None, {})
-    if batch is None:       # unknown while tracing: every source takes rows
+    if batch is None and trail is None:
+        return none     # (unknown while tracing: every source takes rows)
+
+    unproved = []       # loops whose layout _loop_proof could not prove
+
+    def lose(entry):
+        if trail is not None:
+            trail["lost"] = entry
         return none
 
     def axis_of(tid, t=None):
@@ -2395,13 +2584,27 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers, seen=None):
         op = entry.op_type
         data = ins[1] if op == "Split" and len(ins) > 1 else (ins[0] if ins else -1)
         if op == "Pack" and len(set(ins)) > 1:
-            return none
+            return lose(entry)
         if op in _LOOPS:
             proof = _loop_proof(entry, [
                 None if tid not in produced and tid not in alias else a
                 for tid, a in zip(entry.input_ids, ins)], batch)
             if proof is None:
-                return none
+                if trail is None:
+                    return none
+                # (its body checked op by op, the batch leading there:
+                # _check_bodies; each output laid out as its input, a list
+                # of time steps, each leading with the batch)
+                if any(a > 0 and (t is None or t.dtype != dtypes.variant)
+                       for a, t in zip(ins, entry.payload.inputs)):
+                    return lose(entry)      # (a carry off axis 0)
+                unproved.append(entry)
+                for o, a, t in zip(entry.output_ids, ins, entry.payload.inputs):
+                    variant = t is not None and t.dtype == dtypes.variant
+                    axes[o] = 1 if variant else a
+                    if variant:
+                        lists.add(o)
+                continue
             followed.add(id(entry))
             loops[id(entry)] = proof[2]
             for o, a, is_list in zip(entry.output_ids, *proof[:2]):
@@ -2410,9 +2613,15 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers, seen=None):
                     lists.add(o)
             continue
         if op in _LIST_OPS:
-            out = _list_axis(op, ins, batch, entry)
+            # (an index or element shape off the path holds no batch,
+            # whatever its length)
+            out = _list_axis(op, [
+                -1 if i and tid not in produced and i < len(inputs)
+                and inputs[i] is not None and inputs[i].dtype.is_integer else a
+                for i, (tid, a) in enumerate(zip(entry.input_ids, ins))],
+                batch, entry)
             if out is None:
-                return none
+                return lose(entry)
             followed.add(id(entry))
             for o in entry.output_ids:
                 axes[o] = out
@@ -2421,29 +2630,45 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers, seen=None):
             continue
         if op in _TRACKED and data >= 0:
             out = _moved_axis(entry, shapes, data, batch)
-            if out is None:
-                return none
-            followed.add(id(entry))
+            if out is not None:
+                followed.add(id(entry))
+            elif data == 0 and _row_ops.keeps_axis0(entry, shapes, batch, {
+                    tid for tid, a in zip(entry.input_ids, ins) if a >= 0}):
+                out = 0     # (kept on axis 0: a slice that adds an axis)
+            else:
+                return lose(entry)
         elif op in _TRACKED:
             followed.add(id(entry))     # a tensor without the batch (a weight's)
             out = -1
         else:
+            if op in _SEGMENTS:
+                # (segment ids off the path: no rows, whatever their length)
+                ins = ins[:1] + [
+                    -1 if tid not in produced and i + 1 < len(inputs)
+                    and inputs[i + 1] is not None and inputs[i + 1].dtype.is_integer
+                    else a for i, (tid, a) in enumerate(zip(entry.input_ids[1:], ins[1:]))]
             batched = {a for a in ins if a >= 0}
             if len(batched) > 1:
-                return none
+                return lose(entry)
             # (no input with the batch: a Reshape of rows folded with time
             # to [B, ...], taken to lead with it as inputs off the path)
+            # (a scalar holds no batch, known or not)
+            shape = shapes.get(entry.output_ids[0]) if entry.output_ids else ()
             out = batched.pop() if batched else (
-                0 if _leading(shapes.get(entry.output_ids[0]) or ()) == batch
-                else -1) if entry.output_ids else -1
+                0 if shape != () and _leading(shape or ()) == batch else -1)
             if out > 0 and op not in _row_ops.ELEMENTWISE:
-                return none
+                out = _apart_axis(entry, shapes, ins, out)
+                if out is None:
+                    return lose(entry)
+                apart.add(id(entry))
         for o in entry.output_ids:
             axes[o] = out
     for entry in entries:
         for o in entry.output_ids:
             if o not in consumers and o not in lists and axes.get(o, 0) > 0:
-                return none
+                return lose(entry)
+    if batch is None or unproved:
+        return none
     return followed, axes, loops
 
 
@@ -2518,8 +2743,8 @@ def _loop_proof(entry, ins, batch):
     batch; a TensorList's elements too)."""
     op = _loop_op(entry.payload)
     body = getattr(op, "_body_graph", None)
-    if body is None or batch is None or len(body.inputs) < len(ins):
-        return None
+    if body is None or len(body.inputs) < len(ins):
+        return None     # (a batch unknown while tracing: the layout only)
     n = len(entry.output_ids)
     outs = body.outputs[:n]
     # the ops the loop's outputs read (not the accumulators of a gradient
@@ -2608,7 +2833,7 @@ def _body_axes(entries, body, start, batch):
                     axes[tid] = -1
                 continue
             if not (kind in _while_grads.MEETS and at == [1] and ins[0] == 0
-                    and i in plans and _meets(op)):
+                    and i in plans and _meets(op, batch is not None)):
                 return None
             plans[i][2][id(op)] = "meet"
             axes[entry.output_ids[0]] = 0
@@ -2650,11 +2875,17 @@ def _nhwc(op):
     return fmt in (b"NHWC", "NHWC")
 
 
-def _meets(op):
+def _meets(op, exact=True):
     """Whether a MatMul, BiasAdd or Add of the batch (input 0, axis 0) and
-    a weight (input 1) is one _while_grads gives per-example terms of."""
+    a weight (input 1) is one _while_grads gives per-example terms of
+    (``exact``: its shapes known; else, with the batch unknown while
+    tracing, whether it keeps the examples apart)."""
     x, w = op.inputs[0], op.inputs[1]
-    if not (x.shape.is_fully_defined() and op.outputs[0].shape.is_fully_defined()):
+    if not exact:
+        x_shape, out = x.shape[1:], op.outputs[0].shape[1:]
+    else:
+        x_shape, out = x.shape, op.outputs[0].shape
+    if not (x_shape.is_fully_defined() and out.is_fully_defined()):
         return False
     if op.type == "MatMul":
         return x.shape.rank == 2 and w.shape.rank == 2 and not op.get_attr("transpose_a")
@@ -2742,17 +2973,109 @@ def _moved_axis(entry, shapes, axis, batch):
     if spec is None:
         return None
     begin, end, strides, mask = spec
-    if mask["ellipsis"] or mask["new_axis"]:
+    if mask["ellipsis"]:
         return None
     shrink = mask["shrink_axis"]
-    if axis < len(begin):
-        if (shrink >> axis) & 1 or strides[axis] != 1:
+    # each entry of the spec: a new axis, or the next input axis (shrunk,
+    # or kept in the output)
+    at_in = at_out = 0
+    for j in range(len(begin)):
+        if (mask["new_axis"] >> j) & 1:
+            at_out += 1
+            continue
+        if at_in == axis:
+            if (shrink >> j) & 1 or strides[j] != 1:
+                return None
+            if not ((mask["begin"] >> j) & 1 or begin[j] == 0):
+                return None
+            if not ((mask["end"] >> j) & 1 or (
+                    batch is not None and end[j] >= batch)):
+                return None
+            return at_out
+        at_out += 0 if (shrink >> j) & 1 else 1
+        at_in += 1
+    return at_out + axis - at_in
+
+
+_REDUCES = frozenset(_REDUCERS + ("All", "Any", "ArgMax", "ArgMin"))
+_SEGMENTS = frozenset({"SegmentSum", "SegmentMean", "SegmentMax", "SegmentMin",
+                       "SegmentProd", "UnsortedSegmentSum", "UnsortedSegmentMax",
+                       "UnsortedSegmentMin", "UnsortedSegmentProd"})
+
+
+def _apart_axis(entry, shapes, ins, axis):
+    """The batch axis after an op (not elementwise, not _TRACKED) whose
+    data input holds the batch at ``axis`` > 0 (``ins``: each input's
+    axis, -1 where it holds none), where the op provably keeps the
+    examples apart: a reduction, softmax, cumulative op or concat along
+    other axes, a bias added over the channels, a batched product whose
+    batch dimensions hold it, a pad that leaves it; else None."""
+    op = entry.op_type
+    payload = entry.payload
+    shape = _input_shape(entry, 0, shapes) if entry.input_ids else None
+    rank = len(shape) if shape is not None else None
+
+    def along(value):
+        if value is None or rank is None:
             return None
-        if not ((mask["begin"] >> axis) & 1 or begin[axis] == 0):
+        return {int(a) % rank for a in nest.flatten(value)}
+    if op in _REDUCES:
+        if ins[0] != axis:
             return None
-        if not ((mask["end"] >> axis) & 1 or end[axis] >= batch):
+        reduced = along(_config(payload, 1))
+        if reduced is None or axis in reduced:
             return None
-    return axis - bin(shrink & ((1 << axis) - 1)).count("1")
+        keep = _norm_rules.attr(payload, "keep_dims") and op[:3] != "Arg"
+        return axis if keep else axis - len([a for a in reduced if a < axis])
+    if op in ("Softmax", "LogSoftmax"):
+        return axis if rank is not None and axis != rank - 1 else None
+    if op in _SEGMENTS and ins[0] == axis and all(a < 0 for a in ins[1:]):
+        # segments of the leading axes (the ids' rank), the batch's after
+        ids = _input_shape(entry, 1, shapes)
+        if ids is None or axis < len(ids):
+            return None
+        return axis - len(ids) + 1
+    if op == "Squeeze":
+        dims = along(_norm_rules.attr(payload, "squeeze_dims") or None)
+        return (None if not dims or axis in dims
+                else axis - len([a for a in dims if a < axis]))
+    if op == "ExpandDims":
+        at = _config(payload, 1)
+        if rank is None or at is None or len(nest.flatten(at)) != 1:
+            return None
+        at = int(nest.flatten(at)[0]) % (rank + 1)
+        return axis + (at <= axis)
+    if op in ("Cumsum", "Cumprod", "CumulativeLogsumexp"):
+        moved = along(_config(payload, 1))
+        return axis if ins[0] == axis and moved and axis not in moved else None
+    if op == "ConcatV2":
+        moved = along(_config(payload, len(entry.input_ids) - 1))
+        return axis if moved and axis not in moved else None
+    if op in ("BiasAdd", "BiasAddV1"):
+        return axis if ins[0] == axis and ins[1] < 0 else None
+    if op in ("Pad", "PadV2", "MirrorPad"):
+        paddings = _config(payload, 1)
+        return axis if (ins[0] == axis and paddings is not None
+                        and list(paddings[axis]) == [0, 0]) else None
+    if op in ("BatchMatMulV2", "BatchMatMulV3", "BatchMatMul"):
+        ranks = [len(s) if s is not None else None for s in (
+            shape, _input_shape(entry, 1, shapes))]
+        if None in ranks:
+            return None
+        if ins[0] == axis and (len(ins) < 2 or ins[1] < 0):
+            # a's batch dimensions or rows (b holding none), not adjointed
+            if _norm_rules.attr(payload, "adj_x") or axis >= ranks[0] - 1:
+                return None
+            return axis + max(ranks) - ranks[0]
+        if ranks[0] != ranks[1] or axis >= ranks[0] - 2:
+            return None
+        return axis
+    if op == "MatMul":
+        # each column of b (an example's) times a holding none
+        if ins[0] < 0 and ins[1] == 1 and rank == 2 and not (
+                _norm_rules.attr(payload, "transpose_b")):
+            return 1
+    return None
 
 
 def _slice_spec(payload):

@@ -8,10 +8,17 @@ that keeps the batch axis leading, a reduction, slice, concat or
 transpose over the other axes, a product whose rows are its first
 operand's. ``keeps_axis0`` says whether an op provably does so. An op type
 that is not in ROW_OPS, or whose condition fails or cannot be proved (a
-shape or a config value unknown), may move rows: the analysis then sends
-the sources read before it to per-example rows, which are exact whatever
-the op does and cost a backward pass per example. So an op nobody listed
-costs speed, never a wrong gradient.
+shape or a config value unknown), may move rows.
+
+Rows (the gradient of losses[i] over the whole batch's forward pass) are
+example i's own gradient only where losses[i] depends on example i
+alone, so the same table is also the allowlist for keeping the examples
+apart (``keeps_apart``): an op that moves the batch axis in a way the
+analysis follows (a time-major transpose, a proved loop: _per_example's
+_track_batch_axis) sends the sources read before it to rows; an op not
+in ROW_OPS, or whose condition fails where the batch axis is 0, or that
+is not elementwise where the analysis followed it elsewhere, is refused
+(an op nobody listed costs a loud error, never a wrong gradient).
 
 Only tensors that may hold rows matter (``carrying``): those computed on
 the path from one whose leading axis may be the batch's (the input batch,
@@ -88,20 +95,24 @@ SAME_SHAPE = frozenset({
     "Sin", "Cos", "Exp", "Log", "Log1p", "Square", "Sqrt", "Rsqrt", "Abs",
     "Erf", "Softmax", "LogSoftmax", "Cast", "StopGradient", "ReverseV2",
     "Reverse", "Roll", "Cumsum", "Cumprod", "CumulativeLogsumexp",
-    "ReverseSequence", "MatrixBandPart"})
+    "ReverseSequence", "MatrixBandPart", "MatrixInverse", "Cholesky",
+    "MatrixExponential", "MatrixLogarithm", "MatrixSquareRoot",
+    "MatrixSetDiag", "MatrixSetDiagV3", "FFT", "IFFT", "FFT2D", "IFFT2D",
+    "FFT3D", "IFFT3D"})
 
 
 class _Op:
     """One recorded op as the conditions read it."""
 
-    __slots__ = ("entry", "shapes", "batch", "carrying", "inputs")
+    __slots__ = ("entry", "shapes", "batch", "carrying", "inputs", "axes")
 
-    def __init__(self, entry, shapes, batch, carrying):
+    def __init__(self, entry, shapes, batch, carrying, axes=None):
         self.entry = entry
         self.shapes = shapes
         self.batch = batch
         self.carrying = carrying
         self.inputs = getattr(entry.payload, "inputs", None) or ()
+        self.axes = axes or {}      # tensor id -> its batch axis, if followed
 
     def carries(self, i):
         ins = self.entry.input_ids
@@ -228,8 +239,100 @@ def _reshape_keeps(op, lead_out):
     # example's block (Keras folds [B, T, d] into [B*T, d] and back).
     lead_in = leading(op.shape(0) or ())
     batch = op.batch
+    if batch is None:       # (unknown while tracing)
+        return _unknown_lead_keeps(op, lead_in, lead_out)
     return (lead_in is not None and lead_out is not None and lead_in > 0
             and lead_out > 0 and lead_in % batch == 0 and lead_out % batch == 0)
+
+
+def _batch_lead(op):
+    """Whether a Reshape's target leads with ``tf.shape(t)[0]`` of a
+    tensor t whose leading axis is the batch's (unknown while tracing; its
+    batch axis not followed elsewhere): [B, -1] whatever B is at run
+    time, each example's values one row."""
+    target = op.inputs[1] if len(op.inputs) > 1 else None
+    first = getattr(target, "op", None)
+    if first is None or first.type != "Pack" or not first.inputs:
+        return False
+    picked = first.inputs[0].op
+    if picked.type != "StridedSlice" or picked.inputs[0].op.type != "Shape":
+        return False
+    if [value(t) for t in picked.inputs[1:4]] != [[0], [1], [1]]:
+        return False
+    if int(picked.get_attr("shrink_axis_mask")) & 1 != 1:
+        return False
+    t = picked.inputs[0].op.inputs[0]
+    return (t.shape.rank is not None and t.shape.rank >= 1
+            and t.shape[0] is None and op.axes.get(t._id, 0) == 0)  # pylint: disable=protected-access
+
+
+def _unknown_lead_keeps(op, lead_in, lead_out):
+    """With the batch unknown while tracing: a leading axis unknown on
+    both sides, each output row a whole input row or a piece of one (its
+    other axes known: their size divides an input row's)."""
+    shape, out = op.shape(0), op.out_shape()
+    if lead_out == -1:
+        lead_out = None     # (a target of [-1, ...]: the rows as many as fit)
+    if lead_in is not None or lead_out is not None or not shape or not out:
+        return False
+    if _batch_lead(op):
+        return True
+    if None in shape[1:] or None in out[1:]:
+        return False
+    size_in = size_out = 1
+    for d in shape[1:]:
+        size_in *= d
+    for d in out[1:]:
+        size_out *= d
+    if size_out > 0 and size_in % size_out == 0:
+        return True
+    # rows merged (Keras' Dense on [B, T, d] folds to [B*T, d] and back):
+    # each example's rows as its fold made them
+    rows = _rows_per_example(op.inputs[0] if op.inputs else None)
+    return bool(rows) and size_out > 0 and (rows * size_in) % size_out == 0
+
+
+_ROW_WISE = frozenset({"MatMul", "BiasAdd", "BiasAddV1"}) | UNARY | BROADCASTING
+
+
+def _rows_per_example(t, depth=0, row=None):
+    """How many rows of a traced tensor [k*B, ...] (the batch unknown while
+    tracing) each example holds, where a Reshape made it from [B, ...]
+    (a leading axis unknown, the others known) and only row-wise ops
+    (a product whose rows are its first operand's, elementwise ones of
+    its shape) lie between; else None."""
+    op = getattr(t, "op", None)
+    if op is None or depth > 16 or t.shape.rank is None:
+        return None
+    if op.type == "Reshape":
+        src = op.inputs[0].shape
+        before = op.inputs[0].op
+        if before.type == "Transpose" and (value(before.inputs[1]) or [1])[0] != 0:
+            return None     # (the batch moved off the leading axis)
+        if row is None and None not in t.shape[1:]:
+            row = 1
+            for d in t.shape[1:]:
+                row *= d
+        if (src.rank is None or src.rank < 2 or src[0] is not None
+                or None in src[1:] or not row):
+            return None
+        size = 1
+        for d in src[1:]:
+            size *= d
+        return size // row if size % row == 0 else None
+    if op.type not in _ROW_WISE or not op.inputs:
+        return None
+    first = op.inputs[0]
+    if op.type == "MatMul":
+        if op.get_attr("transpose_a"):
+            return None
+        kernel = op.inputs[1].shape
+        # (its rows as long as the kernel's contracted axis)
+        row = kernel[1 if op.get_attr("transpose_b") else 0] if kernel.rank == 2 else None
+        return _rows_per_example(first, depth + 1, row)
+    if not first.shape.is_compatible_with(t.shape) or first.shape.rank != t.shape.rank:
+        return None
+    return _rows_per_example(first, depth + 1, row)
 
 
 def _reshape(op):
@@ -302,11 +405,17 @@ def _attr_axis(extra=0):
 
 def _strided_slice(op):
     begin, end, strides = op.const(1), op.const(2), op.const(3)
-    if None in (begin, end, strides) or not begin:
-        return False
 
     def mask(name):
         return int(op.attr(name, 0) or 0) & 1
+    if None in (begin, end) and strides and strides[0] == 1 and not (
+            mask("ellipsis_mask") or mask("shrink_axis_mask")
+            or mask("new_axis_mask")):
+        # (bounds computed while tracing, xs[:, t] in a loop body: the
+        # batch axis taken whole by the masks)
+        return bool(mask("begin_mask") and mask("end_mask"))
+    if None in (begin, end, strides) or not begin:
+        return False
     if mask("ellipsis_mask"):
         # a leading ellipsis holds the batch axis unless it stands for no
         # axis (x[..., ::-1, :] of a matrix reverses the batch): the
@@ -314,10 +423,19 @@ def _strided_slice(op):
         rank = op.rank(0)
         new_axes = bin(int(op.attr("new_axis_mask", 0) or 0)).count("1")
         return rank is not None and len(begin) - 1 - new_axes < rank
-    if mask("shrink_axis_mask") or mask("new_axis_mask") or strides[0] != 1:
+    if mask("shrink_axis_mask") or mask("new_axis_mask"):
+        return False
+    lead = leading(op.shape(0) or ())
+    if (strides[0] > 1 and op.batch and lead is not None
+            and lead == strides[0] * op.batch):
+        # [k*B, ...] (each example's k rows in a block, tf.repeat's) taken
+        # one row in k from one in the first block: a row of each example
+        return ((mask("begin_mask") or 0 <= begin[0] < strides[0])
+                and (mask("end_mask") or end[0] >= lead))
+    if strides[0] != 1:
         return False
     return ((mask("begin_mask") or begin[0] == 0)
-            and (mask("end_mask") or end[0] >= op.batch))
+            and (mask("end_mask") or (op.batch is not None and end[0] >= op.batch)))
 
 
 def _slice(op):
@@ -350,7 +468,14 @@ def _tile(op):
 
 
 def _roll(op):
-    return op.not_batch_axes(op.const(2), op.rank(0))
+    shifts, axes = op.const(1), op.const(2)
+    if shifts is not None and axes is not None:
+        shifts, axes = nest.flatten(shifts), nest.flatten(axes)
+        if len(shifts) == 1:
+            shifts = shifts * len(axes)
+        # (a shift of 0 moves nothing)
+        axes = [a for s, a in zip(shifts, axes) if s != 0] or [-1]
+    return op.not_batch_axes(axes, op.rank(0))
 
 
 def _pad(op):
@@ -401,6 +526,38 @@ def _einsum(op):
         terms[i][:1] == out[:1] for i in op.carried() if i < len(terms))
 
 
+def _reverse_mask(op):
+    """Reverse (TF's first, by a mask of axes): not along the batch's."""
+    dims = op.const(1)
+    return dims is not None and not any(nest.flatten(dims)[:1])
+
+
+def _inner(axes):
+    """An op on each input's last ``axes`` axes alone (an FFT, a matrix
+    op, an image op): each example's while every carrying input has more
+    axes than that, all of one rank (their batch dimensions met, none
+    broadcast)."""
+    def check(op):
+        carried = op.carried()
+        ranks = {op.rank(i) for i in carried}
+        if None in ranks or len(ranks) != 1 or ranks.pop() <= axes:
+            return False
+        shapes = [op.shape(i) for i in range(len(op.entry.input_ids))]
+        return _aligned(carried, shapes, shapes[carried[0]])
+    return check
+
+
+def _image(*weights):
+    """An op on each image of a [B, ...] batch (a resize, a crop of each
+    image, patches): its data input 0 of rank 4 or more, the inputs
+    ``weights`` (a size, a filter) holding no example."""
+    def check(op):
+        rank = op.rank(0)
+        return (not any(op.carries(i) for i in weights)
+                and rank is not None and rank >= 4)
+    return check
+
+
 def _batch_norm(op):
     # per-channel statistics given as inputs (training: _check_mixing)
     return not any(op.carries(i) for i in range(1, 5))
@@ -444,7 +601,54 @@ ROW_OPS.update({
     "LRN": _always,
     "FusedBatchNorm": _batch_norm, "FusedBatchNormV2": _batch_norm,
     "FusedBatchNormV3": _batch_norm,
+    "Reverse": _reverse_mask, "Fill": _per_row(1),
+    # a traced loop's lists of time steps (each leading with the batch;
+    # a list over the batch is refused where it is made, on the path)
+    "TensorListGetItem": _always, "TensorListSetItem": _always,
+    "TensorListReserve": _always, "TensorListLength": _always,
+    "TensorListElementShape": _always, "TensorListPushBack": _always,
+    "TensorListPopBack": _always,
+    "IdentityN": _always, "CheckNumericsV2": _always,
+    "TopKV2": _softmax, "InTopKV2": _always, "OneHot": _always,
+    "Bucketize": _always, "BroadcastArgs": _always,
+    "FakeQuantWithMinMaxVars": _per_row(1, 2),
+    "FakeQuantWithMinMaxVarsPerChannel": _per_row(1, 2),
+    "Dilation2D": _per_row(1),
+    # each image of the batch: resizes, rearrangements, patches, colours
+    "ResizeBilinear": _image(1), "ResizeNearestNeighbor": _image(1),
+    "ResizeBicubic": _image(1), "ResizeArea": _image(1),
+    "ScaleAndTranslate": _image(1, 2, 3),
+    "DepthToSpace": _image(), "SpaceToDepth": _image(),
+    "ExtractImagePatches": _image(), "ExtractVolumePatches": _image(),
+    "AdjustContrastv2": _image(1), "AdjustHue": _image(1),
+    "AdjustSaturation": _image(1),
+    "RGBToHSV": _always, "HSVToRGB": _always,
+    # over the inner axes: FFTs, matrices (a batch of them: rank above 2)
+    "FFT": _inner(1), "IFFT": _inner(1), "RFFT": _inner(1),
+    "IRFFT": _inner(1), "FFT2D": _inner(2), "IFFT2D": _inner(2),
+    "RFFT2D": _inner(2), "IRFFT2D": _inner(2), "FFT3D": _inner(3),
+    "IFFT3D": _inner(3), "RFFT3D": _inner(3), "IRFFT3D": _inner(3),
+    "Cross": _inner(1),
+    "MatrixBandPart": _inner(2), "MatrixInverse": _inner(2),
+    "Cholesky": _inner(2), "MatrixDeterminant": _inner(2),
+    "LogMatrixDeterminant": _inner(2), "MatrixSolve": _inner(2),
+    "MatrixTriangularSolve": _inner(2), "Qr": _inner(2), "Svd": _inner(2),
+    "SelfAdjointEigV2": _inner(2), "Eig": _inner(2), "Lu": _inner(2),
+    "MatrixExponential": _inner(2), "MatrixLogarithm": _inner(2),
+    "MatrixSquareRoot": _inner(2), "MatrixSolveLs": _inner(2),
+    "MatrixDiagPartV3": _inner(2), "MatrixDiagPart": _inner(2),
+    "MatrixSetDiagV3": _inner(2), "MatrixSetDiag": _inner(2),
+    "MatrixDiagV3": _inner(1), "MatrixDiag": _inner(1),
 })
+# (random values drawn for a shape read from the rows, a dropout's mask:
+# they hold no example's values)
+ROW_OPS.update(dict.fromkeys((
+    "RandomUniform", "RandomStandardNormal", "TruncatedNormal",
+    "RandomUniformInt", "StatelessRandomUniform", "StatelessRandomNormal",
+    "StatelessTruncatedNormal", "StatelessRandomUniformV2",
+    "StatelessRandomNormalV2", "StatelessTruncatedNormalV2",
+    "StatelessRandomUniformIntV2", "StatelessRandomUniformFullIntV2",
+    "StatelessRandomBinomial"), _per_row(*range(1, 6))))
 # (TF refuses pooling windows over the batch, and a convolution's batch is
 # its data's: each keeps the rows whatever its attrs.)
 
@@ -459,6 +663,29 @@ def keeps_axis0(entry, shapes, batch, carrying):
     if check is None:
         return False
     return bool(check(_Op(entry, shapes, batch, carrying)))
+
+
+def keeps_apart(entry, shapes, batch, carrying, axes=None):
+    """True where ``entry`` provably keeps each example's values apart
+    from the others' (ROW_OPS' condition, the carrying inputs' batch axis
+    at 0; an elementwise op's wherever ``axes``, the batch axes the
+    analysis followed, put it), or reads no tensor that carries rows;
+    False for any other op: the analysis refuses it, as it may mix the
+    examples (its rows would be no single example's gradients)."""
+    # (an input the analysis followed as holding no batch: a weight's
+    # value computed off the rows, however it is carried)
+    carried = {tid for tid in entry.input_ids if tid in carrying
+               and (not axes or axes.get(tid, 0) != -1)}
+    if not carried:
+        return True
+    carrying = carried
+    check = ROW_OPS.get(entry.op_type)
+    if check is None:
+        return False
+    if axes and entry.op_type not in ELEMENTWISE and any(
+            axes.get(tid, 0) > 0 for tid in carried):
+        return False
+    return bool(check(_Op(entry, shapes, batch, carrying, axes)))
 
 
 def carries_rows(entry, carrying, weak, produced, alias, shapes, batch,
