@@ -218,22 +218,30 @@ def test_the_same_op_along_the_features_equals_the_loop(name, traced):
                                rtol=1e-9)
 
 
-def test_a_dense_on_a_sequence_with_the_batch_unknown_equals_the_loop():
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_dense_on_a_sequence_with_the_batch_unknown_equals_the_loop(layers):
     """tf.tensordot on [B, T, d] with B unknown while tracing (Keras'
     Dense on a sequence): [B*T, d] @ W reshaped back to [B, T, n] keeps
     each example's rows together (their count read off the fold that made
-    them): not refused, the loop's values."""
+    them): not refused, the loop's values. A second one folds a recorded
+    tensor, to a target made from its shape ([prod(B, T), prod(n)]: read
+    as far as known while tracing)."""
     rng = np.random.default_rng(13)
     x = tf.constant(rng.normal(size=(B, 5, D)), DTYPE)
     w = tf.Variable(rng.normal(size=(D, 2)), dtype=DTYPE)
+    w2 = tf.Variable(rng.normal(size=(2, 3)), dtype=DTYPE)
+    variables = [w, w2][:layers]
 
     def loss(x):
-        return tf.reduce_sum(tf.sin(tf.tensordot(x, w, [[2], [0]])), axis=[1, 2])
+        h = tf.tensordot(x, w, [[2], [0]])
+        if layers == 2:
+            h = tf.tensordot(tf.tanh(h), w2, [[2], [0]])
+        return tf.reduce_sum(tf.sin(h), axis=[1, 2])
 
     @tf.function(input_signature=[tf.TensorSpec([None, 5, D], DTYPE)])
     def step(x):
         with fasttape.GradientTape() as tape:
             losses = loss(x)
-        return tape.per_example_gradients(losses, [w])
-    np.testing.assert_allclose(step(x)[0].numpy(), _loop(loss, x, [w])[0],
-                               rtol=1e-9, atol=1e-12)
+        return tape.per_example_gradients(losses, variables)
+    for g, r in zip(step(x), _loop(loss, x, variables)):
+        np.testing.assert_allclose(g.numpy(), r, rtol=1e-9, atol=1e-12)

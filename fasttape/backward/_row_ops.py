@@ -266,11 +266,70 @@ def _batch_lead(op):
             and t.shape[0] is None and op.axes.get(t._id, 0) == 0)  # pylint: disable=protected-access
 
 
+def _shape_values(t, depth=0):
+    """The elements of a traced shape vector (or scalar: one element) as
+    far as they are known while tracing, None each where not; None where
+    its make is not one read here (a constant, a tensor's shape, and the
+    Pack, ConcatV2, GatherV2, StridedSlice and Prod that tf.tensordot,
+    Keras' Dense on [B, T, d], builds its fold's target from)."""
+    found = value(t)
+    if found is not None:
+        return found if isinstance(found, list) else [found]
+    op = getattr(t, "op", None)
+    if op is None or depth > 8:
+        return None
+    if op.type == "Shape":
+        shape = op.inputs[0].shape
+        return None if shape.rank is None else shape.as_list()
+    parts = [_shape_values(x, depth + 1) for x in op.inputs]
+    if op.type == "Pack":
+        if any(p is None or len(p) != 1 for p in parts):
+            return None
+        return [p[0] for p in parts]
+    if op.type == "ConcatV2":
+        if parts[-1] != [0] or any(p is None for p in parts[:-1]):
+            return None
+        return [d for p in parts[:-1] for d in p]
+    if op.type in ("GatherV2", "StridedSlice", "Prod") and parts[0] is None:
+        return None
+    if op.type == "GatherV2":
+        if parts[2] != [0] or parts[1] is None or None in parts[1]:
+            return None
+        return [parts[0][int(i)] for i in parts[1]]
+    if op.type == "Prod":
+        if parts[1] not in ([0], [-1]) or op.get_attr("keep_dims"):
+            return None
+        size = 1
+        for d in parts[0]:
+            if d is None:
+                return [None]
+            size *= d
+        return [size]
+    if op.type == "StridedSlice":
+        begin, end, strides = parts[1:4]
+        masks = [int(op.get_attr(m)) for m in (
+            "begin_mask", "end_mask", "shrink_axis_mask", "ellipsis_mask",
+            "new_axis_mask")]
+        if (None in (begin, end, strides) or len(begin) != 1 or None in begin
+                or None in end or strides != [1] or masks[3] or masks[4]):
+            return None
+        start = None if masks[0] & 1 else int(begin[0])
+        if masks[2] & 1:
+            return [parts[0][start or 0]]
+        return parts[0][start:None if masks[1] & 1 else int(end[0])]
+    return None
+
+
 def _unknown_lead_keeps(op, lead_in, lead_out):
     """With the batch unknown while tracing: a leading axis unknown on
     both sides, each output row a whole input row or a piece of one (its
-    other axes known: their size divides an input row's)."""
+    other axes known: their size divides an input row's; a target made
+    from shapes, as tf.tensordot's fold, read as far as known)."""
     shape, out = op.shape(0), op.out_shape()
+    if out and None in out[1:] and len(op.inputs) > 1:
+        dims = _shape_values(op.inputs[1])
+        if dims is not None and len(dims) == len(out):
+            out = tuple(o if o is not None else d for o, d in zip(out, dims))
     if lead_out == -1:
         lead_out = None     # (a target of [-1, ...]: the rows as many as fit)
     if lead_in is not None or lead_out is not None or not shape or not out:
