@@ -759,6 +759,32 @@ def test_volume_kernel_gradients_from_the_inputs_slices(kernel, dilations, paddi
     assert taken and set(taken) == {kernel + (6, 2)}
 
 
+def _assert_volume_loops_values(cin, cout, dtype):
+    """A 3x2x2 Conv3D at stride 1, SAME, of cin channels to cout, eagerly:
+    per-example gradients, norms and the clipped sum equal the loop's."""
+    rng = np.random.default_rng(5)
+    x = tf.constant(rng.normal(size=(B, 4, 5, 3, cin)), dtype)
+    w = tf.Variable(rng.normal(size=(3, 2, 2, cin, cout)) * 0.3, dtype=dtype)
+
+    def loss(x):
+        return tf.reduce_sum(tf.tanh(tf.nn.conv3d(x, w, [1] * 5, "SAME")) ** 2,
+                             axis=[1, 2, 3, 4])
+    _assert_loops_values("eager", loss, x, w, dtype)
+
+
+def _spy_sliced(monkeypatch):
+    """The input shapes of the Conv3D offsets' slices (_Conv3D._sliced)
+    taken from now on."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    original, sliced = _norm_rules._Conv3D._sliced, []  # pylint: disable=protected-access
+
+    def spy(self, x, *args, **kwargs):
+        sliced.append(tuple(x.shape))
+        return original(self, x, *args, **kwargs)
+    monkeypatch.setattr(_norm_rules._Conv3D, "_sliced", spy)  # pylint: disable=protected-access
+    return sliced
+
+
 def test_volume_offsets_only_with_more_input_channels(monkeypatch):
     """A Conv3D at stride 1 with K > 2 N but fewer input channels than
     outputs (2 to 8, float64: no loop of examples) takes the gathered
@@ -766,27 +792,31 @@ def test_volume_offsets_only_with_more_input_channels(monkeypatch):
     products [kw cout, T'] x [T', cin] run slowly with few input channels);
     per-example gradients, norms and the clipped sum equal the loop's."""
     from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
-    sliced, gathered = [], []
-    original_sliced, original_gathered = _norm_rules._Conv3D._sliced, _norm_rules._gathered  # pylint: disable=protected-access
-
-    def spy_sliced(self, x, *args, **kwargs):
-        sliced.append(tuple(x.shape))
-        return original_sliced(self, x, *args, **kwargs)
+    sliced, gathered = _spy_sliced(monkeypatch), []
+    original_gathered = _norm_rules._gathered  # pylint: disable=protected-access
 
     def spy_gathered(x, *args):
         gathered.append(tuple(x.shape))
         return original_gathered(x, *args)
-    monkeypatch.setattr(_norm_rules._Conv3D, "_sliced", spy_sliced)  # pylint: disable=protected-access
     monkeypatch.setattr(_norm_rules, "_gathered", spy_gathered)
-    rng = np.random.default_rng(5)
-    x = tf.constant(rng.normal(size=(B, 4, 5, 3, 2)), tf.float64)
-    w = tf.Variable(rng.normal(size=(3, 2, 2, 2, 8)) * 0.3, dtype=tf.float64)
-
-    def loss(x):
-        return tf.reduce_sum(tf.tanh(tf.nn.conv3d(x, w, [1] * 5, "SAME")) ** 2,
-                             axis=[1, 2, 3, 4])
-    _assert_loops_values("eager", loss, x, w)
+    _assert_volume_loops_values(2, 8, tf.float64)
     assert gathered and not sliced
+
+
+def test_volume_offsets_before_one_example_at_a_time(monkeypatch):
+    """Float32 where oneDNN runs, past the thresholds of one example at a
+    time (0 here), a Conv3D at stride 1 of more input channels than
+    outputs (8 to 2, K > 2 N) takes the offsets' slices (_Conv3D._sliced),
+    faster there than a kernel gradient an example; the loop's values."""
+    from fasttape.gradients import _norm_rules  # pylint: disable=import-outside-toplevel
+    if not _norm_rules._groups_run():  # pylint: disable=protected-access
+        pytest.skip("one example at a time where TF's oneDNN kernels run")
+    monkeypatch.setattr(_norm_rules, "_LOOPED_3D_MIN_POSITIONS", 0)
+    monkeypatch.setattr(_norm_rules, "_LOOPED_3D_MIN_MACS", 0)
+    by_example = _spy_taken(monkeypatch, _norm_rules._Conv3D, "_by_example")  # pylint: disable=protected-access
+    sliced = _spy_sliced(monkeypatch)
+    _assert_volume_loops_values(8, 2, tf.float32)
+    assert sliced and not by_example
 
 
 @pytest.mark.parametrize("kernel,strides,dilations,padding,transposed", [
