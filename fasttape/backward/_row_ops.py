@@ -249,26 +249,58 @@ def _batch_lead(op):
     """Whether a Reshape's target leads with ``tf.shape(t)[0]`` of a
     tensor t whose leading axis is the batch's (unknown while tracing; its
     batch axis not followed elsewhere): [B, -1] whatever B is at run
-    time, each example's values one row."""
-    target = op.inputs[1] if len(op.inputs) > 1 else None
-    first = getattr(target, "op", None)
-    if first is None or first.type != "Pack" or not first.inputs:
+    time, each example's values one row, where the input's rows are
+    whole examples' or an example-major fold's (_unfolded)."""
+    return _leads_with_batch(op.inputs[1] if len(op.inputs) > 1 else None,
+                             op.axes) and _unfolded(op.inputs[0])
+
+
+def _leads_with_batch(target, axes=None):
+    dims = _shape_values(target) if target is not None else None
+    first = dims[0] if dims else None
+    if not isinstance(first, _Dim) or first.axis != 0:
         return False
-    picked = first.inputs[0].op
-    if picked.type != "StridedSlice" or picked.inputs[0].op.type != "Shape":
-        return False
-    if [value(t) for t in picked.inputs[1:4]] != [[0], [1], [1]]:
-        return False
-    if int(picked.get_attr("shrink_axis_mask")) & 1 != 1:
-        return False
-    t = picked.inputs[0].op.inputs[0]
+    t = first.tensor
     return (t.shape.rank is not None and t.shape.rank >= 1
-            and t.shape[0] is None and op.axes.get(t._id, 0) == 0)  # pylint: disable=protected-access
+            and t.shape[0] is None and (axes or {}).get(t._id, 0) == 0)  # pylint: disable=protected-access
+
+
+def _unfolded(t, depth=0):
+    """Whether a traced tensor's rows (its leading axis unknown while
+    tracing) are not a fold of unknown layout: the row-wise ops before it
+    reach no Reshape, or one that folds example-major (_rows_per_example)
+    or unfolds to the batch (a target leading with it). A time-major fold
+    ([T*B, d] from a transpose) is one."""
+    op = getattr(t, "op", None)
+    if op is None or depth > 16:
+        return op is None
+    if op.type == "Reshape":
+        return (_rows_per_example(t) is not None
+                or _leads_with_batch(op.inputs[1]))
+    if op.type not in _ROW_WISE or not op.inputs:
+        return True
+    return _unfolded(op.inputs[0], depth + 1)
+
+
+class _Dim:
+    """An axis of a traced tensor unknown while tracing, as a shape vector
+    reads it (``tf.shape(tensor)[axis]``)."""
+
+    __slots__ = ("tensor", "axis")
+
+    def __init__(self, tensor, axis):
+        self.tensor = tensor
+        self.axis = axis
+
+
+def _known(d):
+    return d if isinstance(d, int) else None
 
 
 def _shape_values(t, depth=0):
     """The elements of a traced shape vector (or scalar: one element) as
-    far as they are known while tracing, None each where not; None where
+    far as they are known while tracing (an axis unknown then: a _Dim;
+    else None); None where
     its make is not one read here (a constant, a tensor's shape, and the
     Pack, ConcatV2, GatherV2, StridedSlice and Prod that tf.tensordot,
     Keras' Dense on [B, T, d], builds its fold's target from)."""
@@ -279,8 +311,9 @@ def _shape_values(t, depth=0):
     if op is None or depth > 8:
         return None
     if op.type == "Shape":
-        shape = op.inputs[0].shape
-        return None if shape.rank is None else shape.as_list()
+        t = op.inputs[0]
+        return None if t.shape.rank is None else [
+            _Dim(t, i) if d is None else d for i, d in enumerate(t.shape.as_list())]
     parts = [_shape_values(x, depth + 1) for x in op.inputs]
     if op.type == "Pack":
         if any(p is None or len(p) != 1 for p in parts):
@@ -295,13 +328,16 @@ def _shape_values(t, depth=0):
     if op.type == "GatherV2":
         if parts[2] != [0] or parts[1] is None or None in parts[1]:
             return None
-        return [parts[0][int(i)] for i in parts[1]]
+        if any(not isinstance(i, int) or not -len(parts[0]) <= i < len(parts[0])
+               for i in parts[1]):
+            return None
+        return [parts[0][i] for i in parts[1]]
     if op.type == "Prod":
         if parts[1] not in ([0], [-1]) or op.get_attr("keep_dims"):
             return None
         size = 1
         for d in parts[0]:
-            if d is None:
+            if _known(d) is None:
                 return [None]
             size *= d
         return [size]
@@ -310,11 +346,14 @@ def _shape_values(t, depth=0):
         masks = [int(op.get_attr(m)) for m in (
             "begin_mask", "end_mask", "shrink_axis_mask", "ellipsis_mask",
             "new_axis_mask")]
-        if (None in (begin, end, strides) or len(begin) != 1 or None in begin
-                or None in end or strides != [1] or masks[3] or masks[4]):
+        if (None in (begin, end, strides) or len(begin) != 1 or len(end) != 1
+                or _known(begin[0]) is None or _known(end[0]) is None
+                or strides != [1] or masks[3] or masks[4]):
             return None
         start = None if masks[0] & 1 else int(begin[0])
         if masks[2] & 1:
+            if not -len(parts[0]) <= (start or 0) < len(parts[0]):
+                return None
             return [parts[0][start or 0]]
         return parts[0][start:None if masks[1] & 1 else int(end[0])]
     return None
@@ -329,7 +368,8 @@ def _unknown_lead_keeps(op, lead_in, lead_out):
     if out and None in out[1:] and len(op.inputs) > 1:
         dims = _shape_values(op.inputs[1])
         if dims is not None and len(dims) == len(out):
-            out = tuple(o if o is not None else d for o, d in zip(out, dims))
+            out = tuple(o if o is not None else _known(d)
+                        for o, d in zip(out, dims))
     if lead_out == -1:
         lead_out = None     # (a target of [-1, ...]: the rows as many as fit)
     if lead_in is not None or lead_out is not None or not shape or not out:
