@@ -6,6 +6,8 @@ other examples: per-example gradients, norms and DP gradients refuse them
 feature axis keeps the examples apart: its per-example gradients equal a
 loop over single examples, each through the model alone."""
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -271,3 +273,58 @@ def test_rows_folded_time_major_then_unfolded_to_the_batch():
         return tape.per_example_gradients(losses, [w])
     with pytest.raises(ValueError, match="may mix examples: a Reshape"):
         step(x)
+
+
+# An input laid out time-major before any recorded op reads it ([T, B, d],
+# T not a multiple of B, no input leading with the batch): its batch axis
+# is the one of the batch's size, followed as a time-major transpose's.
+_TIME_MAJOR = {
+    "apart": lambda h: h,
+    "roll": lambda h: tf.roll(h, 1, axis=1),
+    "moments": lambda h: h - tf.reduce_mean(h, axis=[0, 1]),
+    "cumsum": lambda h: tf.cumsum(h, axis=1),
+}
+
+
+@TRACED
+@pytest.mark.parametrize("name", list(_TIME_MAJOR))
+def test_an_input_time_major_before_the_tape(name, traced):
+    """The three ops along the batch axis (1) mix the examples: refused; the
+    model without them equals the loop."""
+    rng = np.random.default_rng(22)
+    x = tf.constant(rng.normal(size=(B, B + 1, D)), DTYPE)
+    w = tf.Variable(rng.normal(size=(D, 2)), dtype=DTYPE)
+
+    def loss(x):
+        # (x is no source: its transpose is not recorded)
+        h = tf.tanh(tf.transpose(x, [1, 0, 2]) @ w)          # [T, B, 2]
+        return tf.reduce_sum(tf.sin(_TIME_MAJOR[name](h)), axis=[0, 2])
+    if name != "apart":
+        with pytest.raises(ValueError, match=MIXES):
+            _per_example(loss, x, [w], traced)
+        return
+    got, _ = _per_example(loss, x, [w], traced)
+    np.testing.assert_allclose(got[0].numpy(), _loop(loss, x, [w])[0],
+                               rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", [None, {}, {"jit_compile": True}],
+                         ids=["eager", "function", "jit"])
+def test_losses_as_long_as_no_input_axis_are_refused(mode):
+    """losses from h^T h ([K, K] from h [B, K]): K losses, and no input has
+    an axis of K, so no row is an example's (each depends on every
+    example): refused by each call, where the rows would be silent."""
+    rng = np.random.default_rng(23)
+    x = tf.constant(rng.normal(size=(B, D)), DTYPE)
+    w = tf.Variable(rng.normal(size=(D, K)), dtype=DTYPE)
+
+    def step(x, call):
+        with fasttape.GradientTape() as tape:
+            h = tf.tanh(x @ w)
+            losses = tf.reduce_sum(tf.sin(tf.matmul(h, h, adjoint_a=True)), 1)
+        args = (1.0,) if call == "dp_gradient" else ()
+        return getattr(tape, call)(losses, [w], *args)
+    for call in ("per_example_gradients", "per_example_norms", "dp_gradient"):
+        run = functools.partial(step, call=call)
+        with pytest.raises(ValueError, match="holds no example's values"):
+            run(x) if mode is None else tf.function(run, **mode)(x)

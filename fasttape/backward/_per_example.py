@@ -716,6 +716,27 @@ def _apart_error(what, entry, batch):
         "with ops along the other axes.")
 
 
+def _no_rows_error(what, batch):
+    return ValueError(
+        f"GradientTape.{what}: `losses` holds no example's values: no input "
+        f"it is computed from has an axis of its length ({batch}), the "
+        "batch's, so its rows are not the examples' (one example may reach "
+        "every loss). Compute one loss per example, from inputs that hold "
+        "the batch on an axis (a dense tensor: a ragged one's .to_tensor()).")
+
+
+def _off_path_shape(entry, i, shapes):
+    """Input i's shape (an input off the path), None where unknown or a
+    resource."""
+    inputs = getattr(entry.payload, "inputs", None) or ()
+    t = inputs[i] if i < len(inputs) else None
+    shape = shapes.get(entry.input_ids[i])
+    if shape is None and t is not None and t.dtype != dtypes.resource and (
+            t.shape.rank is not None):
+        shape = tuple(t.shape.as_list())
+    return shape
+
+
 def _not_apart(entry, shapes, batch, carrying, axes, kept, lost):
     """``entry`` where it reads a tensor that may hold examples' rows
     (``carrying``) and is not known to keep the examples apart: neither
@@ -782,7 +803,7 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True,
                         "tracing: every source takes per-example rows")
             logging.debug(logs[-1])
         result = _analyse_path(what, _graph_entries(entries), flat, flat_raw,
-                               batch, use_rules, logs)
+                               batch, use_rules, logs, losses._id)  # pylint: disable=protected-access
         return result
     signed = backward_signature(entries, _compiled.CONFIG_INPUTS,
                                 _compiled.config_inputs_of)
@@ -803,7 +824,7 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True,
             return result
     logs = []
     result = _analyse_path(what, entries, flat, flat_raw, batch, use_rules,
-                           logs)
+                           logs, losses._id)  # pylint: disable=protected-access
     if keep_entries:
         result.entries = entries
     if key is not None:
@@ -856,7 +877,8 @@ def _rebind(layout, entries, key):
     return result
 
 
-def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
+def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs,
+                  losses_id):
     """_analyse's walk over the path's entries (DEBUG lines into logs)."""
     source_ids = [t._id for t in flat]  # pylint: disable=protected-access
     alias = {}
@@ -896,15 +918,22 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
         for tid in entry.input_ids:
             consumers.setdefault(tid, []).append(entry)
     groups = _row_groups(entries, shapes, consumers, batch)
+    produced = frozenset(o for entry in entries for o in entry.output_ids)
+    time_major = _row_ops.inputs_time_major(
+        [_off_path_shape(entry, i, shapes)
+         for entry in entries for i, tid in enumerate(entry.input_ids)
+         if tid not in produced]
+        + [tuple(s.shape.as_list()) for s, t in zip(flat_raw, flat)
+           if t.dtype != dtypes.resource and s.shape.rank], batch)
     # (the axes it followed before it lost the batch, if it did: where
     # _check_mixing looks for it)
     seen, trail = {}, {}
     followed, axes, loops = _track_batch_axis(entries, shapes, batch, alias,
-                                              consumers, seen, trail)
+                                              consumers, seen, trail,
+                                              time_major)
     kept = trail["followed"] | trail["apart"] | groups.accepted | groups.apart
     refused = None      # (the first op not known to keep examples apart)
     movers = []
-    produced = frozenset(o for entry in entries for o in entry.output_ids)
     # tensors that may hold examples' rows (_row_ops): a tensor source that
     # leads with the batch (a variable is a parameter, whatever its shape),
     # and what is computed from such tensors
@@ -963,7 +992,8 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
                         "sources read before it take per-example rows")
             logging.debug(logs[-1])
         rows, vector = _row_ops.carries_rows(entry, carrying, weak, produced,
-                                             alias, shapes, batch, may_rule)
+                                             alias, shapes, batch, may_rule,
+                                             time_major)
         if rows or vector:
             (carrying if rows else weak).update(entry.output_ids)
         for o, meta in zip(entry.output_ids, entry.output_meta):
@@ -973,6 +1003,9 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs):
     if refused is not None:
         # (after the walk: an op that mixes the examples says what it does)
         raise _apart_error(what, refused, batch)
+    if (batch is not None and batch > 1 and losses_id in produced
+            and losses_id not in carrying and losses_id not in weak):
+        raise _no_rows_error(what, batch)
     before = _before(movers, entries)
     result = _Analysis()
     for k, used in uses.items():
@@ -2526,7 +2559,7 @@ _TRACKED = frozenset({"Transpose", "Unpack", "Pack", "StridedSlice", "Split",
 
 
 def _track_batch_axis(entries, shapes, batch, alias, consumers, seen=None,
-                      trail=None):
+                      trail=None, time_major=False):
     """Where a recurrent layer runs time-major (Keras' RNNs: Transpose to
     [T, B, ...], Unpack over time, a step's Split of its gates along the
     features, Pack of the outputs and a StridedSlice of the last), the
@@ -2534,8 +2567,9 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers, seen=None,
     move is followed, {tensor id: its batch axis}), or (empty, None) where
     it is lost (a reduction, unpack or slice along it, an op other than
     these and elementwise ones on a tensor whose batch is not on axis 0,
-    a result whose batch is not on axis 0). Inputs off the path are taken
-    to lead with the batch, as _row_ops takes them. ``seen``: a dict to
+    a result whose batch is not on axis 0). Inputs off the path hold the
+    batch where _row_ops.off_path_axis puts it (``time_major`` as there).
+    ``seen``: a dict to
     fill with the axes (those followed before the batch is lost too).
     ``trail``: a dict to fill with "followed" (the entries followed, before
     the batch is lost too), "apart" (entries whose batch axis is not 0
@@ -2571,8 +2605,7 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers, seen=None,
         # (a leading axis unknown while tracing, or B*T: the batch's, as
         # _row_ops takes it; -1 would let a Transpose of it pass as a
         # weight's)
-        return 0 if shape and (shape[0] is None or shape[0] == batch or (
-            batch and shape[0] % batch == 0)) else -1
+        return _row_ops.off_path_axis(shape, batch, time_major)
 
     produced = {o for entry in entries for o in entry.output_ids}
     lists = set()       # TensorLists: their axis is the batch's once stacked
@@ -2587,8 +2620,8 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers, seen=None,
             return lose(entry)
         if op in _LOOPS:
             proof = _loop_proof(entry, [
-                None if tid not in produced and tid not in alias else a
-                for tid, a in zip(entry.input_ids, ins)], batch)
+                None if tid not in produced and tid not in alias and a <= 0
+                else a for tid, a in zip(entry.input_ids, ins)], batch)
             if proof is None:
                 if trail is None:
                     return none

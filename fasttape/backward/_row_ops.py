@@ -60,6 +60,37 @@ def leading(shape):
     return shape[0] if shape else None
 
 
+def off_path_axis(shape, batch, time_major=False):
+    """The batch axis of a tensor off the path (neither computed on it
+    nor a source) of ``shape``: 0 where its leading axis may be the
+    batch's (of its size or a multiple of it, folded with time; unknown
+    while tracing); with the inputs time-major (``time_major``, see
+    inputs_time_major), its first other axis of the batch's size; else -1:
+    it holds no example's values (a constant, a weight)."""
+    if not shape:
+        return -1
+    lead = shape[0]
+    if lead is None or (batch and lead % batch == 0):
+        return 0
+    if time_major and batch in shape[1:]:
+        return shape.index(batch, 1)
+    return -1
+
+
+def inputs_time_major(shapes, batch):
+    """Whether the examples lie off axis 0 in the inputs of ``shapes``
+    (those off the path, and the sources that are tensors): none of two or
+    more axes leads with the batch or a multiple of it, and one has an
+    axis of its size (a time-major [T, B, ...] input with T not a
+    multiple of B). Their batch axis is then that axis (off_path_axis),
+    followed as a time-major transpose's is."""
+    if not batch or batch < 2:
+        return False
+    shapes = [s for s in shapes if s is not None and len(s) > 1]
+    return (not any(off_path_axis(s, batch) == 0 for s in shapes)
+            and any(off_path_axis(s, batch, True) > 0 for s in shapes))
+
+
 # Elementwise, one input: the output's row j is f(row j).
 UNARY = frozenset({
     "Identity", "Snapshot", "StopGradient", "PreventGradient", "CheckNumerics",
@@ -788,12 +819,12 @@ def keeps_apart(entry, shapes, batch, carrying, axes=None):
 
 
 def carries_rows(entry, carrying, weak, produced, alias, shapes, batch,
-                 may_rule):
+                 may_rule, time_major=False):
     """(whether ``entry``'s outputs may hold examples' rows, whether they
     hold only ``weak`` ones). They may where it reads a carrying tensor,
     or a tensor off the path (neither computed on it nor a source) that
-    leads with the batch (or a multiple of it) and has more axes, or an
-    unknown shape. A vector
+    holds the batch (off_path_axis, ``time_major`` as there) and has more
+    axes, or an unknown shape. A vector
     off the path as long as the batch (labels, ids, or a batch norm's
     moving variance with as many channels as examples) is weak: what is
     computed from it and parameters carries rows only from an op a rule
@@ -821,8 +852,9 @@ def carries_rows(entry, carrying, weak, produced, alias, shapes, batch,
         if shape is None:
             return True, False
         # (a leading axis of B*T: the batch folded with time, Keras' Dense
-        # on [B, T, d]; nb*B: a dilated convolution's blocks)
-        if shape and (shape[0] is None or (shape[0] > 0 and shape[0] % batch == 0)):
+        # on [B, T, d]; nb*B: a dilated convolution's blocks; the batch on
+        # another axis of time-major inputs)
+        if shape and shape[0] != 0 and off_path_axis(shape, batch, time_major) >= 0:
             if len(shape) > 1:
                 return True, False
             vector = True
