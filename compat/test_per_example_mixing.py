@@ -328,3 +328,47 @@ def test_losses_as_long_as_no_input_axis_are_refused(mode):
         run = functools.partial(step, call=call)
         with pytest.raises(ValueError, match="holds no example's values"):
             run(x) if mode is None else tf.function(run, **mode)(x)
+
+
+@TRACED
+def test_losses_reshaped_last_equals_the_loop(traced):
+    """`losses` reshaped to a vector by the last op (tf.reshape(s, [-1])):
+    no op reads its output, so only the shape of `losses` says that the
+    reshape keeps the batch leading (eagerly it was refused)."""
+    rng = np.random.default_rng(24)
+    x = tf.constant(rng.normal(size=(B, D)), DTYPE)
+    w = tf.Variable(rng.normal(size=(D, K)), dtype=DTYPE)
+
+    def loss(x):
+        return tf.reshape(tf.reduce_sum(tf.sin(tf.tanh(x @ w)), 1), [-1])
+    got, _ = _per_example(loss, x, [w], traced)
+    np.testing.assert_allclose(got[0].numpy(), _loop(loss, x, [w])[0],
+                               rtol=1e-9, atol=1e-12)
+
+
+# Losses whose ops' shapes no recorded op saves eagerly: the analysis
+# carries them across (a ZerosLike, a broadcast, a Pack) or reads them from
+# the op that saved its output (a Tanh read only by a comparison).
+_UNSAVED_SHAPES = {
+    "sigmoid_cross_entropy": lambda h: tf.squeeze(
+        tf.nn.sigmoid_cross_entropy_with_logits(tf.ones_like(h[:, :1]), h[:, :1]), -1),
+    "stacked_and_summed": lambda h: tf.reduce_sum(
+        tf.stack([h + 1.0, 2.0 * h], -1), [1, 2]),
+    "where_of_a_comparison": lambda h: tf.reduce_sum(
+        tf.where(tf.tanh(h @ tf.ones([K, K], DTYPE)) > 0, h, 0.1 * h), 1),
+}
+
+
+@TRACED
+@pytest.mark.parametrize("name", list(_UNSAVED_SHAPES))
+def test_losses_through_ops_whose_shapes_none_saved_equal_the_loop(name, traced):
+    rng = np.random.default_rng(25)
+    x = tf.constant(rng.normal(size=(B, D)), DTYPE)
+    w = tf.Variable(rng.normal(size=(D, K)), dtype=DTYPE)
+
+    def loss(x):
+        return _UNSAVED_SHAPES[name](tf.tanh(x @ w))
+    got, _ = _per_example(loss, x, [w], traced)
+    np.testing.assert_allclose(got[0].numpy(), _loop(loss, x, [w])[0],
+                               rtol=1e-9, atol=1e-12)
+

@@ -35,6 +35,7 @@ call (_graph_noise). A batch unknown while tracing
 
 from fasttape.gradients import _tf_compat  # noqa: F401  (first: refuses an unsupported TF)
 import collections
+import itertools
 import os
 import threading
 
@@ -89,6 +90,8 @@ _RESHAPES = frozenset({"Reshape", "ExpandDims", "Squeeze"})
 _BATCH_NORMS = frozenset({"FusedBatchNorm", "FusedBatchNormV2",
                           "FusedBatchNormV3"})
 _SAME_SHAPE = _row_ops.SAME_SHAPE
+# (ops whose shapes _carry_shape reads across)
+_CARRIED_SHAPES = frozenset({"Transpose", "Unpack", "Pack"}) | _row_ops.BROADCASTING
 
 
 class _Analysis:
@@ -803,7 +806,7 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True,
                         "tracing: every source takes per-example rows")
             logging.debug(logs[-1])
         result = _analyse_path(what, _graph_entries(entries), flat, flat_raw,
-                               batch, use_rules, logs, losses._id)  # pylint: disable=protected-access
+                               batch, use_rules, logs, losses)
         return result
     signed = backward_signature(entries, _compiled.CONFIG_INPUTS,
                                 _compiled.config_inputs_of)
@@ -824,7 +827,7 @@ def _analyse(what, tape_state, losses, flat, flat_raw, batch, use_rules=True,
             return result
     logs = []
     result = _analyse_path(what, entries, flat, flat_raw, batch, use_rules,
-                           logs, losses._id)  # pylint: disable=protected-access
+                           logs, losses)
     if keep_entries:
         result.entries = entries
     if key is not None:
@@ -878,19 +881,27 @@ def _rebind(layout, entries, key):
 
 
 def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs,
-                  losses_id):
+                  losses):
     """_analyse's walk over the path's entries (DEBUG lines into logs)."""
+    losses_id = losses._id  # pylint: disable=protected-access
     source_ids = [t._id for t in flat]  # pylint: disable=protected-access
     alias = {}
     for k, sid in enumerate(source_ids):
         alias.setdefault(sid, k)
     uses = {k: [] for k in range(len(flat))}
     # Shapes of the tensors on the path: the recorder keeps no output
-    # metadata, but a consumer that saved the tensor for its gradient knows it.
+    # metadata, but a consumer that saved the tensor for its gradient knows
+    # it (and `losses` its own: a last reshape's output, which none saves).
     shapes = {}
+    if losses.shape.rank is not None:
+        shapes[losses_id] = tuple(losses.shape.as_list())
     for entry in entries:
         inputs = getattr(entry.payload, "inputs", None)
-        for tid, t in zip(entry.input_ids if inputs else (), inputs or ()):
+        # (and the outputs it saved: a Tanh's, a Softmax's)
+        outputs = getattr(entry.payload, "outputs", None) if inputs else None
+        for tid, t in itertools.chain(
+                zip(entry.input_ids if inputs else (), inputs or ()),
+                zip(entry.output_ids if outputs else (), outputs or ())):
             if tid in shapes or t is None:
                 continue
             if type(t) is ops.EagerTensor:
@@ -909,7 +920,7 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs,
                     shapes[o] = shapes[i]
                 elif o in shapes and i not in shapes:
                     shapes[i] = shapes[o]
-            elif entry.op_type in ("Transpose", "Unpack"):
+            elif entry.op_type in _CARRIED_SHAPES and entry.output_ids:
                 _carry_shape(entry, shapes)
             elif entry.op_type == "SpaceToBatchND":
                 _carry_blocks_shape(entry, shapes)
@@ -3609,8 +3620,21 @@ def _carry_blocks_shape(entry, shapes):
 
 
 def _carry_shape(entry, shapes):
-    """The analysis' shapes across a Transpose or Unpack, either way (a
-    recurrent layer's time-major input, whose shapes no op saved)."""
+    """The analysis' shapes across a Transpose, Unpack or Pack, either
+    way (a recurrent layer's time-major input, whose shapes no op saved),
+    and to a broadcasting op's output from its inputs'."""
+    if entry.op_type in _row_ops.BROADCASTING:
+        ins = [shapes.get(t) for t in entry.input_ids]
+        if entry.output_ids[0] not in shapes and ins and None not in ins and all(
+                None not in s for s in ins):
+            try:
+                shapes[entry.output_ids[0]] = tuple(np.broadcast_shapes(*ins))
+            except ValueError:
+                pass
+        return
+    if entry.op_type == "Pack":
+        # (a Pack is an Unpack the other way)
+        entry = _Flipped(entry)
     i, outs = entry.input_ids[0], entry.output_ids
     if entry.op_type == "Transpose":
         perm = _config(entry.payload, 1)
@@ -3637,3 +3661,16 @@ def _carry_shape(entry, shapes):
     if known is not None:
         a = axis % (len(known) + 1)
         shapes[i] = tuple(list(known[:a]) + [len(outs)] + list(known[a:]))
+
+
+class _Flipped:
+    """A Pack seen as the Unpack of its output into its inputs (for
+    _carry_shape)."""
+
+    __slots__ = ("op_type", "input_ids", "output_ids", "payload")
+
+    def __init__(self, entry):
+        self.op_type = "Unpack"
+        self.input_ids = entry.output_ids[:1]
+        self.output_ids = entry.input_ids
+        self.payload = entry.payload

@@ -120,7 +120,7 @@ BROADCASTING = frozenset({
 ELEMENTWISE = UNARY | BROADCASTING
 # Ops whose output has the shape of their first input (the analysis carries
 # a known shape across them, either way).
-SAME_SHAPE = frozenset({
+SAME_SHAPE = UNARY | frozenset({
     "BiasAdd", "BiasAddV1", "Identity", "Relu", "Relu6", "Elu", "Selu",
     "LeakyRelu", "Gelu", "Tanh", "Sigmoid", "Softplus", "Softsign", "Neg",
     "Sin", "Cos", "Exp", "Log", "Log1p", "Square", "Sqrt", "Rsqrt", "Abs",
