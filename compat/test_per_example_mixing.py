@@ -372,3 +372,35 @@ def test_losses_through_ops_whose_shapes_none_saved_equal_the_loop(name, traced)
     np.testing.assert_allclose(got[0].numpy(), _loop(loss, x, [w])[0],
                                rtol=1e-9, atol=1e-12)
 
+
+def test_a_cross_entropy_over_time_with_the_batch_unknown_equals_the_loop():
+    """TF's sparse cross-entropy of [B, T, C] logits and its dense one of
+    [B, C] logits, B unknown while tracing (Keras' fit, its last batch
+    uneven): they fold the logits to [-1, shape[rank - 1]] (an index and
+    a slice computed from the rank); read while tracing, each example's
+    rows stay together: not refused, the loop's values."""
+    rng = np.random.default_rng(26)
+    x = tf.constant(rng.normal(size=(B, 5, D)), DTYPE)
+    y = tf.constant(rng.integers(0, 3, size=(B, 5)), tf.int32)
+    w = tf.Variable(rng.normal(size=(D, 3)), dtype=DTYPE)
+
+    def loss(x, y):
+        logits = tf.tanh(x) @ w
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
+        dense = tf.nn.softmax_cross_entropy_with_logits(
+            tf.one_hot(y[:, 0], 3, dtype=DTYPE), logits[:, 0])
+        return tf.reduce_sum(ce, 1) + dense
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 5, D], DTYPE),
+                                  tf.TensorSpec([None, 5], tf.int32)])
+    def step(x, y):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x, y)
+        return tape.per_example_gradients(losses, [w])
+    want = []
+    for i in range(B):
+        with tf.GradientTape() as tape:
+            li = loss(x[i:i + 1], y[i:i + 1])[0]
+        want.append(tape.gradient(li, w).numpy())
+    np.testing.assert_allclose(step(x, y)[0].numpy(), np.stack(want),
+                               rtol=1e-9, atol=1e-12)

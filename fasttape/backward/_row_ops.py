@@ -33,6 +33,8 @@ loop's body (_per_example._track_batch_axis, _body_axes): ELEMENTWISE
 keeps a batch axis wherever it lies.
 """
 
+import operator
+
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import ops
 from tensorflow.python.util import nest
@@ -328,13 +330,18 @@ def _known(d):
     return d if isinstance(d, int) else None
 
 
+_INT_ARITHMETIC = {"Add": operator.add, "AddV2": operator.add,
+                   "Sub": operator.sub, "Mul": operator.mul}
+
+
 def _shape_values(t, depth=0):
     """The elements of a traced shape vector (or scalar: one element) as
     far as they are known while tracing (an axis unknown then: a _Dim;
     else None); None where
     its make is not one read here (a constant, a tensor's shape, and the
     Pack, ConcatV2, GatherV2, StridedSlice and Prod that tf.tensordot,
-    Keras' Dense on [B, T, d], builds its fold's target from)."""
+    Keras' Dense on [B, T, d], builds its fold's target from; the Slice
+    and integer arithmetic of TF's cross-entropies' fold to [-1, C])."""
     found = value(t)
     if found is not None:
         return found if isinstance(found, list) else [found]
@@ -354,8 +361,25 @@ def _shape_values(t, depth=0):
         if parts[-1] != [0] or any(p is None for p in parts[:-1]):
             return None
         return [d for p in parts[:-1] for d in p]
-    if op.type in ("GatherV2", "StridedSlice", "Prod") and parts[0] is None:
+    if op.type in _INT_ARITHMETIC and len(parts) == 2:
+        # (an index computed from a rank: TF's sparse cross-entropy of
+        # [B, T, C] logits folds them to [-1, shape[rank - 1]])
+        a, b = parts
+        if (a is None or b is None or len(a) != len(b)
+                or any(_known(d) is None for d in a + b)):
+            return None
+        return [_INT_ARITHMETIC[op.type](x, y) for x, y in zip(a, b)]
+    if op.type in ("GatherV2", "StridedSlice", "Prod", "Slice") and parts[0] is None:
         return None
+    if op.type == "Slice":
+        # (tf.nn.softmax_cross_entropy_with_logits' fold: [-1] and the
+        # shape's slice from rank - 1)
+        begin, size = parts[1:3]
+        if (begin is None or size is None or len(begin) != 1 or len(size) != 1
+                or _known(begin[0]) is None or _known(size[0]) is None):
+            return None
+        start = begin[0] % len(parts[0]) if parts[0] else 0
+        return parts[0][start:None if size[0] < 0 else start + size[0]]
     if op.type == "GatherV2":
         if parts[2] != [0] or parts[1] is None or None in parts[1]:
             return None
