@@ -560,3 +560,58 @@ def test_traced_contracted_axis_unknown_while_tracing(product):
     for g, e in zip(dp, expected):
         _close(g, e, tf.float64)
     assert len(rows_seen[-1][1]) == 1, rows_seen[-1]     # w by its rule
+
+
+def _diagonal():
+    """h = tanh(x * w), x [4, 4]; example i's loss is h[i, i] (Einsum
+    "ii->i"): each reads its own row alone, and the Einsum's gradient
+    ("i->ii") is one TF's pfor cannot vectorize (its converter's "ai->aii"
+    repeats an output label, which tf.einsum refuses)."""
+    rng = np.random.default_rng(21)
+    x = tf.constant(rng.normal(size=(4, 4)), tf.float64)
+    w = tf.Variable(rng.normal(size=(4,)) * 0.5, dtype=tf.float64)
+
+    def losses_of(x):
+        return tf.einsum("ii->i", tf.tanh(x * w))
+    return x, w, losses_of
+
+
+@pytest.mark.parametrize("mode", ["eager"] + list(MODES))
+def test_a_diagonal_einsum_takes_rows_in_every_mode(mode):
+    """num_microbatches over the diagonal: a microbatch's gradient is that
+    of its losses' mean (TF Privacy's, for any loss), so every mode gives
+    the loop of tf.GradientTape's over the microbatches (clipped, summed,
+    divided); and the per-example gradients are the loop's over the
+    examples. (Traced, they went through pfor, which raised TF's
+    ValueError: they run as a loop there.)"""
+    x, w, losses_of = _diagonal()
+    m, size, clip = 2, 2, 0.6
+
+    def step(x):
+        with fasttape.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            losses = losses_of(x)
+        return (tape.dp_gradient(losses, [w, x], clip, num_microbatches=m),
+                tape.per_example_gradients(losses, [w, x]))
+
+    micro, rows = [], []
+    for j in range(4):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            losses = losses_of(x)
+            mean = tf.reduce_mean(losses[j * size:(j + 1) * size])
+            mine = losses[j]
+        if j < m:
+            micro.append(tape.gradient(mean, [w, x]))
+        rows.append(tape.gradient(mine, [w, x]))
+    norms = [tf.sqrt(sum(tf.reduce_sum(g ** 2) for g in gs)) for gs in micro]
+    expected = [sum(gs[k] * min(1.0, clip / float(n)) for gs, n in zip(micro, norms)) / m
+                for k in range(2)]
+    assert min(norms) < clip < max(norms)      # (one clipped, one not)
+    if mode != "eager":
+        step = tf.function(step, **MODES[mode])
+    dp, per_example = step(x)
+    for g, e in zip(dp, expected):
+        _close(g, e, tf.float64)
+    for g, k in zip(per_example, range(2)):
+        _close(g, tf.stack([r[k] for r in rows]), tf.float64)
