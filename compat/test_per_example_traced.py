@@ -431,9 +431,10 @@ def test_microbatches_of_a_batch_known_at_run_time(mode):
 @pytest.mark.parametrize("mode", ["eager"] + list(MODES))
 def test_a_batch_of_no_examples_is_refused(mode, microbatches):
     """No example, no microbatch to divide by: InvalidArgumentError in
-    every mode (under XLA, which drops assertions, a reshape named for it
-    fails, or with microbatches TF's pfor over their empty rows, first),
-    not a gradient of zeros or of noise over 0."""
+    every mode, its message the eager one (under XLA, which drops
+    assertions and so their messages, a reshape named for it fails, with
+    microbatches too: TF's pfor over their empty rows failed first, with
+    "Incompatible shapes"), not a gradient of zeros or of noise over 0."""
     xs, loss, variables = _mlp(tf.float32)
     spec = [tf.TensorSpec([None] + x.shape[1:].as_list(), x.dtype) for x in xs]
 
@@ -447,9 +448,27 @@ def test_a_batch_of_no_examples_is_refused(mode, microbatches):
         step = tf.function(step, input_signature=spec, **MODES[mode])
     with pytest.raises(tf.errors.InvalidArgumentError, match=(
             "a batch of no examples" if mode != "jit"
-            else "dp_gradient_needs_a_batch_of_examples" if microbatches is None
-            else None)):
+            else "dp_gradient_needs_a_batch_of_examples")):
         step(*[x[:0] for x in xs])
+
+
+def test_an_empty_shard_of_microbatches_sums_to_zeros_under_jit():
+    """A replica's share of no examples (divide=False, as _dp_replicas
+    asks for it), its size read at run time, under jit_compile: zeros, as
+    in a tf.function (with microbatches, TF's pfor over their empty rows
+    failed to compile)."""
+    xs, loss, variables = _mlp(tf.float32)
+    spec = [tf.TensorSpec([None] + x.shape[1:].as_list(), x.dtype) for x in xs]
+
+    @tf.function(input_signature=spec, jit_compile=True)
+    def share(*xs):
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        return _per_example.dp_gradient(tape, losses, variables, 1.0,
+                                        num_microbatches=2, divide=False)
+
+    for g, v in zip(share(*[x[:0] for x in xs]), variables):
+        np.testing.assert_array_equal(g.numpy(), np.zeros(v.shape))
 
 
 @pytest.mark.parametrize("mode", MODES)
