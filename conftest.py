@@ -8,9 +8,14 @@ that needs Graphviz is preceded by
 ``<!-- skip: next if(dot_missing, reason="needs Graphviz's dot") -->``.
 """
 
+import inspect
+import linecache
 import os
 import shutil
+import sys
 import tempfile
+
+import pytest
 
 from sybil import Sybil
 from sybil.evaluators.python import PythonEvaluator
@@ -98,3 +103,57 @@ def pytest_collection_modifyitems(config, items):
     unknown = float("inf")
     items.sort(key=lambda item: -FILE_SECONDS.get(item.nodeid.split("::")[0],
                                                    unknown))
+
+
+# -- the source AutoGraph reads ----------------------------------------------
+#
+# AutoGraph converts a function when it is first traced, reading its source
+# through inspect and linecache at the line its code object was compiled at,
+# and first reads the file again from disk (autograph's
+# inspect_utils._fix_linecache_record calls linecache.updatecache for every
+# function it converts). A test file edited (or checked out) while the suite
+# runs then hands AutoGraph the lines of whatever stands there now: a
+# module-level tf.function first traced late in a file was converted from
+# another def and raised TypeError ("tf___reference() takes 3 positional
+# arguments but 4 were given"). So each module under the root directory
+# keeps, in linecache, the source it was imported from (read right after
+# each test module is collected): the code that runs is that one.
+
+_PINNED = {}
+_SEEN = set()
+_UPDATECACHE = linecache.updatecache
+
+
+def _updatecache(filename, module_globals=None):
+    lines = _PINNED.get(filename)
+    if lines is None:
+        return _UPDATECACHE(filename, module_globals)
+    linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    return lines
+
+
+def pin_sources(root):
+    """Keep the loaded modules' files under ``root`` in linecache as they
+    are now (the first time each is seen), whatever happens to them on
+    disk."""
+    root = os.path.join(os.path.abspath(str(root)), "")
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if (not isinstance(path, str) or path in _SEEN
+                or not path.startswith(root) or not path.endswith(".py")):
+            continue
+        _SEEN.add(path)
+        lines = linecache.getlines(path, module.__dict__)
+        if lines:
+            _PINNED[path] = lines
+            _updatecache(path)
+    if _PINNED:
+        linecache.updatecache = _updatecache
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    if isinstance(collector, pytest.Module):
+        pin_sources(collector.config.rootpath)
+    return report

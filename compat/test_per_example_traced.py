@@ -431,9 +431,10 @@ def test_microbatches_of_a_batch_known_at_run_time(mode):
 @pytest.mark.parametrize("mode", ["eager"] + list(MODES))
 def test_a_batch_of_no_examples_is_refused(mode, microbatches):
     """No example, no microbatch to divide by: InvalidArgumentError in
-    every mode (under XLA, which drops assertions, a reshape named for it
-    fails, or with microbatches TF's pfor over their empty rows, first),
-    not a gradient of zeros or of noise over 0."""
+    every mode, its message the eager one (under XLA, which drops
+    assertions and so their messages, a reshape named for it fails, with
+    microbatches too: TF's pfor over their empty rows failed first, with
+    "Incompatible shapes"), not a gradient of zeros or of noise over 0."""
     xs, loss, variables = _mlp(tf.float32)
     spec = [tf.TensorSpec([None] + x.shape[1:].as_list(), x.dtype) for x in xs]
 
@@ -447,9 +448,27 @@ def test_a_batch_of_no_examples_is_refused(mode, microbatches):
         step = tf.function(step, input_signature=spec, **MODES[mode])
     with pytest.raises(tf.errors.InvalidArgumentError, match=(
             "a batch of no examples" if mode != "jit"
-            else "dp_gradient_needs_a_batch_of_examples" if microbatches is None
-            else None)):
+            else "dp_gradient_needs_a_batch_of_examples")):
         step(*[x[:0] for x in xs])
+
+
+def test_an_empty_shard_of_microbatches_sums_to_zeros_under_jit():
+    """A replica's share of no examples (divide=False, as _dp_replicas
+    asks for it), its size read at run time, under jit_compile: zeros, as
+    in a tf.function (with microbatches, TF's pfor over their empty rows
+    failed to compile)."""
+    xs, loss, variables = _mlp(tf.float32)
+    spec = [tf.TensorSpec([None] + x.shape[1:].as_list(), x.dtype) for x in xs]
+
+    @tf.function(input_signature=spec, jit_compile=True)
+    def share(*xs):
+        with fasttape.GradientTape() as tape:
+            losses = loss(*xs)
+        return _per_example.dp_gradient(tape, losses, variables, 1.0,
+                                        num_microbatches=2, divide=False)
+
+    for g, v in zip(share(*[x[:0] for x in xs]), variables):
+        np.testing.assert_array_equal(g.numpy(), np.zeros(v.shape))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -560,3 +579,58 @@ def test_traced_contracted_axis_unknown_while_tracing(product):
     for g, e in zip(dp, expected):
         _close(g, e, tf.float64)
     assert len(rows_seen[-1][1]) == 1, rows_seen[-1]     # w by its rule
+
+
+def _diagonal():
+    """h = tanh(x * w), x [4, 4]; example i's loss is h[i, i] (Einsum
+    "ii->i"): each reads its own row alone, and the Einsum's gradient
+    ("i->ii") is one TF's pfor cannot vectorize (its converter's "ai->aii"
+    repeats an output label, which tf.einsum refuses)."""
+    rng = np.random.default_rng(21)
+    x = tf.constant(rng.normal(size=(4, 4)), tf.float64)
+    w = tf.Variable(rng.normal(size=(4,)) * 0.5, dtype=tf.float64)
+
+    def losses_of(x):
+        return tf.einsum("ii->i", tf.tanh(x * w))
+    return x, w, losses_of
+
+
+@pytest.mark.parametrize("mode", ["eager"] + list(MODES))
+def test_a_diagonal_einsum_takes_rows_in_every_mode(mode):
+    """num_microbatches over the diagonal: a microbatch's gradient is that
+    of its losses' mean (TF Privacy's, for any loss), so every mode gives
+    the loop of tf.GradientTape's over the microbatches (clipped, summed,
+    divided); and the per-example gradients are the loop's over the
+    examples. (Traced, they went through pfor, which raised TF's
+    ValueError: they run as a loop there.)"""
+    x, w, losses_of = _diagonal()
+    m, size, clip = 2, 2, 0.6
+
+    def step(x):
+        with fasttape.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            losses = losses_of(x)
+        return (tape.dp_gradient(losses, [w, x], clip, num_microbatches=m),
+                tape.per_example_gradients(losses, [w, x]))
+
+    micro, rows = [], []
+    for j in range(4):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            losses = losses_of(x)
+            mean = tf.reduce_mean(losses[j * size:(j + 1) * size])
+            mine = losses[j]
+        if j < m:
+            micro.append(tape.gradient(mean, [w, x]))
+        rows.append(tape.gradient(mine, [w, x]))
+    norms = [tf.sqrt(sum(tf.reduce_sum(g ** 2) for g in gs)) for gs in micro]
+    expected = [sum(gs[k] * min(1.0, clip / float(n)) for gs, n in zip(micro, norms)) / m
+                for k in range(2)]
+    assert min(norms) < clip < max(norms)      # (one clipped, one not)
+    if mode != "eager":
+        step = tf.function(step, **MODES[mode])
+    dp, per_example = step(x)
+    for g, e in zip(dp, expected):
+        _close(g, e, tf.float64)
+    for g, k in zip(per_example, range(2)):
+        _close(g, tf.stack([r[k] for r in rows]), tf.float64)

@@ -481,6 +481,32 @@ def test_jacobian_of_a_roll_along_an_axis_from_the_end(where):
     fd.tf_wrong_here(case, [oracle], rtol=1e-6, atol=1e-6)
 
 
+# -- pfor and a diagonal Einsum ------------------------------------------------
+#
+# TF's pfor converter for Einsum puts its loop's label before the equation's
+# and builds the op with tf.einsum, which refuses a label repeated in the
+# output: the gradient of a diagonal ("ii->i"), "i->ii", becomes "ai->aii".
+
+def test_jacobian_through_a_diagonal_einsum_in_a_function():
+    """TF's traced pfor jacobian through tf.einsum("ii->i", ...) raises
+    ValueError; fasttape's equals the finite differences (it takes such
+    rows by a loop)."""
+    x0 = np.random.default_rng(4).normal(size=(3, 3))
+    w0 = np.array([0.5, -1.0, 2.0])
+
+    def case(FA, GT):
+        def body(x):
+            with GT() as tape:
+                tape.watch(x)
+                y = tf.einsum("ii->i", tf.tanh(x * w0))
+            return [tape.jacobian(y, x)]
+        return tf.function(body)(tf.constant(x0))
+
+    [oracle] = fd.central_difference(
+        lambda x: np.diagonal(np.tanh(x * w0)).copy(), [x0])
+    fd.tf_wrong_here(case, [oracle], tf_raises=ValueError, rtol=1e-6, atol=1e-6)
+
+
 # -- found by a generated hunt: forward-over-reverse through a while_loop -------
 
 @pytest.mark.parametrize("flow", ["while_loop", "cond"])

@@ -413,6 +413,24 @@ def _roll_misread(inputs):
     return axis is None or bool((np.asarray(axis) < 0).any())
 
 
+def _einsum_unvectorized(equation):
+    """Whether pfor cannot vectorize an Einsum of ``equation`` or its
+    gradient: a label repeated within an operand or the output (a diagonal,
+    "ii->i", whose gradient writes one, "i->ii"). pfor's converter builds
+    its equation for tf.einsum, which refuses a label repeated in the
+    output ("ai->aii"), where the Einsum op itself takes it. True where the
+    equation is not known (the loop is always right)."""
+    if isinstance(equation, bytes):
+        equation = equation.decode()
+    if not isinstance(equation, str) or "->" not in equation:
+        return True
+    for subs in equation.replace("->", ",").split(","):
+        labels = subs.replace("...", "").replace(" ", "")
+        if len(set(labels)) != len(labels):
+            return True
+    return False
+
+
 def pfor_wrong_on_path(tape_state, target, sources):
     """Whether an op pfor vectorizes wrongly is on the path from
     ``sources`` to ``target``: a grouped convolution (see above), or a
@@ -442,6 +460,10 @@ def pfor_wrong_on_path(tape_state, target, sources):
                 return True
         if e.op_type == "Roll" and _roll_misread(getattr(payload, "inputs", None) or ()):
             return True
+        if e.op_type == "Einsum" and _einsum_unvectorized(
+                dict(zip(payload.attrs[::2], payload.attrs[1::2])).get("equation")
+                if hasattr(payload, "attrs") else None):
+            return True
         body = _backward_body(payload)
         if body is not None:
             todo.extend(body.get_operations())
@@ -458,6 +480,8 @@ def pfor_wrong_on_path(tape_state, target, sources):
                 and _is_grouped(kind, op.inputs, op.get_attr("data_format"))):
             return True
         if kind == "Roll" and _roll_misread(op.inputs):
+            return True
+        if kind == "Einsum" and _einsum_unvectorized(op.get_attr("equation")):
             return True
         for name in _CALLS:
             try:

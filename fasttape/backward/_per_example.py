@@ -1275,7 +1275,15 @@ def _graph_rows(tape, losses, flat_raw, keys, basis=None):
     flat = [_gradient.handle_or_self(s) for s in raw]
     tape_state = tape._tape  # pylint: disable=protected-access
     cut = None
-    if basis is not None:
+    if basis is not None and losses.shape[0] is None:
+        # (microbatches over no examples, a replica's empty shard: under
+        # XLA, TF's pfor over two or more of their empty rows fails to
+        # compile ("Incompatible shapes: [2,0,4] vs. [2,0,2]" for a [4, 2]
+        # MatMul weight's): one iteration, its seed empty, its row zeros,
+        # as the microbatches' would be)
+        n = math_ops.maximum(math_ops.minimum(
+            array_ops.shape(losses)[0], 1) * int(basis.shape[0]), 1)
+    elif basis is not None:
         n = int(basis.shape[0])
     elif losses.shape[0] is not None:
         n = int(losses.shape[0])
@@ -1960,8 +1968,12 @@ def _indivisible(m):
 def _examples_one(losses, dtype):
     """While tracing, the batch unknown: a 1 of ``dtype`` (a factor of the
     divisor) that fails on a batch of no examples (as eagerly: no
-    microbatch to divide by): an assertion, and under XLA, which drops
-    assertions, a reshape named for it."""
+    microbatch to divide by): an assertion, and under XLA a reshape named
+    for it. (XLA compiles an Assert to nothing, and no op it compiles
+    fails with a message of ours: there the error is the reshape's
+    InvalidArgumentError, "Input to reshape is a tensor with 1 values, but
+    the requested shape has 0", naming this node. The rows over the
+    microbatches of no example must not fail first: _graph_rows.)"""
     n = array_ops.shape(losses)[0]
     check = control_flow_assert.Assert(math_ops.greater(n, 0), [EMPTY_BATCH])
     with ops.control_dependencies([check]):
