@@ -8,7 +8,6 @@ that needs Graphviz is preceded by
 ``<!-- skip: next if(dot_missing, reason="needs Graphviz's dot") -->``.
 """
 
-import inspect
 import linecache
 import os
 import shutil
