@@ -404,3 +404,26 @@ def test_a_cross_entropy_over_time_with_the_batch_unknown_equals_the_loop():
         want.append(tape.gradient(li, w).numpy())
     np.testing.assert_allclose(step(x, y)[0].numpy(), np.stack(want),
                                rtol=1e-9, atol=1e-12)
+
+
+def test_a_repeat_over_time_with_the_batch_unknown_equals_the_loop():
+    """tf.repeat of [B, 1, d] along time (Keras' RepeatVector), B unknown
+    while tracing: its Tile's multiples are constant ones packed around the
+    repeat, computed while tracing; read as far as known, the batch's is 1:
+    not refused, the loop's values."""
+    rng = np.random.default_rng(27)
+    x = tf.constant(rng.normal(size=(B, D)), DTYPE)
+    w = tf.Variable(rng.normal(size=(D, 2)), dtype=DTYPE)
+    weights = np.arange(8, dtype=np.float64).reshape(1, 4, 2)
+
+    def loss(x):
+        h = tf.repeat(tf.expand_dims(tf.tanh(x @ w), 1), 4, axis=1)
+        return tf.reduce_sum(tf.sin(h) * weights, axis=[1, 2])
+
+    @tf.function(input_signature=[tf.TensorSpec([None, D], DTYPE)])
+    def step(x):
+        with fasttape.GradientTape() as tape:
+            losses = loss(x)
+        return tape.per_example_gradients(losses, [w])
+    np.testing.assert_allclose(step(x)[0].numpy(), _loop(loss, x, [w])[0],
+                               rtol=1e-9, atol=1e-12)

@@ -361,6 +361,9 @@ def _shape_values(t, depth=0):
         if parts[-1] != [0] or any(p is None for p in parts[:-1]):
             return None
         return [d for p in parts[:-1] for d in p]
+    if op.type in ("Cast", "Identity") or (
+            op.type == "Reshape" and parts[0] is not None and len(parts[0]) == 1):
+        return parts[0]     # (one value as a scalar or a vector: tf.repeat's)
     if op.type in _INT_ARITHMETIC and len(parts) == 2:
         # (an index computed from a rank: TF's sparse cross-entropy of
         # [B, T, C] logits folds them to [-1, shape[rank - 1]])
@@ -412,6 +415,10 @@ def _shape_values(t, depth=0):
             return [parts[0][start or 0]]
         return parts[0][start:None if masks[1] & 1 else int(end[0])]
     return None
+
+
+# (for the mixers' checks too: a Tile's multiples read while tracing)
+shape_values = _shape_values
 
 
 def _unknown_lead_keeps(op, lead_in, lead_out):
@@ -618,6 +625,8 @@ def _params_only(op):
 
 def _tile(op):
     multiples = op.const(1)
+    if multiples is None and len(op.inputs) > 1 and op.inputs[1] is not None:
+        multiples = _shape_values(op.inputs[1])     # (as far as known)
     return bool(multiples) and multiples[0] == 1
 
 
