@@ -220,17 +220,12 @@ class _Op:
             along.add(a)
         if self.axis in along:
             return None
-        return self.axis if keep else self.axis - len([a for a in along if a < self.axis])
+        return self.axis - (0 if keep else len([a for a in along if a < self.axis]))
 
 
 def _always(op):
     del op
     return True
-
-
-def _same(op):
-    """Elementwise on one input: the batch axis where it lies."""
-    return op.axis
 
 
 def _elementwise(keeps):
@@ -575,8 +570,8 @@ def _segments(op):
 
 
 def _axis_input(axis_at, data_at=0, extra=0):
-    """An op along the axis given by input ``axis_at`` (a split, reverse):
-    it keeps the rows when that axis is not the batch's."""
+    """An op along the axis given by input ``axis_at`` (a split, reverse,
+    concat): it keeps the rows when that axis is not the batch's."""
     def check(op):
         rank = op.rank(data_at)
         return op.after(op.const(axis_at),
@@ -839,20 +834,20 @@ ROW_OPS = {op: _on_axis0(keeps) for op, keeps in {
     "MatrixDiagPartV3": _inner(2), "MatrixDiagPart": _inner(2),
     "MatrixSetDiagV3": _inner(2), "MatrixSetDiag": _inner(2),
     "MatrixDiagV3": _inner(1), "MatrixDiag": _inner(1),
-    # (random values drawn for a shape read from the rows, a dropout's
-    # mask: they hold no example's values)
-    **dict.fromkeys((
-        "RandomUniform", "RandomStandardNormal", "TruncatedNormal",
-        "RandomUniformInt", "StatelessRandomUniform", "StatelessRandomNormal",
-        "StatelessTruncatedNormal", "StatelessRandomUniformV2",
-        "StatelessRandomNormalV2", "StatelessTruncatedNormalV2",
-        "StatelessRandomUniformIntV2", "StatelessRandomUniformFullIntV2",
-        "StatelessRandomBinomial"), _per_row(*range(1, 6))),
 }.items()}
+# (random values drawn for a shape read from the rows, a dropout's mask:
+# they hold no example's values)
+ROW_OPS.update(dict.fromkeys((
+    "RandomUniform", "RandomStandardNormal", "TruncatedNormal",
+    "RandomUniformInt", "StatelessRandomUniform", "StatelessRandomNormal",
+    "StatelessTruncatedNormal", "StatelessRandomUniformV2",
+    "StatelessRandomNormalV2", "StatelessTruncatedNormalV2",
+    "StatelessRandomUniformIntV2", "StatelessRandomUniformFullIntV2",
+    "StatelessRandomBinomial"), _on_axis0(_per_row(*range(1, 6)))))
 # (TF refuses pooling windows over the batch, and a convolution's batch is
 # its data's: each keeps the rows whatever its attrs.)
 # ... and wherever the batch lies: elementwise ops, and ops along others
-ROW_OPS.update(dict.fromkeys(UNARY, _same))
+ROW_OPS.update(dict.fromkeys(UNARY, _elementwise(_always)))
 ROW_OPS.update(dict.fromkeys(BROADCASTING, _elementwise(_broadcast)))
 ROW_OPS.update(dict.fromkeys(SEGMENTS, _segments))
 ROW_OPS.update({
