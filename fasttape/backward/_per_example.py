@@ -2568,7 +2568,7 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers, seen=None,
     [T, B, ...], Unpack over time, a step's Split of its gates along the
     features, Pack of the outputs and a StridedSlice of the last), the
     batch axis is followed through these ops (_op_axis): (ids of the
-    entries whose move is followed, or that keep it on axis 0, {tensor
+    entries whose move is followed (theirs, kept on axis 0 too), {tensor
     id: its batch axis}), or (empty, None) where it is lost (a reduction,
     unpack or slice along it, an op not known to keep the examples apart
     on a tensor whose batch is not on axis 0, a result whose batch is not
