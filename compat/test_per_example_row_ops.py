@@ -311,3 +311,41 @@ def test_an_input_whose_batch_is_unknown_while_tracing_moved_across_it():
         return tape.per_example_gradients(losses, [w])[0]
     with pytest.raises(ValueError, match="a Reshape op .* not known to keep"):
         step(x)
+
+
+# (op on x [3, 4, 5], the batch's axis in x -> its axis after the op; None:
+# not known to keep the examples apart there)
+_AXES = [
+    # on axis 0 an op keeps the batch there or is refused (the walk takes
+    # it to stay): a new axis before it is refused, off axis 0 followed
+    ("expand_before_batch", lambda x: tf.expand_dims(x, 0), 0, None),
+    ("expand_before_time_major_batch", lambda x: tf.expand_dims(x, 0), 1, 2),
+    ("expand_after_batch", lambda x: tf.expand_dims(x, -1), 1, 1),
+    ("sum_over_time", lambda x: tf.reduce_sum(x, 0), 1, 0),
+    ("sum_over_features", lambda x: tf.reduce_sum(x, -1), 0, 0),
+    ("sum_over_batch", lambda x: tf.reduce_sum(x, 1), 1, None),
+    ("sum_kept", lambda x: tf.reduce_sum(x, 0, keepdims=True), 1, 1),
+    ("softmax_time_major", tf.nn.softmax, 1, 1),
+    ("softmax_over_batch", tf.nn.softmax, 2, None),
+    ("cumsum_time_major", lambda x: tf.cumsum(x, -1), 1, 1),
+    ("cumsum_over_batch", lambda x: tf.cumsum(x, 1), 1, None),
+    ("squeeze_before_batch", lambda x: tf.squeeze(x[:1], 0), 1, 0),
+    ("transpose_on_axis0", lambda x: tf.transpose(x, [0, 2, 1]), 0, 0),
+    ("transpose_off_axis0", lambda x: tf.transpose(x, [0, 2, 1]), 1, None),
+]
+
+
+@pytest.mark.parametrize("make, axis, want", [a[1:] for a in _AXES],
+                         ids=[a[0] for a in _AXES])
+def test_the_table_takes_the_batch_axis(make, axis, want):
+    """_row_ops.batch_axis: one condition per op for the batch on any
+    axis; with it on axis 0, an op keeps it there or is refused (the walk
+    on the recorded path takes an op there to keep it, and _row_ops'
+    keeps_apart asks whether it does)."""
+    from fasttape.backward._per_example import _BodyEntry
+    graph = tf.function(make).get_concrete_function(
+        tf.TensorSpec([3, 4, 5], tf.float32)).graph
+    op = [o for o in graph.get_operations()
+          if o.type not in ("Placeholder", "Const", "Identity")][-1]
+    ins = [axis] + [-1] * (len(op.inputs) - 1)
+    assert _row_ops.batch_axis(_BodyEntry(op), {}, 4, ins) == want

@@ -635,10 +635,10 @@ def _check_bodies(what, entry, batch):
 def _check_body(what, body, batch):
     """_check_bodies' walk over one function's ops: _check_mixing on
     those of floating outputs; on those that read a tensor that may hold
-    examples' rows, _row_ops.keeps_apart with the batch axis followed
-    from its inputs (taken to lead there: a loop's carry, a branch's
-    input) through the ops that move it (_moved_axis, _apart_axis), back
-    on axis 0 at the function's outputs. Returns its ops (for the
+    examples' rows, _op_axis: the batch axis followed from its inputs
+    (taken to lead there: a loop's carry, a branch's input), each op known
+    to keep the examples apart where it lies, back on axis 0 at the
+    function's outputs. Returns its ops (for the
     functions they run)."""
     carrying, axes = set(), {}
     for inner in body.get_operations():
@@ -657,7 +657,9 @@ def _check_body(what, body, batch):
         if max(held, default=-1) < 0:
             continue
         carrying.update(body_entry.output_ids)
-        out = _body_op_axis(body_entry, held, batch, carrying, axes)
+        # (a call's functions checked in turn)
+        out = 0 if inner.type in _CALLS else _op_axis(body_entry, {}, batch,
+                                                       held, axes)
         if out is None:
             raise _apart_error(what, body_entry, batch)
         for o in body_entry.output_ids:
@@ -668,30 +670,32 @@ def _check_body(what, body, batch):
     return body.get_operations()
 
 
-def _body_op_axis(entry, held, batch, carrying, axes):
-    """The batch axis of a function op's outputs, given its inputs' (held:
-    -1 where one holds no rows); None where the op is not known to keep
-    the examples apart."""
+def _op_axis(entry, shapes, batch, ins, axes=None, path=False):
+    """The batch axis of ``entry``'s outputs, given its inputs' (``ins``:
+    -1 where one holds none): where a _TRACKED op moves it (_moved_axis),
+    else where _row_ops.batch_axis finds the op keeps the examples apart;
+    None where it is lost. On the recorded ``path``, a _TRACKED op of a
+    tensor without the batch (a weight's) makes one without it (-1), and
+    an op other than those that leaves the batch where it lies (on axis
+    0, or elementwise) is taken to: _not_apart asks _row_ops.keeps_apart
+    of it there, with the tensors the analysis finds carry rows."""
     op = entry.op_type
-    if op in _CALLS:
-        return 0        # (its functions checked in turn)
-    batched = {a for a in held if a >= 0}
-    if op in _TRACKED:
-        data = held[1] if op == "Split" and len(held) > 1 else held[0]
-        if op == "Pack" and len(set(held)) > 1:
-            return None
-        if data >= 0:
-            out = _moved_axis(entry, {}, data, batch)
-            if out is not None:
-                return out
-    if batched == {0}:
-        return 0 if _row_ops.keeps_apart(entry, {}, batch, carrying, axes) else None
+    data = ins[1] if op == "Split" and len(ins) > 1 else (ins[0] if ins else -1)
+    if op == "Pack" and len(set(ins)) > 1:
+        return None
+    if op in _TRACKED and data >= 0:
+        out = _moved_axis(entry, shapes, data, batch)
+        if out is not None:
+            return out
+    elif op in _TRACKED and path:
+        return -1
+    batched = {a for a in ins if a >= 0}
     if len(batched) != 1:
         return None
     axis = batched.pop()
-    if op in _row_ops.ELEMENTWISE:
-        return axis if _row_ops.keeps_apart(entry, {}, batch, carrying) else None
-    return _apart_axis(entry, {}, held, axis)
+    if path and op not in _TRACKED and (axis == 0 or op in _row_ops.ELEMENTWISE):
+        return axis
+    return _row_ops.batch_axis(entry, shapes, batch, ins, axes)
 
 
 # Ops that run functions (_BODIES): where the batch axis is not followed
@@ -2590,18 +2594,19 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers, seen=None,
     """Where a recurrent layer runs time-major (Keras' RNNs: Transpose to
     [T, B, ...], Unpack over time, a step's Split of its gates along the
     features, Pack of the outputs and a StridedSlice of the last), the
-    batch axis is followed through these ops: (ids of the entries whose
-    move is followed, {tensor id: its batch axis}), or (empty, None) where
-    it is lost (a reduction, unpack or slice along it, an op other than
-    these and elementwise ones on a tensor whose batch is not on axis 0,
-    a result whose batch is not on axis 0). Inputs off the path hold the
-    batch where _row_ops.off_path_axis puts it (``time_major`` as there).
-    ``seen``: a dict to
-    fill with the axes (those followed before the batch is lost too).
-    ``trail``: a dict to fill with "followed" (the entries followed, before
-    the batch is lost too), "apart" (entries whose batch axis is not 0
-    that keep the examples apart: _apart_axis) and "lost" (the entry at
-    which it is lost, or None). With the batch unknown while tracing, the walk fills ``seen``
+    batch axis is followed through these ops (_op_axis): (ids of the
+    entries whose move is followed (theirs, kept on axis 0 too), {tensor
+    id: its batch axis}), or (empty, None) where it is lost (a reduction,
+    unpack or slice along it, an op not known to keep the examples apart
+    on a tensor whose batch is not on axis 0, a result whose batch is not
+    on axis 0). Inputs off the path hold the batch where
+    _row_ops.off_path_axis puts it (``time_major`` as there). ``seen``: a
+    dict to fill with the axes (those followed before the batch is lost
+    too). ``trail``: a dict to fill with "followed" (the entries followed,
+    before the batch is lost too), "apart" (other entries whose batch
+    axis is not 0 that keep the examples apart: _row_ops.batch_axis) and
+    "lost" (the entry at which it is lost, or None). With the batch
+    unknown while tracing, the walk fills ``seen``
     and ``trail`` only (a leading axis unknown is taken for the batch's):
     every source takes rows then."""
     axes = {} if seen is None else seen
@@ -2642,9 +2647,6 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers, seen=None,
         ins = [axis_of(tid, inputs[i] if i < len(inputs) else None)
                for i, tid in enumerate(entry.input_ids)]
         op = entry.op_type
-        data = ins[1] if op == "Split" and len(ins) > 1 else (ins[0] if ins else -1)
-        if op == "Pack" and len(set(ins)) > 1:
-            return lose(entry)
         if op in _LOOPS:
             proof = _loop_proof(entry, [
                 None if tid not in produced and tid not in alias and a <= 0
@@ -2688,38 +2690,25 @@ def _track_batch_axis(entries, shapes, batch, alias, consumers, seen=None,
                 if op != "TensorListStack" and op != "TensorListGetItem":
                     lists.add(o)
             continue
-        if op in _TRACKED and data >= 0:
-            out = _moved_axis(entry, shapes, data, batch)
-            if out is not None:
-                followed.add(id(entry))
-            elif data == 0 and _row_ops.keeps_axis0(entry, shapes, batch, {
-                    tid for tid, a in zip(entry.input_ids, ins) if a >= 0}):
-                out = 0     # (kept on axis 0: a slice that adds an axis)
-            else:
-                return lose(entry)
-        elif op in _TRACKED:
-            followed.add(id(entry))     # a tensor without the batch (a weight's)
-            out = -1
-        else:
-            if op in _SEGMENTS:
-                # (segment ids off the path: no rows, whatever their length)
-                ins = ins[:1] + [
-                    -1 if tid not in produced and i + 1 < len(inputs)
-                    and inputs[i + 1] is not None and inputs[i + 1].dtype.is_integer
-                    else a for i, (tid, a) in enumerate(zip(entry.input_ids[1:], ins[1:]))]
-            batched = {a for a in ins if a >= 0}
-            if len(batched) > 1:
-                return lose(entry)
+        if op in _row_ops.SEGMENTS:
+            # (segment ids off the path: no rows, whatever their length)
+            ins = ins[:1] + [
+                -1 if tid not in produced and i + 1 < len(inputs)
+                and inputs[i + 1] is not None and inputs[i + 1].dtype.is_integer
+                else a for i, (tid, a) in enumerate(zip(entry.input_ids[1:], ins[1:]))]
+        if op not in _TRACKED and max(ins, default=-1) < 0:
             # (no input with the batch: a Reshape of rows folded with time
             # to [B, ...], taken to lead with it as inputs off the path)
             # (a scalar holds no batch, known or not)
             shape = shapes.get(entry.output_ids[0]) if entry.output_ids else ()
-            out = batched.pop() if batched else (
-                0 if shape != () and _leading(shape or ()) == batch else -1)
-            if out > 0 and op not in _row_ops.ELEMENTWISE:
-                out = _apart_axis(entry, shapes, ins, out)
-                if out is None:
-                    return lose(entry)
+            out = 0 if shape != () and _leading(shape or ()) == batch else -1
+        else:
+            out = _op_axis(entry, shapes, batch, ins, path=True)
+            if out is None:
+                return lose(entry)
+            if op in _TRACKED:
+                followed.add(id(entry))
+            elif max(ins) > 0 and op not in _row_ops.ELEMENTWISE:
                 apart.add(id(entry))
         for o in entry.output_ids:
             axes[o] = out
@@ -3055,87 +3044,6 @@ def _moved_axis(entry, shapes, axis, batch):
         at_out += 0 if (shrink >> j) & 1 else 1
         at_in += 1
     return at_out + axis - at_in
-
-
-_REDUCES = frozenset(_REDUCERS + ("All", "Any", "ArgMax", "ArgMin"))
-_SEGMENTS = frozenset({"SegmentSum", "SegmentMean", "SegmentMax", "SegmentMin",
-                       "SegmentProd", "UnsortedSegmentSum", "UnsortedSegmentMax",
-                       "UnsortedSegmentMin", "UnsortedSegmentProd"})
-
-
-def _apart_axis(entry, shapes, ins, axis):
-    """The batch axis after an op (not elementwise, not _TRACKED) whose
-    data input holds the batch at ``axis`` > 0 (``ins``: each input's
-    axis, -1 where it holds none), where the op provably keeps the
-    examples apart: a reduction, softmax, cumulative op or concat along
-    other axes, a bias added over the channels, a batched product whose
-    batch dimensions hold it, a pad that leaves it; else None."""
-    op = entry.op_type
-    payload = entry.payload
-    shape = _input_shape(entry, 0, shapes) if entry.input_ids else None
-    rank = len(shape) if shape is not None else None
-
-    def along(value):
-        if value is None or rank is None:
-            return None
-        return {int(a) % rank for a in nest.flatten(value)}
-    if op in _REDUCES:
-        if ins[0] != axis:
-            return None
-        reduced = along(_config(payload, 1))
-        if reduced is None or axis in reduced:
-            return None
-        keep = _norm_rules.attr(payload, "keep_dims") and op[:3] != "Arg"
-        return axis if keep else axis - len([a for a in reduced if a < axis])
-    if op in ("Softmax", "LogSoftmax"):
-        return axis if rank is not None and axis != rank - 1 else None
-    if op in _SEGMENTS and ins[0] == axis and all(a < 0 for a in ins[1:]):
-        # segments of the leading axes (the ids' rank), the batch's after
-        ids = _input_shape(entry, 1, shapes)
-        if ids is None or axis < len(ids):
-            return None
-        return axis - len(ids) + 1
-    if op == "Squeeze":
-        dims = along(_norm_rules.attr(payload, "squeeze_dims") or None)
-        return (None if not dims or axis in dims
-                else axis - len([a for a in dims if a < axis]))
-    if op == "ExpandDims":
-        at = _config(payload, 1)
-        if rank is None or at is None or len(nest.flatten(at)) != 1:
-            return None
-        at = int(nest.flatten(at)[0]) % (rank + 1)
-        return axis + (at <= axis)
-    if op in ("Cumsum", "Cumprod", "CumulativeLogsumexp"):
-        moved = along(_config(payload, 1))
-        return axis if ins[0] == axis and moved and axis not in moved else None
-    if op == "ConcatV2":
-        moved = along(_config(payload, len(entry.input_ids) - 1))
-        return axis if moved and axis not in moved else None
-    if op in ("BiasAdd", "BiasAddV1"):
-        return axis if ins[0] == axis and ins[1] < 0 else None
-    if op in ("Pad", "PadV2", "MirrorPad"):
-        paddings = _config(payload, 1)
-        return axis if (ins[0] == axis and paddings is not None
-                        and list(paddings[axis]) == [0, 0]) else None
-    if op in ("BatchMatMulV2", "BatchMatMulV3", "BatchMatMul"):
-        ranks = [len(s) if s is not None else None for s in (
-            shape, _input_shape(entry, 1, shapes))]
-        if None in ranks:
-            return None
-        if ins[0] == axis and (len(ins) < 2 or ins[1] < 0):
-            # a's batch dimensions or rows (b holding none), not adjointed
-            if _norm_rules.attr(payload, "adj_x") or axis >= ranks[0] - 1:
-                return None
-            return axis + max(ranks) - ranks[0]
-        if ranks[0] != ranks[1] or axis >= ranks[0] - 2:
-            return None
-        return axis
-    if op == "MatMul":
-        # each column of b (an example's) times a holding none
-        if ins[0] < 0 and ins[1] == 1 and rank == 2 and not (
-                _norm_rules.attr(payload, "transpose_b")):
-            return 1
-    return None
 
 
 def _slice_spec(payload):

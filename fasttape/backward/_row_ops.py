@@ -28,9 +28,13 @@ eps)``), hold no example's values, and broadcasting them over the rows
 moves none. An op none of whose inputs on the path carries rows keeps
 them.
 
-The same tables serve a recurrent layer's time-major ops and a traced
-loop's body (_per_example._track_batch_axis, _body_axes): ELEMENTWISE
-keeps a batch axis wherever it lies.
+ROW_OPS' conditions take the batch axis (``batch_axis``: where it is
+after the op, given where the inputs hold it), so the same table serves
+a recurrent layer's time-major ops and a traced loop's body
+(_per_example._op_axis): ELEMENTWISE keeps a batch axis wherever it
+lies, a reduction, scan, concat, pad, squeeze or batched product along
+other axes keeps it or moves it by the axes it removes or adds; most
+conditions are known with the batch on axis 0 alone.
 """
 
 import operator
@@ -120,6 +124,10 @@ BROADCASTING = frozenset({
     "SeluGrad", "SoftplusGrad", "SoftsignGrad", "LeakyReluGrad", "RsqrtGrad",
     "SqrtGrad", "ReciprocalGrad", "InvGrad", "GeluGrad"})
 ELEMENTWISE = UNARY | BROADCASTING
+SEGMENTS = frozenset({
+    "SegmentSum", "SegmentMean", "SegmentMax", "SegmentMin", "SegmentProd",
+    "UnsortedSegmentSum", "UnsortedSegmentMax", "UnsortedSegmentMin",
+    "UnsortedSegmentProd"})
 # Ops whose output has the shape of their first input (the analysis carries
 # a known shape across them, either way).
 SAME_SHAPE = UNARY | frozenset({
@@ -135,25 +143,26 @@ SAME_SHAPE = UNARY | frozenset({
 
 
 class _Op:
-    """One recorded op as the conditions read it."""
+    """One recorded op as the conditions read it: ``ins``, each input's
+    batch axis (-1 where it holds no rows), and ``axis``, the batch axis
+    of those that hold rows."""
 
-    __slots__ = ("entry", "shapes", "batch", "carrying", "inputs", "axes")
+    __slots__ = ("entry", "shapes", "batch", "ins", "axis", "inputs", "axes")
 
-    def __init__(self, entry, shapes, batch, carrying, axes=None):
+    def __init__(self, entry, shapes, batch, ins, axes=None):
         self.entry = entry
         self.shapes = shapes
         self.batch = batch
-        self.carrying = carrying
+        self.ins = ins
+        self.axis = max(ins)
         self.inputs = getattr(entry.payload, "inputs", None) or ()
         self.axes = axes or {}      # tensor id -> its batch axis, if followed
 
     def carries(self, i):
-        ins = self.entry.input_ids
-        return i < len(ins) and ins[i] in self.carrying
+        return i < len(self.ins) and self.ins[i] >= 0
 
     def carried(self):
-        return [i for i, tid in enumerate(self.entry.input_ids)
-                if tid in self.carrying]
+        return [i for i, a in enumerate(self.ins) if a >= 0]
 
     def shape(self, i):
         ins = self.entry.input_ids
@@ -167,6 +176,15 @@ class _Op:
     def rank(self, i):
         shape = self.shape(i)
         return None if shape is None else len(shape)
+
+    def kept_rank(self):
+        """Input 0's rank, or (unknown: a softmax's input, its gradient
+        reading only the output) its output's, for an op that keeps it."""
+        rank = self.rank(0)
+        if rank is None:
+            out = self.out_shape()
+            rank = None if out is None else len(out)
+        return rank
 
     def out_shape(self):
         entry = self.entry
@@ -187,21 +205,43 @@ class _Op:
     def attr(self, name, default=None):
         return _norm_rules.attr(self.entry.payload, name, default)
 
-    def not_batch_axes(self, axes, rank):
-        """Whether none of ``axes`` (a number or a list, negative from the
-        end of ``rank`` axes) is axis 0."""
-        if axes is None:
-            return False
+    def after(self, axes, rank, keep=False):
+        """The batch axis after an op along ``axes`` (a number or a list,
+        negative from the end of ``rank`` axes): None where one of them
+        is the batch's or may be (off axis 0, the rank unknown); else the
+        batch axis, less the axes before it unless they are ``kept``."""
+        if axes is None or (self.axis and rank is None):
+            return None
+        along = set()
         for a in nest.flatten(axes):
             a = int(a)
-            if a == 0 or (a < 0 and (rank is None or a + rank == 0)):
-                return False
-        return True
+            if a < 0:
+                if rank is None:
+                    return None
+                a += rank
+            along.add(a)
+        if self.axis in along:
+            return None
+        return self.axis - (0 if keep else len([a for a in along if a < self.axis]))
 
 
 def _always(op):
     del op
     return True
+
+
+def _elementwise(keeps):
+    """Elementwise where ``keeps``: the batch axis where it lies."""
+    def check(op):
+        return op.axis if keeps(op) else None
+    return check
+
+
+def _on_axis0(keeps):
+    """A condition known with the batch on axis 0 alone: kept there."""
+    def check(op):
+        return 0 if op.axis == 0 and keeps(op) else None
+    return check
 
 
 def _aligned(carried, shapes, out):
@@ -248,7 +288,8 @@ def _select(op):
 
 
 def _bias_add(op):
-    return not op.carries(1)        # a bias over the channels, any layout
+    # a bias over the channels, any layout
+    return None if op.carries(1) else op.axis
 
 
 def _per_row(*weights):
@@ -259,11 +300,14 @@ def _per_row(*weights):
     return check
 
 
-def _softmax(op):
-    rank = op.rank(0)
-    if rank is None:
-        rank = len(op.out_shape() or ()) or None
-    return rank is not None and rank >= 2       # over the last axis
+def _last_axis(op):
+    """An op over the last axis (a softmax): the batch's kept off it."""
+    rank = op.kept_rank()
+    return op.axis if rank is not None and op.axis < rank - 1 else None
+
+
+def _top_k(op):
+    return _last_axis(op) == 0
 
 
 def _reshape_keeps(op, lead_out):
@@ -514,21 +558,25 @@ def _reshape(op):
 
 
 def _expand_dims(op):
-    rank = op.rank(0)
-    axis = op.const(1)
-    if isinstance(axis, list):
-        axis = axis[0] if len(axis) == 1 else None
-    if axis is not None and rank is not None:
-        return int(axis) % (rank + 1) != 0
-    return _reshape_keeps(op, leading(op.out_shape() or ()))
+    """A new axis: the batch's after it (on axis 0, kept there or refused:
+    the walk takes an op on axis 0 to keep it there)."""
+    rank, at = op.rank(0), op.const(1)
+    at = None if at is None else nest.flatten(at)
+    if not at or len(at) != 1 or rank is None:
+        return 0 if op.axis == 0 and _reshape_keeps(
+            op, leading(op.out_shape() or ())) else None
+    if int(at[0]) % (rank + 1) > op.axis:
+        return op.axis
+    return op.axis + 1 if op.axis else None
 
 
 def _squeeze(op):
     dims = op.attr("squeeze_dims") or ()
     if dims:
-        return op.not_batch_axes(list(dims), op.rank(0))
+        return op.after(list(dims), op.rank(0))
+    # (every axis of size 1: the batch's kept where its size is known)
     lead = leading(op.shape(0) or ())
-    return lead is not None and lead != 1
+    return 0 if op.axis == 0 and lead is not None and lead != 1 else None
 
 
 def _transpose(op):
@@ -537,30 +585,43 @@ def _transpose(op):
 
 
 def _reduce(op):
-    return op.not_batch_axes(op.const(1), op.rank(0))
+    """A reduction along other axes than the batch's: the batch's after it."""
+    keep = op.attr("keep_dims") and op.entry.op_type[:3] != "Arg"
+    return op.after(op.const(1), op.rank(0), keep)
+
+
+def _segments(op):
+    """Segments of the leading axes (as many as the ids' axes, the ids
+    holding no rows): the batch's after them, where it is not among them."""
+    ids = op.shape(1)
+    if (not op.carries(0) or any(op.carries(i) for i in range(1, len(op.ins)))
+            or ids is None or op.axis < len(ids)):
+        return None
+    return op.axis - len(ids) + 1
 
 
 def _axis_input(axis_at, data_at=0, extra=0):
-    """An op along the axis given by input ``axis_at`` (a concat, split,
-    scan, reverse): it keeps the rows when that axis is not the batch's."""
+    """An op along the axis given by input ``axis_at`` (a split, reverse,
+    concat): it keeps the rows when that axis is not the batch's."""
     def check(op):
         rank = op.rank(data_at)
-        return op.not_batch_axes(op.const(axis_at),
-                                 None if rank is None else rank + extra)
+        return op.after(op.const(axis_at),
+                        None if rank is None else rank + extra) is not None
     return check
 
 
-def _concat(op):
-    at = len(op.entry.input_ids) - 1 if op.entry.op_type == "ConcatV2" else 0
-    data = 0 if at else 1
-    return _axis_input(at, data)(op)
+def _along_input(op):
+    """A scan or concat along the axis its last input gives: the batch's
+    kept off it (off axis 0, a scan's input unknown: its output's rank)."""
+    rank = op.kept_rank() if op.axis else op.rank(0)
+    return op.after(op.const(len(op.entry.input_ids) - 1), rank, keep=True)
 
 
 def _attr_axis(extra=0):
     def check(op):
         rank = op.rank(0)
-        return op.not_batch_axes(op.attr("axis", 0),
-                                 None if rank is None else rank + extra)
+        return op.after(op.attr("axis", 0),
+                        None if rank is None else rank + extra) is not None
     return check
 
 
@@ -616,7 +677,7 @@ def _gather(op):
         return True
     if op.entry.op_type != "GatherV2":
         return False
-    return op.not_batch_axes(op.const(2), op.rank(0))
+    return op.after(op.const(2), op.rank(0)) is not None
 
 
 def _params_only(op):
@@ -638,12 +699,12 @@ def _roll(op):
             shifts = shifts * len(axes)
         # (a shift of 0 moves nothing)
         axes = [a for s, a in zip(shifts, axes) if s != 0] or [-1]
-    return op.not_batch_axes(axes, op.rank(0))
+    return op.after(axes, op.rank(0)) is not None
 
 
 def _pad(op):
     paddings = op.const(1)
-    return bool(paddings) and list(paddings[0]) == [0, 0]
+    return op.axis if paddings and list(paddings[op.axis]) == [0, 0] else None
 
 
 def _reverse_sequence(op):
@@ -662,17 +723,30 @@ def _matmul(op):
     transposed and the second holds no example's values: ``V @ h``, with V
     [B, B] and h computed from the batch, sums other examples' rows into
     each row. Batch dimensions (rank above 2) keep their rows, where every
-    carrying operand has the output's rank."""
+    carrying operand has the output's rank. Off axis 0: a batch dimension
+    of operands of one rank, or a's (b holding none), or a MatMul's column
+    of b (each an example's) times a holding none."""
     shapes = [op.shape(0), op.shape(1)]
+    if op.axis:
+        a, b = (None if s is None else len(s) for s in shapes)
+        if op.entry.op_type == "MatMul":
+            return 1 if (op.axis == 1 and not op.carries(0) and a == 2
+                         and not op.attr("transpose_b")) else None
+        if a is None or b is None:
+            return None
+        if op.carries(0) and not op.carries(1):
+            # a's batch dimensions or rows, not adjointed
+            return (None if op.attr("adj_x") or op.axis >= a - 1
+                    else op.axis + max(a, b) - a)
+        return op.axis if a == b and op.axis < a - 2 else None
     if op.entry.op_type != "MatMul" and None not in shapes and max(
             len(s) for s in shapes) > 2:
         batch_dims = [s[:-2] for s in shapes]
-        return _aligned([i for i in op.carried() if i < 2], batch_dims,
-                        _broadcast_shape(batch_dims))
-    if op.carries(1):
-        return False          # contracted, or moved to the columns
+        return 0 if _aligned([i for i in op.carried() if i < 2], batch_dims,
+                             _broadcast_shape(batch_dims)) else None
     flag = "transpose_a" if op.entry.op_type == "MatMul" else "adj_x"
-    return not (op.carries(0) and op.attr(flag, False))
+    # (b's rows contracted, or moved to the columns)
+    return None if op.carries(1) or (op.carries(0) and op.attr(flag, False)) else 0
 
 
 def _einsum(op):
@@ -726,35 +800,26 @@ def _batch_norm(op):
     return not any(op.carries(i) for i in range(1, 5))
 
 
-# op type -> whether it keeps the rows of its carrying inputs on axis 0
-ROW_OPS = dict.fromkeys(UNARY, _always)
-ROW_OPS.update(dict.fromkeys(BROADCASTING, _broadcast))
-ROW_OPS.update({
-    "Select": _select,
-    "BiasAdd": _bias_add, "BiasAddV1": _bias_add,
-    "Softmax": _softmax, "LogSoftmax": _softmax,
+# op type -> the batch axis after the op, given its inputs' (see _Op);
+# None where it may mix the examples. Conditions known with the batch on
+# axis 0 alone:
+ROW_OPS = {op: _on_axis0(keeps) for op, keeps in {
     # per row: the cross-entropies, shapes and integers of a row
     "SparseSoftmaxCrossEntropyWithLogits": _always,
     "SoftmaxCrossEntropyWithLogits": _always,
     "Shape": _always, "ShapeN": _always, "Size": _always, "Rank": _always,
-    "Reshape": _reshape, "ExpandDims": _expand_dims, "Squeeze": _squeeze,
+    "Reshape": _reshape,
     "Transpose": _transpose, "ConjugateTranspose": _transpose,
-    "Sum": _reduce, "Mean": _reduce, "Max": _reduce, "Min": _reduce,
-    "Prod": _reduce, "EuclideanNorm": _reduce, "All": _reduce, "Any": _reduce,
-    "ArgMax": _reduce, "ArgMin": _reduce,
-    "ConcatV2": _concat, "Concat": _concat,
+    "Concat": _axis_input(0, 1),
     "Pack": _attr_axis(extra=1), "Unpack": _attr_axis(),
     "Split": _axis_input(0, 1), "SplitV": _axis_input(2),
-    "Cumsum": _axis_input(1), "Cumprod": _axis_input(1),
-    "CumulativeLogsumexp": _axis_input(1), "ReverseV2": _axis_input(1),
+    "ReverseV2": _axis_input(1),
     "Roll": _roll, "Tile": _tile, "BroadcastTo": _broadcast_to,
-    "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad,
     "ReverseSequence": _reverse_sequence,
     "Slice": _slice, "StridedSlice": _strided_slice,
     "GatherV2": _gather, "Gather": _gather, "ResourceGather": _params_only,
     "GatherNd": _params_only,
-    "MatMul": _matmul, "BatchMatMul": _matmul, "BatchMatMulV2": _matmul,
-    "BatchMatMulV3": _matmul, "Einsum": _einsum,
+    "Einsum": _einsum,
     "Conv2D": _per_row(1), "Conv3D": _per_row(1),
     "DepthwiseConv2dNative": _per_row(1),
     "Conv2DBackpropInput": _per_row(1),
@@ -772,7 +837,7 @@ ROW_OPS.update({
     "TensorListElementShape": _always, "TensorListPushBack": _always,
     "TensorListPopBack": _always,
     "IdentityN": _always, "CheckNumericsV2": _always,
-    "TopKV2": _softmax, "InTopKV2": _always, "OneHot": _always,
+    "TopKV2": _top_k, "InTopKV2": _always, "OneHot": _always,
     "Bucketize": _always, "BroadcastArgs": _always,
     "FakeQuantWithMinMaxVars": _per_row(1, 2),
     "FakeQuantWithMinMaxVarsPerChannel": _per_row(1, 2),
@@ -802,7 +867,7 @@ ROW_OPS.update({
     "MatrixDiagPartV3": _inner(2), "MatrixDiagPart": _inner(2),
     "MatrixSetDiagV3": _inner(2), "MatrixSetDiag": _inner(2),
     "MatrixDiagV3": _inner(1), "MatrixDiag": _inner(1),
-})
+}.items()}
 # (random values drawn for a shape read from the rows, a dropout's mask:
 # they hold no example's values)
 ROW_OPS.update(dict.fromkeys((
@@ -811,44 +876,62 @@ ROW_OPS.update(dict.fromkeys((
     "StatelessTruncatedNormal", "StatelessRandomUniformV2",
     "StatelessRandomNormalV2", "StatelessTruncatedNormalV2",
     "StatelessRandomUniformIntV2", "StatelessRandomUniformFullIntV2",
-    "StatelessRandomBinomial"), _per_row(*range(1, 6))))
+    "StatelessRandomBinomial"), _on_axis0(_per_row(*range(1, 6)))))
 # (TF refuses pooling windows over the batch, and a convolution's batch is
 # its data's: each keeps the rows whatever its attrs.)
+# ... and wherever the batch lies: elementwise ops, and ops along others
+ROW_OPS.update(dict.fromkeys(UNARY, _elementwise(_always)))
+ROW_OPS.update(dict.fromkeys(BROADCASTING, _elementwise(_broadcast)))
+ROW_OPS.update(dict.fromkeys(SEGMENTS, _segments))
+ROW_OPS.update({
+    "Select": _elementwise(_select),
+    "BiasAdd": _bias_add, "BiasAddV1": _bias_add,
+    "Softmax": _last_axis, "LogSoftmax": _last_axis,
+    "ExpandDims": _expand_dims, "Squeeze": _squeeze,
+    "Sum": _reduce, "Mean": _reduce, "Max": _reduce, "Min": _reduce,
+    "Prod": _reduce, "EuclideanNorm": _reduce, "All": _reduce, "Any": _reduce,
+    "ArgMax": _reduce, "ArgMin": _reduce,
+    "ConcatV2": _along_input, "Cumsum": _along_input,
+    "Cumprod": _along_input, "CumulativeLogsumexp": _along_input,
+    "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad,
+    "MatMul": _matmul, "BatchMatMul": _matmul, "BatchMatMulV2": _matmul,
+    "BatchMatMulV3": _matmul,
+})
 
 
-def keeps_axis0(entry, shapes, batch, carrying):
-    """True where ``entry`` provably keeps every example's row on axis 0
-    (see ROW_OPS), or reads no tensor that carries rows; False where it may
-    move them."""
+def batch_axis(entry, shapes, batch, ins, axes=None):
+    """The batch axis of ``entry``'s outputs, given its inputs' (``ins``:
+    -1 where one holds no rows; the others hold it on one axis), where
+    ROW_OPS knows the op keeps the examples apart; else None. ``axes``:
+    the batch axes the analysis followed, by tensor id."""
     check = ROW_OPS.get(entry.op_type)
-    if not any(tid in carrying for tid in entry.input_ids):
-        return True
-    if check is None:
-        return False
-    return bool(check(_Op(entry, shapes, batch, carrying)))
+    return None if check is None else check(_Op(entry, shapes, batch, ins, axes))
 
 
 def keeps_apart(entry, shapes, batch, carrying, axes=None):
     """True where ``entry`` provably keeps each example's values apart
-    from the others' (ROW_OPS' condition, the carrying inputs' batch axis
-    at 0; an elementwise op's wherever ``axes``, the batch axes the
-    analysis followed, put it), or reads no tensor that carries rows;
-    False for any other op: the analysis refuses it, as it may mix the
-    examples (its rows would be no single example's gradients)."""
-    # (an input the analysis followed as holding no batch: a weight's
+    from the others' with the batch where it lies (batch_axis: the
+    carrying inputs' batch axis at 0; an elementwise op's wherever
+    ``axes``, the batch axes the analysis followed, put it), or reads no
+    tensor that carries rows; False for any other op: the analysis
+    refuses it, as it may mix the examples (its rows would be no single
+    example's gradients)."""
+    axes = axes or {}
+    # (-1: an input the analysis followed as holding no batch, a weight's
     # value computed off the rows, however it is carried)
-    carried = {tid for tid in entry.input_ids if tid in carrying
-               and (not axes or axes.get(tid, 0) != -1)}
-    if not carried:
+    ins = [axes.get(tid, 0) if tid in carrying else -1 for tid in entry.input_ids]
+    if max(ins, default=-1) < 0:
         return True
-    carrying = carried
-    check = ROW_OPS.get(entry.op_type)
-    if check is None:
+    if entry.op_type not in ELEMENTWISE and max(ins) > 0:
         return False
-    if axes and entry.op_type not in ELEMENTWISE and any(
-            axes.get(tid, 0) > 0 for tid in carried):
-        return False
-    return bool(check(_Op(entry, shapes, batch, carrying, axes)))
+    return batch_axis(entry, shapes, batch, ins, axes) is not None
+
+
+def keeps_axis0(entry, shapes, batch, carrying):
+    """True where ``entry`` provably keeps every example's row on axis 0
+    (keeps_apart, every carrying input's batch there), or reads no tensor
+    that carries rows; False where it may move them."""
+    return keeps_apart(entry, shapes, batch, carrying)
 
 
 def carries_rows(entry, carrying, weak, produced, alias, shapes, batch,
