@@ -337,10 +337,6 @@ def _tiled(payload, ranks, io=None):
     multiples = _given(payload, 1)
     if multiples is _UNSAVED:
         return {}
-    if multiples is None:
-        # (read as far as known while tracing: Keras' RepeatVector packs
-        # constant ones around a computed repeat)
-        multiples = _row_ops.shape_values(payload.inputs[1])
     if multiples is not None:
         return {0: [a for a, m in enumerate(nest.flatten(multiples)) if m != 1]}
     ins, out = io if io else (None, None)

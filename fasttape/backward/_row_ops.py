@@ -48,8 +48,23 @@ from fasttape.gradients import _norm_rules
 
 def value(t):
     """A small config input's value (axes, a permutation) as a list or a
-    number: an eager tensor's, or a traced one's where it is a constant
-    while tracing; else None."""
+    number: an eager tensor's, or a traced one's where it is known while
+    tracing (a constant, or computed from constants and static shapes:
+    shape_values, Keras' RepeatVector's Tile multiples); else None."""
+    found = _constant(t)
+    if found is not None or type(t) is ops.EagerTensor:
+        return found
+    rank = getattr(t, "shape", None)
+    rank = None if rank is None else rank.rank
+    if rank not in (0, 1) or not t.dtype.is_integer:
+        return None
+    dims = shape_values(t)
+    if dims is None or any(not isinstance(d, int) for d in dims):
+        return None
+    return dims[0] if rank == 0 else dims
+
+
+def _constant(t):
     if type(t) is ops.EagerTensor:
         return t.numpy().tolist()
     found = _norm_rules.value_of(t)
@@ -333,7 +348,7 @@ def _batch_lead(op):
 
 
 def _leads_with_batch(target, axes=None):
-    dims = _shape_values(target) if target is not None else None
+    dims = shape_values(target) if target is not None else None
     first = dims[0] if dims else None
     if not isinstance(first, _Dim) or first.axis != 0:
         return False
@@ -378,7 +393,7 @@ _INT_ARITHMETIC = {"Add": operator.add, "AddV2": operator.add,
                    "Sub": operator.sub, "Mul": operator.mul}
 
 
-def _shape_values(t, depth=0):
+def shape_values(t, depth=0):
     """The elements of a traced shape vector (or scalar: one element) as
     far as they are known while tracing (an axis unknown then: a _Dim;
     else None); None where
@@ -386,7 +401,7 @@ def _shape_values(t, depth=0):
     Pack, ConcatV2, GatherV2, StridedSlice and Prod that tf.tensordot,
     Keras' Dense on [B, T, d], builds its fold's target from; the Slice
     and integer arithmetic of TF's cross-entropies' fold to [-1, C])."""
-    found = value(t)
+    found = _constant(t)
     if found is not None:
         return found if isinstance(found, list) else [found]
     op = getattr(t, "op", None)
@@ -396,7 +411,7 @@ def _shape_values(t, depth=0):
         t = op.inputs[0]
         return None if t.shape.rank is None else [
             _Dim(t, i) if d is None else d for i, d in enumerate(t.shape.as_list())]
-    parts = [_shape_values(x, depth + 1) for x in op.inputs]
+    parts = [shape_values(x, depth + 1) for x in op.inputs]
     if op.type == "Pack":
         if any(p is None or len(p) != 1 for p in parts):
             return None
@@ -461,10 +476,6 @@ def _shape_values(t, depth=0):
     return None
 
 
-# (for the mixers' checks too: a Tile's multiples read while tracing)
-shape_values = _shape_values
-
-
 def _unknown_lead_keeps(op, lead_in, lead_out):
     """With the batch unknown while tracing: a leading axis unknown on
     both sides, each output row a whole input row or a piece of one (its
@@ -472,7 +483,7 @@ def _unknown_lead_keeps(op, lead_in, lead_out):
     from shapes, as tf.tensordot's fold, read as far as known)."""
     shape, out = op.shape(0), op.out_shape()
     if out and None in out[1:] and len(op.inputs) > 1:
-        dims = _shape_values(op.inputs[1])
+        dims = shape_values(op.inputs[1])
         if dims is not None and len(dims) == len(out):
             out = tuple(o if o is not None else _known(d)
                         for o, d in zip(out, dims))
@@ -686,8 +697,6 @@ def _params_only(op):
 
 def _tile(op):
     multiples = op.const(1)
-    if multiples is None and len(op.inputs) > 1 and op.inputs[1] is not None:
-        multiples = _shape_values(op.inputs[1])     # (as far as known)
     return bool(multiples) and multiples[0] == 1
 
 
