@@ -443,14 +443,29 @@ def _input_shape(entry, i, shapes):
     """Input i's shape where known: saved, recorded, or (the data input
     of a softmax, sort, cumsum ... whose gradient keeps only its output)
     its output's rank and leading size."""
-    t = entry.payload.inputs[i]
+    t = _input_tensor(entry, i)
+    if t is not None and t.dtype == dtypes.resource:
+        return None
+    shape = _saved_shape(entry, i, shapes)
+    if shape is None and i == 0 and entry.op_type not in _MIXERS_OF_SHAPE:
+        shape = _output_shape(entry, shapes)
+    return shape
+
+
+def _input_tensor(entry, i):
+    inputs = getattr(entry.payload, "inputs", None) or ()
+    return inputs[i] if i < len(inputs) else None
+
+
+def _saved_shape(entry, i, shapes):
+    """Input i's shape as the analysis knows it or the recording saved it;
+    None where unknown or a resource."""
+    t = _input_tensor(entry, i)
     if t is not None and t.dtype == dtypes.resource:
         return None
     shape = shapes.get(entry.input_ids[i])
     if shape is None and t is not None and t.shape.rank is not None:
         shape = tuple(t.shape.as_list())
-    if shape is None and i == 0 and entry.op_type not in _MIXERS_OF_SHAPE:
-        shape = _output_shape(entry, shapes)
     return shape
 
 
@@ -732,18 +747,6 @@ def _no_rows_error(what, batch):
         "the batch on an axis (a dense tensor: a ragged one's .to_tensor()).")
 
 
-def _off_path_shape(entry, i, shapes):
-    """Input i's shape (an input off the path), None where unknown or a
-    resource."""
-    inputs = getattr(entry.payload, "inputs", None) or ()
-    t = inputs[i] if i < len(inputs) else None
-    shape = shapes.get(entry.input_ids[i])
-    if shape is None and t is not None and t.dtype != dtypes.resource and (
-            t.shape.rank is not None):
-        shape = tuple(t.shape.as_list())
-    return shape
-
-
 def _not_apart(entry, shapes, batch, carrying, axes, kept, lost):
     """``entry`` where it reads a tensor that may hold examples' rows
     (``carrying``) and is not known to keep the examples apart: neither
@@ -935,7 +938,7 @@ def _analyse_path(what, entries, flat, flat_raw, batch, use_rules, logs,
     groups = _row_groups(entries, shapes, consumers, batch)
     produced = frozenset(o for entry in entries for o in entry.output_ids)
     time_major = _row_ops.inputs_time_major(
-        [_off_path_shape(entry, i, shapes)
+        [_saved_shape(entry, i, shapes)
          for entry in entries for i, tid in enumerate(entry.input_ids)
          if tid not in produced]
         + [tuple(s.shape.as_list()) for s, t in zip(flat_raw, flat)
@@ -3552,10 +3555,9 @@ def _carry_shape(entry, shapes):
             except ValueError:
                 pass
         return
-    if entry.op_type == "Pack":
-        # (a Pack is an Unpack the other way)
-        entry = _Flipped(entry)
     i, outs = entry.input_ids[0], entry.output_ids
+    if entry.op_type == "Pack":
+        i, outs = outs[0], entry.input_ids      # (an Unpack the other way)
     if entry.op_type == "Transpose":
         perm = _config(entry.payload, 1)
         if not perm:
@@ -3581,16 +3583,3 @@ def _carry_shape(entry, shapes):
     if known is not None:
         a = axis % (len(known) + 1)
         shapes[i] = tuple(list(known[:a]) + [len(outs)] + list(known[a:]))
-
-
-class _Flipped:
-    """A Pack seen as the Unpack of its output into its inputs (for
-    _carry_shape)."""
-
-    __slots__ = ("op_type", "input_ids", "output_ids", "payload")
-
-    def __init__(self, entry):
-        self.op_type = "Unpack"
-        self.input_ids = entry.output_ids[:1]
-        self.output_ids = entry.input_ids
-        self.payload = entry.payload
