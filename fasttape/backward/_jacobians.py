@@ -27,6 +27,7 @@ from tensorflow.python.util import nest
 from tensorflow.python.util import tf_contextlib
 
 from fasttape.backward import _gradient
+from fasttape.gradients import _norm_rules
 
 
 def gradient_rows(tape, target, flat_sources, unconnected_gradients,
@@ -453,16 +454,15 @@ def pfor_wrong_on_path(tape_state, target, sources):
         if op is not None:
             todo.append(op)
             continue
-        if e.op_type in _CONVOLUTIONS and hasattr(payload, "attrs"):
-            attrs = payload.attrs
-            fmt = dict(zip(attrs[::2], attrs[1::2])).get("data_format", "NHWC")
-            if _is_grouped(e.op_type, payload.inputs, fmt):
-                return True
+        eager = hasattr(payload, "attrs")
+        if e.op_type in _CONVOLUTIONS and eager and _is_grouped(
+                e.op_type, payload.inputs,
+                _norm_rules.attr(payload, "data_format", "NHWC")):
+            return True
         if e.op_type == "Roll" and _roll_misread(getattr(payload, "inputs", None) or ()):
             return True
         if e.op_type == "Einsum" and _einsum_unvectorized(
-                dict(zip(payload.attrs[::2], payload.attrs[1::2])).get("equation")
-                if hasattr(payload, "attrs") else None):
+                _norm_rules.attr(payload, "equation") if eager else None):
             return True
         body = _backward_body(payload)
         if body is not None:
